@@ -1,0 +1,218 @@
+"""Graph: the traced fx graph reduced to what the planner reasons about.
+
+Contract
+--------
+``build_graph(traced)`` returns an :class:`OpGraph`: every fx node becomes an :class:`Op`
+with the ids of the tensor values it consumes and the value it produces (global shapes,
+bytes). Ops carry their *kind* (input, const, weight module, folded block, function,
+output), the module FQN that owns them, and a *multiplicity*: how many times the op runs
+per forward once folded repeated blocks are counted (ops inside ``layers.0`` of a
+32-layer model run 32 times).
+
+``weight_graph(graph)`` is the ``networkx.DiGraph`` users look at: nodes are weight-bearing
+module FQNs, an edge ``a -> b`` means ``a``'s output reaches ``b``'s input through ops
+that hold no weights. Nothing here depends on module *names*: only on data flow.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx
+from torch import nn
+
+from .trace import Traced, owns_params
+
+__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind"]
+
+
+@dataclass(frozen=True)
+class Value:
+    id: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    producer: int  # op index
+
+
+@dataclass
+class Op:
+    index: int
+    node: torch.fx.Node
+    kind: str  # "input" | "const" | "module" | "folded" | "function" | "output"
+    target: str  # function/method name, or module FQN for module/folded ops
+    owner: str  # FQN of the innermost module the op runs in ("" = top level)
+    inputs: list[int]  # value ids, in argument order, tensors only
+    output: int | None  # value id (tensor or tuple of tensors), None for non-tensors
+    multiplicity: int = 1
+    module_kind: str = ""  # for "module" ops: "linear" | "embedding" | "norm" | "other"
+
+
+@dataclass
+class OpGraph:
+    traced: Traced
+    ops: list[Op]
+    values: dict[int, Value]
+    consumers: dict[int, list[int]] = field(default_factory=dict)
+    # module FQN -> number of times it runs per forward (folded repeats included)
+    module_multiplicity: dict[str, int] = field(default_factory=dict)
+
+    def op_of(self, node: torch.fx.Node) -> Op:
+        return self.ops[node.meta["shardplan_op"]]
+
+    def value_of(self, node: torch.fx.Node) -> Value | None:
+        op = self.op_of(node)
+        return self.values.get(op.output) if op.output is not None else None
+
+    @property
+    def model(self) -> nn.Module:
+        return self.traced.model
+
+
+def module_kind(module: nn.Module) -> str:
+    """Classify a weight-owning module by its parameters' roles, not its name."""
+    params = dict(module.named_parameters(recurse=False))
+    weight = params.get("weight")
+    if isinstance(module, nn.Linear) and weight is not None and weight.dim() == 2:
+        return "linear"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if params and all(p.dim() == 1 for p in params.values()) and _is_norm_like(module, params):
+        return "norm"
+    return "other"
+
+
+def _is_norm_like(module: nn.Module, params: dict[str, torch.Tensor]) -> bool:
+    # 1-D parameters that all have one size (weight and optional bias over the last dim)
+    sizes = {p.shape[0] for p in params.values()}
+    return len(sizes) == 1 and not isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+
+
+def _tensor_nbytes(val: Any) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        return sum(_tensor_nbytes(v) for v in val)
+    return 0
+
+
+def _first_tensor(val: Any) -> torch.Tensor | None:
+    if isinstance(val, torch.Tensor):
+        return val
+    if isinstance(val, (tuple, list)):
+        return next((t for t in (_first_tensor(v) for v in val) if t is not None), None)
+    return None
+
+
+def _owner(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    fqn = next(reversed(stack.values()))[0]
+    return fqn[2:] if fqn.startswith("m.") else ("" if fqn == "m" else fqn)
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    if node.op in ("call_module", "get_attr", "call_method", "placeholder", "output"):
+        return str(node.target)
+    target = node.target
+    if target in (operator.getitem,):
+        return "getitem"
+    return getattr(target, "__name__", str(target))
+
+
+def _kind(node: torch.fx.Node, traced: Traced) -> str:
+    if node.op == "placeholder":
+        return "input"
+    if node.op == "get_attr":
+        return "const"
+    if node.op == "output":
+        return "output"
+    if node.op == "call_module":
+        if node.target in traced.folded:
+            return "folded"
+        if owns_params(traced.model.get_submodule(node.target)):
+            return "module"
+    return "function"
+
+
+def _tensor_input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n))
+    return [n for n in found if _first_tensor(n.meta.get("val")) is not None]
+
+
+def build_graph(traced: Traced) -> OpGraph:
+    ops: list[Op] = []
+    values: dict[int, Value] = {}
+    for index, node in enumerate(traced.graph.nodes):
+        node.meta["shardplan_op"] = index
+        val = node.meta.get("val")
+        out = None
+        first = _first_tensor(val)
+        if first is not None and node.op != "output":
+            out = index
+            values[index] = Value(index, node.name, tuple(first.shape), first.dtype, _tensor_nbytes(val), index)
+        inputs = [n.meta["shardplan_op"] for n in _tensor_input_nodes(node)]
+        op = Op(index, node, _kind(node, traced), _target_name(node), _owner(node), inputs, out)
+        if op.kind == "module":
+            op.module_kind = module_kind(traced.model.get_submodule(node.target))
+        ops.append(op)
+    graph = OpGraph(traced, ops, values)
+    for op in ops:
+        for v in op.inputs:
+            graph.consumers.setdefault(v, []).append(op.index)
+    _set_multiplicity(graph)
+    return graph
+
+
+def _set_multiplicity(graph: OpGraph) -> None:
+    """Ops inside a representative block run once per folded copy too."""
+    copies: dict[str, int] = {}
+    for rep in graph.traced.folded.values():
+        copies[rep] = copies.get(rep, 1) + 1
+    for op in graph.ops:
+        mult = 1
+        for rep, n in copies.items():
+            if op.owner == rep or op.owner.startswith(rep + ".") or (op.kind == "module" and _inside(op.target, rep)):
+                mult *= n
+        op.multiplicity = mult
+        if op.kind in ("module", "folded"):
+            graph.module_multiplicity[op.target] = graph.module_multiplicity.get(op.target, 0) + mult
+
+
+def _inside(fqn: str, prefix: str) -> bool:
+    return fqn == prefix or fqn.startswith(prefix + ".")
+
+
+def weight_graph(graph: OpGraph) -> nx.DiGraph:
+    """Weight-bearing modules and which feed which through weight-free ops."""
+    g = nx.DiGraph()
+    weight_ops = [op for op in graph.ops if op.kind in ("module", "folded")]
+    for op in weight_ops:
+        g.add_node(op.target, kind=op.module_kind or op.kind, shape=graph.values[op.output].shape if op.output is not None else ())
+    for op in weight_ops:
+        for reached in _reachable_weights(graph, op):
+            g.add_edge(op.target, graph.ops[reached].target)
+    return g
+
+
+def _reachable_weights(graph: OpGraph, start: Op) -> set[int]:
+    found: set[int] = set()
+    stack = [start.output] if start.output is not None else []
+    seen: set[int] = set()
+    while stack:
+        value = stack.pop()
+        for consumer in graph.consumers.get(value, []):
+            op = graph.ops[consumer]
+            if op.kind in ("module", "folded"):
+                found.add(consumer)
+            elif op.output is not None and op.output not in seen:
+                seen.add(op.output)
+                stack.append(op.output)
+    return found

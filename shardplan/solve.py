@@ -1,0 +1,363 @@
+"""Solve: pick one strategy per op so the plan is valid, sharded, and fastest.
+
+Contract
+--------
+``solve(graph, ctx)`` returns a :class:`Solution`: the chosen :class:`Strategy` of every
+op and the placement of every value, optimal for the integer program below (HiGHS via
+``scipy.optimize.milp``, zero gap), with ties broken by strategy order so the same input
+always gives the same answer.
+
+The program
+-----------
+* one binary ``x[op, s]`` per op and strategy, exactly one chosen per op;
+* every consumer reads a value in the placement its producer wrote (plain local tensors
+  flow between modules, so no implicit redistribution exists; styles move data);
+* folded repeated blocks read and write what their representative does, so a 126-layer
+  model costs one block;
+* ``z[value, entry]`` >= each consumer strategy that enters a region from that value:
+  the region's entry collective is paid once per value, however many Linears share it.
+
+Objective (lexicographic, as users ask for tensor parallelism to save memory):
+1. without a memory budget: least parameter bytes per device (shard all that can be);
+   then least predicted step time among those plans;
+2. with a budget: least step time with memory per device <= budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from scipy import sparse
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from . import cost
+from .graph import Op, OpGraph
+from .strategies import Strategy, op_strategies
+
+__all__ = ["SolveContext", "Solution", "solve", "PlanningError", "strategy_time"]
+
+
+class PlanningError(ValueError):
+    """No valid plan under the given constraints; the message says what to change."""
+
+
+@dataclass
+class SolveContext:
+    tp: int
+    hardware: cost.Hardware
+    link: cost.Link
+    dtype: str = "bf16"
+    memory_budget: int | None = None
+    opts: Any = None
+    forced: dict[int, str] = field(default_factory=dict)  # op index -> style name
+
+
+@dataclass
+class Solution:
+    strategies: dict[int, Strategy]
+    placements: dict[int, str]  # value id -> placement
+    entries: dict[tuple[int, str], bool]  # (value, entry) -> a region enters there
+    time_s: float
+    param_bytes: float
+    memory_bytes: float
+
+
+@dataclass
+class _Program:
+    graph: OpGraph
+    ctx: SolveContext
+    strategies: dict[int, list[Strategy]]
+    var_of: dict[tuple[int, int], int]  # (op, strategy index) -> column
+    entry_of: dict[tuple[int, str], int]  # (value, entry) -> column
+    entry_cost: dict[tuple[int, str], float]
+    num_vars: int = 0
+
+
+def strategy_time(s: Strategy, ctx: SolveContext) -> float:
+    """Predicted seconds for one run of the op under strategy ``s`` (compute + collectives)."""
+    comm = sum(cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link) for k, n in s.fwd + s.bwd)
+    compute = cost.matmul_time(s.flops, hardware=ctx.hardware, dtype=ctx.dtype) if s.flops else 0.0
+    memory = cost.memory_time(s.mem_bytes, hardware=ctx.hardware) if s.mem_bytes else 0.0
+    return comm + compute + memory
+
+
+def entry_time(entry: str, nbytes: int, ctx: SolveContext) -> float:
+    if entry == "R":  # Partial gradient of the region input -> one all-reduce in backward
+        return cost.collective_time("all_reduce", nbytes, group_size=ctx.tp, link=ctx.link)
+    # sequence-sharded input: all-gather forward, reduce-scatter its gradient backward
+    return 2 * cost.collective_time("all_gather", nbytes, group_size=ctx.tp, link=ctx.link)
+
+
+def _aliases(graph: OpGraph) -> dict[int, int]:
+    """Folded block outputs stand for their representative's outputs."""
+    alias: dict[int, int] = {}
+    for op in graph.ops:
+        if op.kind == "folded" and op.output is not None:
+            rep = graph.traced.calls[graph.traced.folded[op.target]][0]
+            if rep.outputs:
+                alias[op.output] = rep.outputs[0].meta["shardplan_op"]
+    return alias
+
+
+def _producer(graph: OpGraph, value: int, alias: dict[int, int]) -> int:
+    while value in alias:
+        value = alias[value]
+    return graph.values[value].producer
+
+
+def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
+    strategies: dict[int, list[Strategy]] = {}
+    for op in graph.ops:
+        options = op_strategies(op, graph, tp=ctx.tp, opts=ctx.opts)
+        if op.index in ctx.forced:
+            options = [s for s in options if s.name == ctx.forced[op.index]]
+        strategies[op.index] = options
+    prog = _Program(graph, ctx, strategies, {}, {}, {})
+    for op_index, options in strategies.items():
+        for i in range(len(options)):
+            prog.var_of[(op_index, i)] = prog.num_vars
+            prog.num_vars += 1
+    for op in graph.ops:
+        for slot, value in enumerate(op.inputs):
+            for s in strategies[op.index]:
+                entry = s.entry[slot] if slot < len(s.entry) else None
+                if entry and (value, entry) not in prog.entry_of:
+                    prog.entry_of[(value, entry)] = prog.num_vars
+                    prog.entry_cost[(value, entry)] = entry_time(entry, graph.values[value].nbytes, ctx) * op.multiplicity
+                    prog.num_vars += 1
+    return prog
+
+
+def _rows(prog: _Program) -> tuple[list[dict[int, float]], list[float], list[float]]:
+    """Equality and entry rows as sparse dicts with lower/upper bounds."""
+    graph, rows, lo, hi = prog.graph, [], [], []
+    alias = _aliases(graph)
+    for op in graph.ops:
+        rows.append({prog.var_of[(op.index, i)]: 1.0 for i in range(len(prog.strategies[op.index]))})
+        lo.append(1.0)
+        hi.append(1.0)
+    for op in graph.ops:
+        if op.kind == "folded":
+            continue
+        for slot, value in enumerate(op.inputs):
+            producer = _producer(graph, value, alias)
+            _placement_rows(prog, op, slot, producer, rows, lo, hi)
+            _entry_rows(prog, op, slot, value, rows, lo, hi)
+    _folded_rows(prog, alias, rows, lo, hi)
+    return rows, lo, hi
+
+
+def _placement_rows(prog: _Program, op: Op, slot: int, producer: int, rows, lo, hi) -> None:
+    mine = prog.strategies[op.index]
+    theirs = prog.strategies[producer]
+    placements = {s.inputs[slot] for s in mine} | {s.output for s in theirs if s.output}
+    for p in sorted(placements):
+        row = {prog.var_of[(op.index, i)]: 1.0 for i, s in enumerate(mine) if s.inputs[slot] == p}
+        for i, s in enumerate(theirs):
+            if s.output == p:
+                col = prog.var_of[(producer, i)]
+                row[col] = row.get(col, 0.0) - 1.0
+        rows.append(row)
+        lo.append(0.0)
+        hi.append(0.0)
+
+
+def _entry_rows(prog: _Program, op: Op, slot: int, value: int, rows, lo, hi) -> None:
+    for i, s in enumerate(prog.strategies[op.index]):
+        entry = s.entry[slot] if slot < len(s.entry) else None
+        if entry:
+            rows.append({prog.entry_of[(value, entry)]: 1.0, prog.var_of[(op.index, i)]: -1.0})
+            lo.append(0.0)
+            hi.append(np.inf)
+
+
+def _folded_rows(prog: _Program, alias: dict[int, int], rows, lo, hi) -> None:
+    """A folded block's inputs arrive as its representative's did."""
+    graph = prog.graph
+    for op in graph.ops:
+        if op.kind != "folded":
+            continue
+        rep = graph.traced.calls[graph.traced.folded[op.target]][0]
+        pairs = list(zip(op.node.args, rep.args)) + [(op.node.kwargs.get(k), n) for k, n in rep.kwargs.items()]
+        for mine, theirs in pairs:
+            if mine is None or theirs is None or not hasattr(mine, "meta") or "shardplan_op" not in mine.meta:
+                continue
+            a = _producer(graph, mine.meta["shardplan_op"], alias)
+            b = _producer(graph, theirs.meta["shardplan_op"], alias)
+            if a == b:
+                continue
+            outs = {s.output for s in prog.strategies[a]} | {s.output for s in prog.strategies[b]}
+            for p in sorted(o for o in outs if o):
+                row = {prog.var_of[(a, i)]: 1.0 for i, s in enumerate(prog.strategies[a]) if s.output == p}
+                for i, s in enumerate(prog.strategies[b]):
+                    if s.output == p:
+                        row[prog.var_of[(b, i)]] = row.get(prog.var_of[(b, i)], 0.0) - 1.0
+                rows.append(row)
+                lo.append(0.0)
+                hi.append(0.0)
+
+
+def _tied_rows(prog: _Program, rows, lo, hi) -> None:
+    """Modules sharing one Parameter must shard it the same way."""
+    graph = prog.graph
+    owners: dict[int, list[int]] = {}
+    for op in graph.ops:
+        if op.kind == "module":
+            for p in graph.model.get_submodule(op.target).parameters(recurse=False):
+                owners.setdefault(id(p), []).append(op.index)
+    for ops in owners.values():
+        for a, b in zip(ops, ops[1:]):
+            if a == b:
+                continue
+            for placement in ("R", "S0", "S1"):
+                row = {prog.var_of[(a, i)]: 1.0 for i, s in enumerate(prog.strategies[a]) if s.layouts.get("weight") == placement}
+                for i, s in enumerate(prog.strategies[b]):
+                    if s.layouts.get("weight") == placement:
+                        row[prog.var_of[(b, i)]] = row.get(prog.var_of[(b, i)], 0.0) - 1.0
+                rows.append(row)
+                lo.append(0.0)
+                hi.append(0.0)
+
+
+def _tied_second_owners(graph: OpGraph) -> set[int]:
+    seen: set[int] = set()
+    repeats: set[int] = set()
+    for op in graph.ops:
+        if op.kind != "module":
+            continue
+        params = [id(p) for p in graph.model.get_submodule(op.target).parameters(recurse=False)]
+        if params and all(p in seen for p in params):
+            repeats.add(op.index)
+        seen.update(params)
+    return repeats
+
+
+def _vectors(prog: _Program) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-column time, parameter bytes and activation bytes (multiplicity applied)."""
+    time = np.zeros(prog.num_vars)
+    params = np.zeros(prog.num_vars)
+    weights = np.zeros(prog.num_vars)
+    acts = np.zeros(prog.num_vars)
+    tied = _tied_second_owners(prog.graph)
+    for op in prog.graph.ops:
+        for i, s in enumerate(prog.strategies[op.index]):
+            col = prog.var_of[(op.index, i)]
+            time[col] = strategy_time(s, prog.ctx) * op.multiplicity
+            params[col] = 0.0 if op.index in tied else s.param_bytes * op.multiplicity
+            weights[col] = 0.0 if op.index in tied else s.weight_bytes * op.multiplicity
+            acts[col] = s.act_bytes * op.multiplicity
+    for key, col in prog.entry_of.items():
+        time[col] = prog.entry_cost[key]
+    return time, params, acts, weights
+
+
+def _tiebreak(prog: _Program) -> np.ndarray:
+    """Prefer earlier strategies at equal cost: deterministic and stable across runs."""
+    tie = np.zeros(prog.num_vars)
+    for (op_index, i), col in prog.var_of.items():
+        tie[col] = i
+    return tie
+
+
+def _milp(prog: _Program, c: np.ndarray, rows, lo, hi) -> np.ndarray | None:
+    matrix = sparse.lil_matrix((len(rows), prog.num_vars))
+    for r, row in enumerate(rows):
+        for col, v in row.items():
+            matrix[r, col] = v
+    integrality = np.zeros(prog.num_vars)
+    for col in prog.var_of.values():
+        integrality[col] = 1
+    res = milp(
+        c, constraints=LinearConstraint(matrix.tocsr(), lo, hi), integrality=integrality,
+        bounds=Bounds(0, 1), options={"mip_rel_gap": 0.0, "presolve": True},
+    )
+    return res.x if res.success else None
+
+
+def solve(graph: OpGraph, ctx: SolveContext) -> Solution:
+    prog = _build(graph, ctx)
+    empty = [op for op in graph.ops if not prog.strategies[op.index]]
+    if empty:
+        raise PlanningError(_no_strategy_message(empty[0], ctx))
+    rows, lo, hi = _rows(prog)
+    _tied_rows(prog, rows, lo, hi)
+    time, params, acts, weights = _vectors(prog)
+    train_factor = cost.training_bytes_per_param(dtype=ctx.dtype) / _model_dtype_bytes(graph)
+    act_factor = cost.dtype_bytes(ctx.dtype) / _model_dtype_bytes(graph)
+    memory = params * train_factor + acts * act_factor
+    tie = _tiebreak(prog)
+    if ctx.memory_budget is None:
+        x = _lexicographic(prog, weights, time, tie, rows, lo, hi)
+    else:
+        x = _milp(prog, _scaled(time) + 1e-9 * tie, rows + [_dense_row(memory)], lo + [0.0], hi + [float(ctx.memory_budget)])
+        if x is None:
+            raise PlanningError(_budget_message(prog, memory, ctx))
+    if x is None:
+        raise PlanningError(f"no valid tensor-parallel plan at tp={ctx.tp}; try a smaller tp")
+    return _solution(prog, x, time, params, memory)
+
+
+def _lexicographic(prog: _Program, params, time, tie, rows, lo, hi) -> np.ndarray | None:
+    first = _milp(prog, _scaled(params) + 1e-9 * tie, rows, lo, hi)
+    if first is None:
+        return None
+    best = float(params @ np.round(first))
+    cap = best * (1 + 1e-9) + 1.0
+    return _milp(prog, _scaled(time) + 1e-9 * tie, rows + [_dense_row(params)], lo + [0.0], hi + [cap])
+
+
+def _scaled(v: np.ndarray) -> np.ndarray:
+    top = float(np.max(np.abs(v))) if v.size else 0.0
+    return v / top * 1e3 if top > 0 else v
+
+
+def _dense_row(v: np.ndarray) -> dict[int, float]:
+    return {i: float(x) for i, x in enumerate(v) if x}
+
+
+def _model_dtype_bytes(graph: OpGraph) -> int:
+    for p in graph.model.parameters():
+        return p.element_size()
+    return 4
+
+
+def _solution(prog: _Program, x: np.ndarray, time, params, memory) -> Solution:
+    x = np.round(x)
+    chosen: dict[int, Strategy] = {}
+    for (op_index, i), col in prog.var_of.items():
+        if x[col] > 0.5:
+            chosen[op_index] = prog.strategies[op_index][i]
+    placements = {op.output: chosen[op.index].output for op in prog.graph.ops if op.output is not None and chosen[op.index].output}
+    entries = {key: bool(x[col] > 0.5) for key, col in prog.entry_of.items()}
+    return Solution(chosen, placements, entries, float(time @ x), float(params @ x), float(memory @ x))
+
+
+def _no_strategy_message(op: Op, ctx: SolveContext) -> str:
+    forced = ctx.forced.get(op.index)
+    if forced:
+        return f"{op.target!r} cannot take style {forced!r} at tp={ctx.tp}: a dimension it splits is not divisible by {ctx.tp}"
+    return f"op {op.target!r} in {op.owner or 'the top level'!r} has no valid placement at tp={ctx.tp}"
+
+
+def _budget_message(prog: _Program, memory: np.ndarray, ctx: SolveContext) -> str:
+    rows, lo, hi = _rows(prog)
+    _tied_rows(prog, rows, lo, hi)
+    least = _milp(prog, _scaled(memory), rows, lo, hi)
+    reach = float(memory @ np.round(least)) if least is not None else float("nan")
+    fit = _fitting_tp(reach, ctx)
+    return (
+        f"memory budget {cost.format_bytes(ctx.memory_budget)} per device cannot be met at tp={ctx.tp}: "
+        f"the least any plan reaches is {cost.format_bytes(reach)}. "
+        + (f"tp={fit} would fit (estimated); " if fit else "")
+        + "raise --memory-budget, add devices to the tp axis, or shrink batch/sequence."
+    )
+
+
+def _fitting_tp(reach: float, ctx: SolveContext) -> int | None:
+    """Rough: the sharded part of memory scales as 1/tp."""
+    for tp in (2, 4, 8, 16, 32, 64, 128, 256, 512):
+        if tp > ctx.tp and reach * ctx.tp / tp <= ctx.memory_budget:
+            return tp
+    return None

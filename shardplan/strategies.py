@@ -1,0 +1,424 @@
+"""Strategies: for each op, the input/output placements under which it runs shard-locally.
+
+Contract
+--------
+``op_strategies(op, graph, tp=...)`` lists the :class:`Strategy` objects an op may take on
+a tensor-parallel axis of size ``tp``. A placement is ``"R"`` (Replicate), ``"P"``
+(Partial: each rank holds a summand) or ``"S{d}"`` (Shard(d), ``d`` >= 0).
+
+Between weight modules the activations are plain local tensors (``use_local_output``), so
+an op is valid under a strategy only if running it on the local shards gives the local
+shard of the global result: elementwise ops on equally sharded operands, views that keep
+the sharded dim outermost in its group, attention on sharded heads, reductions over other
+dims. Unknown ops get only the all-Replicate strategy: correct, never clever.
+
+Weight modules carry the collectives their style implies (``fwd``/``bwd``), and ``entry``
+marks inputs whose redistribution is shared by every consumer of the value when the
+emitter wraps the consumers in one ``PrepareModuleInput`` region:
+
+* ``entry="R"``: colwise consumes a Replicate activation; the gradient that comes back is
+  Partial (dy is sharded on the output features, W on rows: dx = dy @ W sums over the
+  shard), so backward needs one all-reduce per value, not per Linear.
+* ``entry="S{d}"``: a sequence-sharded activation is all-gathered on entry (forward
+  all-gather) and its Partial gradient reduce-scattered back (backward reduce-scatter).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from .graph import Op, OpGraph
+
+__all__ = ["Strategy", "op_strategies", "shard_dim", "placement_str"]
+
+Comm = tuple[str, int]  # (collective kind, logical bytes)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str  # style name for weight modules ("colwise", ...); "" for plain ops
+    inputs: tuple[str, ...]
+    output: str | None
+    fwd: tuple[Comm, ...] = ()
+    bwd: tuple[Comm, ...] = ()
+    entry: tuple[str | None, ...] = ()
+    param_bytes: float = 0.0  # per device
+    weight_bytes: float = 0.0  # per device, 2-D+ weights only: what "shard everything" counts
+    flops: float = 0.0  # per device, forward + backward
+    mem_bytes: float = 0.0  # bytes touched per device (memory-bound ops)
+    act_bytes: float = 0.0  # output bytes kept per device
+    layouts: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+def shard_dim(p: str) -> int | None:
+    return int(p[1:]) if p.startswith("S") else None
+
+
+def placement_str(p: str) -> str:
+    """Upstream spelling: R -> Replicate(), S2 -> Shard(2), P -> Partial()."""
+    d = shard_dim(p)
+    return f"Shard({d})" if d is not None else {"R": "Replicate()", "P": "Partial()"}[p]
+
+
+def _candidates(shape: tuple[int, ...], tp: int) -> list[str]:
+    return ["R"] + [f"S{d}" for d, n in enumerate(shape) if n % tp == 0 and n >= tp]
+
+
+def _shape(graph: OpGraph, value: int) -> tuple[int, ...]:
+    return graph.values[value].shape
+
+
+def _all(op: Op, p: str, out: str | None = None, **kw: Any) -> Strategy:
+    return Strategy("", tuple(p for _ in op.inputs), out if out is not None else p, **kw)
+
+
+UNARY = {
+    "relu", "gelu", "silu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt", "abs", "sin", "cos",
+    "dropout", "softplus", "erf", "square", "reciprocal", "relu_", "gelu_", "pow", "clamp", "clamp_min",
+    "leaky_relu", "elu", "mish", "hardtanh", "silu_", "triu", "tril", "fill_", "masked_fill", "__invert__",
+    "logical_not", "softsign", "log1p", "expm1", "sign", "round", "floor", "ceil", "nan_to_num", "bool", "long", "int",
+}
+LINEAR_UNARY = {"neg", "contiguous", "clone", "float", "half", "bfloat16", "double", "to", "type_as", "type", "detach", "identity"}
+ADDITIVE = {"add", "sub", "iadd", "isub", "__add__", "__sub__", "__radd__", "__rsub__", "rsub", "add_", "sub_"}
+MULTIPLICATIVE = {"mul", "truediv", "div", "imul", "itruediv", "__mul__", "__truediv__", "__rmul__", "mul_", "div_"}
+BROADCAST = {"where", "maximum", "minimum", "pow", "eq", "ne", "lt", "gt", "le", "ge", "and_", "or_", "floordiv", "lerp"}
+VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as"}
+PERMUTES = {"transpose", "permute", "t", "movedim", "swapaxes", "swapdims"}
+REDUCE_SUM = {"sum"}
+REDUCE_OTHER = {"softmax", "log_softmax", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "argmax", "argmin", "cumsum", "logsumexp", "any", "all", "prod"}
+MATMUL = {"matmul", "bmm", "mm", "__matmul__"}
+
+
+def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[Strategy]:
+    """All strategies of ``op``; see the module docstring."""
+    from .weights import module_strategies  # weight styles live beside their emitters' names
+
+    if op.kind in ("input", "const"):
+        return [Strategy("", (), "R")]
+    if op.kind == "output":
+        return [_all(op, "R", "R")] if op.inputs else [Strategy("", (), None)]
+    if op.kind == "module":
+        return module_strategies(op, graph, tp=tp, opts=opts)
+    if op.kind == "folded":  # placements are tied to the representative block by the solver
+        return [Strategy("folded", tuple("*" for _ in op.inputs), None)]
+    if op.output is None:
+        return [_all(op, "R", "R" if op.output is not None else None)]
+    return _function_strategies(op, graph, tp)
+
+
+def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
+    name = op.target
+    out_shape = _shape(graph, op.output)
+    mem = graph.values[op.output].nbytes + sum(graph.values[v].nbytes for v in op.inputs)
+    rules = [
+        (UNARY | LINEAR_UNARY, _unary),
+        (ADDITIVE | MULTIPLICATIVE | BROADCAST, _broadcast),
+        (VIEWS, _view),
+        (PERMUTES, _permute),
+        (REDUCE_SUM | REDUCE_OTHER, _reduce),
+        (MATMUL, _matmul),
+        ({"scaled_dot_product_attention"}, _sdpa),
+        ({"cat", "concat", "stack"}, _cat),
+        ({"chunk", "split", "unbind", "tensor_split"}, _split),
+        ({"getitem"}, _getitem),
+        ({"expand", "expand_as", "repeat_interleave"}, _expand),
+    ]
+    strategies = [_all(op, "R")]
+    for names, rule in rules:
+        if name in names or (op.node.op == "call_module" and name in names):
+            strategies += rule(op, graph, tp, out_shape)
+            break
+    else:
+        if op.node.op == "call_module" and _param_free_elementwise(op, graph):
+            strategies += _unary(op, graph, tp, out_shape)
+    seen: set[tuple] = set()
+    result = []
+    for s in strategies:
+        key = (s.inputs, s.output)
+        if key not in seen and len(s.inputs) == len(op.inputs):
+            seen.add(key)
+            factor = 1 if s.output == "R" else tp
+            result.append(Strategy(s.name, s.inputs, s.output, mem_bytes=mem / factor, act_bytes=graph.values[op.output].nbytes / factor))
+    return result
+
+
+def _param_free_elementwise(op: Op, graph: OpGraph) -> bool:
+    """Activation/dropout modules: same shape in and out, one tensor input."""
+    return len(op.inputs) == 1 and _shape(graph, op.inputs[0]) == _shape(graph, op.output)
+
+
+def _unary(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    if len(op.inputs) != 1:
+        return _broadcast(op, graph, tp, out_shape)
+    if _shape(graph, op.inputs[0]) != out_shape:
+        return []
+    out = [_all(op, p) for p in _candidates(out_shape, tp) if p != "R"]
+    if op.target in LINEAR_UNARY or op.target == "dropout" and False:
+        out.append(_all(op, "P"))
+    return out
+
+
+def _broadcast(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    """Operands align from the right; a broadcast (size-1 or missing) dim stays Replicate."""
+    result = []
+    for p in _candidates(out_shape, tp):
+        d = shard_dim(p)
+        if d is None:
+            continue
+        ins = []
+        for v in op.inputs:
+            shape = _shape(graph, v)
+            local = d - (len(out_shape) - len(shape))
+            ins.append("R" if local < 0 or shape[local] == 1 else f"S{local}")
+        result.append(Strategy("", tuple(ins), p))
+    tensors = len(op.inputs)
+    if op.target in ADDITIVE and tensors >= 1 and _only_tensor_operands(op):
+        # a sum of partial sums is a partial sum; adding a replicated term is not
+        result.append(_all(op, "P"))
+    if op.target in MULTIPLICATIVE and tensors >= 1:
+        # scaling is linear in one factor: P * R stays P (the divisor must be replicated)
+        for i in range(tensors if op.target in {"mul", "imul", "__mul__", "__rmul__", "mul_"} else 1):
+            result.append(Strategy("", tuple("P" if j == i else "R" for j in range(tensors)), "P"))
+    return result
+
+
+def _only_tensor_operands(op: Op) -> bool:
+    args = list(op.node.args) + list(op.node.kwargs.values())
+    return all(isinstance(a, torch.fx.Node) for a in args if not isinstance(a, (str, type(None))))
+
+
+def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of source dims with runs of destination dims of equal product."""
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        gi, gj = [], []
+        pi = pj = 1
+        while True:
+            if (pi <= pj or j >= len(dst)) and i < len(src):
+                pi *= src[i]
+                gi.append(i)
+                i += 1
+            elif j < len(dst):
+                pj *= dst[j]
+                gj.append(j)
+                j += 1
+            else:
+                break
+            if pi == pj and gi and gj:
+                while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+                    gi.append(i)
+                    i += 1
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+def _map_view_dim(src, dst, d: int, tp: int) -> int | None:
+    for gi, gj in view_groups(tuple(src), tuple(dst)):
+        if d not in gi:
+            continue
+        if any(src[k] != 1 for k in gi[: gi.index(d)]):
+            return None  # the shard would interleave with an outer dim
+        outs = [k for k in gj if dst[k] != 1]
+        if outs and dst[outs[0]] % tp == 0:
+            return outs[0]
+        return None
+    return None
+
+
+def _view(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    src = _shape(graph, op.inputs[0])
+    result = [Strategy("", ("P",) + ("R",) * (len(op.inputs) - 1), "P")]
+    for d, n in enumerate(src):
+        if n % tp or n < tp:
+            continue
+        o = _map_view_dim(src, out_shape, d, tp)
+        if o is not None:
+            result.append(Strategy("", (f"S{d}",) + ("R",) * (len(op.inputs) - 1), f"S{o}"))
+    return result
+
+
+def _permute(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    order = _permutation(op, len(out_shape))
+    if order is None:
+        return []
+    result = [Strategy("", ("P",), "P")]
+    src = _shape(graph, op.inputs[0])
+    for o, d in enumerate(order):
+        if src[d] % tp == 0 and src[d] >= tp:
+            result.append(Strategy("", (f"S{d}",), f"S{o}"))
+    return result
+
+
+def _permutation(op: Op, ndim: int) -> list[int] | None:
+    args = [a for a in op.node.args[1:]]
+    name = op.target
+    order = list(range(ndim))
+    if name in ("transpose", "swapaxes", "swapdims") and len(args) == 2:
+        a, b = (int(x) % ndim for x in args)
+        order[a], order[b] = order[b], order[a]
+        return order
+    if name == "t":
+        return order[::-1]
+    if name == "permute":
+        dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+        return [int(x) % ndim for x in dims]
+    return None
+
+
+def _dim_arg(op: Op, ndim: int, default: Any = None) -> Any:
+    if "dim" in op.node.kwargs:
+        dim = op.node.kwargs["dim"]
+    elif len(op.node.args) > 1 and not isinstance(op.node.args[1], torch.fx.Node):
+        dim = op.node.args[1]
+    else:
+        dim = default
+    if dim is None:
+        return None
+    dims = dim if isinstance(dim, (list, tuple)) else [dim]
+    return {int(x) % ndim for x in dims}
+
+
+def _reduce(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    src = _shape(graph, op.inputs[0])
+    dims = _dim_arg(op, len(src))
+    if dims is None:
+        return [Strategy("", ("P",), "P")] if op.target in REDUCE_SUM else []
+    keep = bool(op.node.kwargs.get("keepdim", False)) or op.target in ("softmax", "log_softmax", "cumsum")
+    result = []
+    for d, n in enumerate(src):
+        if n % tp or n < tp:
+            continue
+        if d in dims:
+            if op.target in REDUCE_SUM:  # summing the sharded dim leaves a partial sum
+                result.append(Strategy("", (f"S{d}",), "P"))
+            continue
+        o = d if keep else d - sum(1 for r in dims if r < d)
+        result.append(Strategy("", (f"S{d}",), f"S{o}"))
+    return result
+
+
+def _matmul(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    if len(op.inputs) != 2:
+        return []
+    a, b = (_shape(graph, v) for v in op.inputs)
+    if len(a) < 2 or len(b) < 2:
+        return []
+    result = []
+    nd = len(out_shape)
+    for o in range(nd - 2):  # batch dims sharded on both operands
+        da, db = o - (nd - len(a)), o - (nd - len(b))
+        if out_shape[o] % tp == 0 and da >= 0 and db >= 0 and a[da] == b[db] == out_shape[o]:
+            result.append(Strategy("", (f"S{da}", f"S{db}"), f"S{o}"))
+    if a[-2] % tp == 0:
+        result.append(Strategy("", (f"S{len(a) - 2}", "R"), f"S{nd - 2}"))
+    if b[-1] % tp == 0:
+        result.append(Strategy("", ("R", f"S{len(b) - 1}"), f"S{nd - 1}"))
+    if a[-1] % tp == 0:  # contracting a sharded dim leaves partial sums
+        result.append(Strategy("", (f"S{len(a) - 1}", f"S{len(b) - 2}"), "P"))
+    return result
+
+
+def _sdpa(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    """Attention is independent per batch element and per head (dims 0 and 1)."""
+    result = []
+    for d in (0, 1):
+        if out_shape[d] % tp:
+            continue
+        ins = []
+        for v in op.inputs:
+            shape = _shape(graph, v)
+            local = d - (len(out_shape) - len(shape))
+            ins.append("R" if local < 0 or shape[local] == 1 else f"S{local}")
+        result.append(Strategy("", tuple(ins), f"S{d}"))
+    return result
+
+
+def _cat(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    ndim = len(out_shape)
+    dim = op.node.kwargs.get("dim", op.node.args[1] if len(op.node.args) > 1 else 0)
+    stack = op.target == "stack"
+    dim = int(dim) % (ndim if stack else ndim)
+    result = []
+    in_shape = _shape(graph, op.inputs[0])
+    for d, n in enumerate(in_shape):
+        o = d + 1 if stack and d >= dim else d
+        if o == dim or n % tp or n < tp:
+            continue
+        result.append(Strategy("", tuple(f"S{d}" for _ in op.inputs), f"S{o}"))
+    return result
+
+
+def _split(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    src = _shape(graph, op.inputs[0])
+    dims = _dim_arg(op, len(src), default=0)
+    if op.target in ("chunk", "split", "tensor_split"):
+        dims = {int(op.node.kwargs.get("dim", op.node.args[2] if len(op.node.args) > 2 else 0)) % len(src)}
+    result = [Strategy("", ("P",), "P")]
+    for d, n in enumerate(src):
+        if d in dims or n % tp or n < tp:
+            continue
+        o = d - 1 if op.target == "unbind" and d > min(dims) else d
+        result.append(Strategy("", (f"S{d}",), f"S{o}"))
+    return result
+
+
+def _getitem(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    src_node = op.node.args[0]
+    if isinstance(src_node.meta.get("val"), (tuple, list)):
+        # element of a tuple: carries the tuple's placement
+        return [Strategy("", (p,), p) for p in _candidates(out_shape, tp) + ["P"] if p != "R"]
+    mapping = _index_dim_map(op.node.args[1], len(_shape(graph, op.inputs[0])))
+    if mapping is None:
+        return []
+    src = _shape(graph, op.inputs[0])
+    result = []
+    for d, o in mapping.items():
+        if src[d] % tp == 0 and src[d] >= tp and out_shape[o] == src[d]:
+            result.append(Strategy("", (f"S{d}",), f"S{o}"))
+    return result
+
+
+def _index_dim_map(index: Any, ndim: int) -> dict[int, int] | None:
+    """Basic indexing: source dims kept whole by ``slice(None)`` -> their output dim."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(isinstance(i, torch.fx.Node) for i in items):
+        return None
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        fill = ndim - sum(1 for i in items if i is not None and i is not Ellipsis)
+        items = items[:k] + [slice(None)] * fill + items[k + 1 :]
+    mapping, src, out = {}, 0, 0
+    for item in items:
+        if item is None:
+            out += 1
+        elif isinstance(item, int):
+            src += 1
+        elif isinstance(item, slice):
+            if item == slice(None):
+                mapping[src] = out
+            src += 1
+            out += 1
+        else:
+            return None
+    for rest in range(src, ndim):
+        mapping[rest] = out + rest - src
+    return mapping
+
+
+def _expand(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    src = _shape(graph, op.inputs[0])
+    lead = len(out_shape) - len(src)
+    result = []
+    for d, n in enumerate(src):
+        if n == out_shape[d + lead] and n % tp == 0 and n >= tp:
+            result.append(Strategy("", (f"S{d}",) + ("R",) * (len(op.inputs) - 1), f"S{d + lead}"))
+    return result
+
+
+_ = operator  # operator.getitem is resolved in graph._target_name

@@ -1,0 +1,307 @@
+"""Tracing: any ``nn.Module`` plus example inputs -> an fx graph with meta shapes.
+
+Contract
+--------
+``trace_model(model, example_inputs)`` returns a :class:`Traced`: a ``torch.fx.Graph``
+whose every tensor-valued node carries ``node.meta["val"]``, a meta tensor with the
+node's global shape and dtype. Modules that own parameters directly (Linear, Embedding,
+norms, ...) are leaves: one ``call_module`` node each. Everything else is traced through,
+so the graph shows the ops between weights. Parameters may live on the meta device or on
+CPU; nothing is computed on real data and nothing is allocated beyond meta tensors.
+
+Shapes resolve to Python ints during tracing (the tracer runs meta tensors alongside the
+proxies), so control flow on shapes works; control flow on *values* (MoE routing, masks
+built from data) raises :class:`TraceError` naming the module being traced.
+
+Repeated blocks: children of a ``ModuleList``/``ModuleDict``/``Sequential`` with the same
+structure (class, parameter names, shapes and dtypes) are *folded*: the first is traced
+through, the others become single ``call_module`` nodes whose output shape is copied from
+the first. The optimizer solves the representative once, so planning time does not grow
+with depth beyond this cheap walk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.fx.experimental.meta_tracer import MetaProxy, MetaTracer, proxys_to_metas
+
+__all__ = ["TraceError", "ModuleCall", "Traced", "trace_model", "module_signature", "owns_params"]
+
+
+class TraceError(ValueError):
+    """The model could not be traced; the message names the module and what to try."""
+
+
+@dataclass
+class ModuleCall:
+    """One call of a (possibly non-leaf) module: which graph values went in and out."""
+
+    fqn: str
+    args: list[torch.fx.Node | None]
+    kwargs: dict[str, torch.fx.Node]
+    outputs: list[torch.fx.Node]
+
+
+@dataclass
+class Traced:
+    graph: torch.fx.Graph
+    model: nn.Module
+    calls: dict[str, list[ModuleCall]] = field(default_factory=dict)
+    # folded instance FQN -> FQN of the representative that was traced through
+    folded: dict[str, str] = field(default_factory=dict)
+
+    def module(self, fqn: str) -> nn.Module:
+        return self.model.get_submodule(fqn)
+
+
+def owns_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def module_signature(module: nn.Module) -> str:
+    """A hash of class, parameter/buffer names, shapes and dtypes: equal hash, same structure."""
+    h = hashlib.sha256(type(module).__qualname__.encode())
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    for name, sub in module.named_modules():
+        h.update(f"{name}:{type(sub).__qualname__};".encode())
+    return h.hexdigest()
+
+
+def _repeated_groups(model: nn.Module) -> dict[str, str]:
+    """Map each repeated container child (after the first of its kind) to the first."""
+    folded: dict[str, str] = {}
+    for fqn, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            continue
+        first_of: dict[str, str] = {}
+        for name, child in mod.named_children():
+            child_fqn = f"{fqn}.{name}" if fqn else name
+            sig = module_signature(child)
+            if sig in first_of and not owns_params(child):
+                folded[child_fqn] = first_of[sig]
+            else:
+                first_of.setdefault(sig, child_fqn)
+    return folded
+
+
+def _flat_nodes(value: Any) -> list[torch.fx.Node]:
+    nodes: list[torch.fx.Node] = []
+    torch.fx.node.map_aggregate(
+        value, lambda v: nodes.append(v.node) if isinstance(v, torch.fx.Proxy) else None
+    )
+    return nodes
+
+
+class _ShardTracer(MetaTracer):
+    """torch's MetaTracer, made strict and taught module boundaries and folding."""
+
+    def __init__(self, model: nn.Module, folded: dict[str, str]) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+        self.model = model
+        self.folded = folded
+        self.calls: dict[str, list[ModuleCall]] = {}
+        self._fold_cache: dict[str, tuple[tuple, Any]] = {}
+        self._module_paths = {id(m): n for n, m in model.named_modules()}
+
+    def _fqn(self, m: nn.Module) -> str:
+        return self._module_paths.get(id(m), "")
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        fqn = self._fqn(m)
+        if fqn in self.folded or owns_params(m):
+            return True
+        # parameter-free torch.nn modules (activations, dropout) are leaves too
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m, forward, args, kwargs):
+        fqn = self._fqn(m)
+        out = super().call_module(m, forward, args, kwargs)
+        self._record_call(fqn, args, kwargs, out)
+        if fqn and fqn not in self.folded and fqn in self.folded.values():
+            self._fold_cache[fqn] = (self._meta_key(args, kwargs), out)
+        return out
+
+    def _record_call(self, fqn: str, args, kwargs, out) -> None:
+        arg_nodes = [a.node if isinstance(a, torch.fx.Proxy) else None for a in args]
+        kw_nodes = {k: v.node for k, v in kwargs.items() if isinstance(v, torch.fx.Proxy)}
+        self.calls.setdefault(fqn, []).append(ModuleCall(fqn, arg_nodes, kw_nodes, _flat_nodes(out)))
+
+    @staticmethod
+    def _meta_key(args, kwargs) -> tuple:
+        metas = torch.fx.node.map_aggregate((args, kwargs), _proxy_meta_or_value)
+        return _shape_key(metas)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        if kind == "call_module" and target in self.folded:
+            return self._folded_proxy(kind, target, args, kwargs, name, type_expr)
+        rv = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        if kind in ("call_function", "call_method", "call_module", "get_attr") and not hasattr(rv, "_tensor_meta"):
+            raise TraceError(_meta_failure_message(kind, target, rv.node))
+        if hasattr(rv, "_tensor_meta"):
+            rv.node.meta["val"] = rv._tensor_meta
+        elif kind == "placeholder" and target in self.meta_args:
+            rv.node.meta["val"] = self.meta_args[target]
+        return rv
+
+    def _folded_proxy(self, kind, target, args, kwargs, name, type_expr):
+        """A folded block: reuse the representative's output meta when inputs match."""
+        rv = torch.fx.Tracer.create_proxy(self, kind, target, args, kwargs, name, type_expr)
+        rep = self.folded[target]
+        key, rep_out = self._fold_cache.get(rep, (None, None))
+        if key == self._meta_key(args, kwargs):
+            meta = torch.fx.node.map_aggregate(rep_out, _proxy_meta_or_value)
+        else:
+            mod = self.model.get_submodule(target)
+            self._disable_module_getattr = True
+            try:
+                metas_a = torch.fx.node.map_aggregate(args, proxys_to_metas)
+                metas_k = torch.fx.node.map_aggregate(kwargs, proxys_to_metas)
+                meta = mod(*metas_a, **metas_k)
+            finally:
+                self._disable_module_getattr = False
+        rv.install_tensor_meta(meta)
+        rv.node.meta["val"] = meta
+        return rv
+
+    def proxy(self, node: torch.fx.Node) -> MetaProxy:
+        return _IterableMetaProxy(node, self)
+
+
+class _IterableMetaProxy(MetaProxy):
+    """Tuple outputs (``q, k = x.chunk(2)``, blocks returning tuples) unpack by their meta."""
+
+    def __iter__(self):
+        meta = getattr(self, "_tensor_meta", None)
+        if isinstance(meta, (tuple, list)):
+            return iter([self[i] for i in range(len(meta))])
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        meta = getattr(self, "_tensor_meta", None)
+        if meta is None:
+            raise TraceError("len() of a traced value without a known shape")
+        return len(meta)
+
+    def __bool__(self) -> bool:
+        meta = getattr(self, "_tensor_meta", None)
+        if isinstance(meta, torch.Tensor):
+            raise TraceError(
+                f"control flow depends on tensor values at {self.node.name} "
+                "(data-dependent branch); tracing on the meta device cannot follow it"
+            )
+        return bool(meta)
+
+
+def _proxy_meta_or_value(v: Any) -> Any:
+    if isinstance(v, torch.fx.Proxy):
+        return getattr(v, "_tensor_meta", None)
+    return v
+
+
+def _shape_key(metas: Any) -> tuple:
+    out: list = []
+    torch.fx.node.map_aggregate(
+        metas,
+        lambda v: out.append((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v)),
+    )
+    return tuple(out)
+
+
+def _meta_failure_message(kind: str, target: Any, node: torch.fx.Node) -> str:
+    where = _where(node)
+    return (
+        f"could not compute the shape of {kind} {getattr(target, '__name__', target)!s} {where}; "
+        "the op may depend on tensor values (e.g. MoE routing) or be unsupported on the meta device. "
+        "Try the export tracer (plan_model(..., tracer='export')) or make that module a leaf."
+    )
+
+
+def _where(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    module = next(reversed(stack.values()))[0] if stack else "<top level>"
+    trace = (node.stack_trace or "").strip().splitlines()
+    line = trace[-2].strip() if len(trace) >= 2 else ""
+    return f"in module {module!r}" + (f" ({line})" if line else "")
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value, device="meta")
+    return value
+
+
+def _root_wrapper(model: nn.Module, num_args: int, kwarg_names: list[str]) -> nn.Module:
+    """A module whose forward has explicit parameters: fx cannot read ``*args`` signatures
+    (transformers 5 wraps ``forward`` in decorators that hide the real one)."""
+    params = [f"x{i}" for i in range(num_args)] + kwarg_names
+    call = ", ".join([f"x{i}" for i in range(num_args)] + [f"{k}={k}" for k in kwarg_names])
+    src = f"def forward(self, {', '.join(params)}):\n    return self.m({call})\n"
+    scope: dict[str, Any] = {}
+    exec(compile(src, "<shardplan-root>", "exec"), scope)
+    wrapper_cls = type("ShardplanRoot", (nn.Module,), {"forward": scope["forward"]})
+    root = wrapper_cls()
+    root.m = model
+    return root
+
+
+def trace_model(
+    model: nn.Module,
+    example_inputs: tuple,
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    fold_repeated: bool = True,
+) -> Traced:
+    """Trace ``model`` on meta tensors shaped like ``example_inputs``; see the module doc."""
+    kwargs = dict(example_kwargs or {})
+    root = _root_wrapper(model, len(example_inputs), sorted(kwargs))
+    folded = {f"m.{k}": f"m.{v}" for k, v in _repeated_groups(model).items()} if fold_repeated else {}
+    tracer = _ShardTracer(root, folded)
+    meta_args = {f"x{i}": _to_meta(a) for i, a in enumerate(example_inputs)}
+    meta_args.update({k: _to_meta(v) for k, v in kwargs.items()})
+    try:
+        graph = tracer.trace(root, meta_args)
+    except TraceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with the module that failed
+        raise TraceError(
+            f"tracing {type(model).__name__} failed: {type(exc).__name__}: {exc}. "
+            "Check that example_inputs match forward(), or make the failing module a leaf."
+        ) from exc
+    return _strip_root(graph, model, tracer)
+
+
+def _strip_root(graph: torch.fx.Graph, model: nn.Module, tracer: _ShardTracer) -> Traced:
+    """Drop the wrapper's ``m.`` prefix so FQNs are the user's."""
+    for node in graph.nodes:
+        if node.op in ("call_module", "get_attr") and isinstance(node.target, str):
+            node.target = node.target[2:] if node.target.startswith("m.") else node.target
+    def user_fqn(fqn: str) -> str:
+        return "" if fqn == "m" else fqn[2:]
+
+    calls = {
+        user_fqn(k): [ModuleCall(user_fqn(c.fqn), c.args, c.kwargs, c.outputs) for c in v]
+        for k, v in tracer.calls.items()
+        if k == "m" or k.startswith("m.")
+    }
+    folded = {k[2:]: v[2:] for k, v in tracer.folded.items()}
+    for node in graph.nodes:  # tensors fx captured as constants (sliced buffers, rope tables)
+        if node.op == "get_attr" and "val" not in node.meta:
+            node.meta["val"] = _to_meta(getattr(tracer.root, node.target, None))
+    return Traced(graph=graph, model=model, calls=calls, folded=folded)
+
+
+def signature_params(model: nn.Module) -> list[str]:
+    """Positional parameter names of ``model.forward`` (for error messages)."""
+    try:
+        return list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return []
