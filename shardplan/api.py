@@ -1,0 +1,245 @@
+"""Public API: ``plan_model`` (decide), ``apply_plan`` (apply), ``auto_parallelize`` (both).
+
+Contract
+--------
+``plan_model(model, mesh, *, example_inputs=None, **options) -> Plan`` traces the model on
+meta tensors, builds the op graph, solves the placement program and returns the plan as
+data. It never needs a process group: ``mesh`` may be a ``DeviceMesh`` or axis sizes
+(``{"tp": 8}``, ``{"dp": 16, "tp": 8}``); tensor parallelism runs on the axis named
+``tp`` (else the last axis). Same model, mesh and options -> byte-identical plan.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import cost
+from .estimate import estimate
+from .explain import explain_decisions
+from .graph import OpGraph, build_graph
+from .plan import MeshInfo, ModelInfo, Plan, PlanOptions, Region, Rule, fingerprint
+from .regions import Entry, find_regions
+from .solve import PlanningError, Solution, SolveContext, solve
+from .strategies import placement_str
+from .trace import TraceError, trace_model
+
+__all__ = ["plan_model", "apply_plan", "auto_parallelize", "mesh_axes", "PlanningError", "TraceError"]
+
+_OPTION_NAMES = set(PlanOptions.model_fields) | {"explain", "tp_axis", "fold_repeated"}
+
+
+def mesh_axes(mesh: Any) -> dict[str, int]:
+    """Axis sizes from a DeviceMesh or a mapping, validated."""
+    if isinstance(mesh, Mapping):
+        axes = {str(k): v for k, v in mesh.items()}
+    elif hasattr(mesh, "mesh_dim_names"):
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        axes = dict(zip(names, mesh.mesh.shape))
+    else:
+        raise ValueError(f"mesh must be a DeviceMesh or axis sizes like {{'tp': 8}}; got {type(mesh).__name__}")
+    bad = {k: v for k, v in axes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
+    if not axes or bad:
+        raise ValueError(f"mesh axis sizes must be positive integers, e.g. {{'tp': 8}}; got {axes}")
+    return {k: int(v) for k, v in axes.items()}
+
+
+def _tp_axis(axes: dict[str, int], requested: str | None) -> str:
+    if requested is not None:
+        if requested not in axes:
+            raise ValueError(f"tp_axis {requested!r} is not a mesh axis; the mesh has {list(axes)}")
+        return requested
+    return "tp" if "tp" in axes else list(axes)[-1]
+
+
+def infer_example_inputs(model: nn.Module, *, batch_size: int, seq_len: int) -> tuple:
+    """Token ids for models that start with an Embedding, features for ones that start with a Linear."""
+    first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear))), None)
+    if isinstance(first, nn.Embedding):
+        return (torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta"),)
+    if isinstance(first, nn.Linear):
+        return (torch.zeros(batch_size, first.in_features, device="meta"),)
+    raise ValueError(
+        f"cannot infer example inputs for {type(model).__name__}: its first weight module is "
+        f"{type(first).__name__ if first else 'missing'}; pass example_inputs=(tensor, ...) shaped like a real batch"
+    )
+
+
+def _options(opts: dict[str, Any]) -> tuple[PlanOptions, dict[str, Any]]:
+    unknown = sorted(set(opts) - _OPTION_NAMES)
+    if unknown:
+        raise ValueError(f"unknown plan_model option(s) {unknown}; expected some of {sorted(_OPTION_NAMES)}")
+    extra = {k: opts.pop(k) for k in ("explain", "tp_axis", "fold_repeated") if k in opts}
+    if isinstance(opts.get("memory_budget"), str):
+        opts["memory_budget"] = cost.parse_bytes(opts["memory_budget"])
+    if "dtype" in opts:
+        cost.dtype_bytes(opts["dtype"])
+    return PlanOptions(**opts), extra
+
+
+def plan_model(model: nn.Module, mesh: Any, *, example_inputs: tuple | None = None, **options: Any) -> Plan:
+    """Decide the tensor-parallel plan of ``model`` on ``mesh``; see the module docstring."""
+    opts, extra = _options(dict(options))
+    axes = mesh_axes(mesh)
+    tp_axis = _tp_axis(axes, extra.get("tp_axis"))
+    hardware = cost.get_hardware(opts.hardware)
+    if example_inputs is None:
+        example_inputs = infer_example_inputs(model, batch_size=opts.batch_size or 1, seq_len=opts.seq_len or 2048)
+    elif not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    graph = build_graph(trace_model(model, example_inputs, fold_repeated=extra.get("fold_repeated", True)))
+    if not any(op.kind == "module" for op in graph.ops):
+        raise PlanningError(f"{type(model).__name__} has no weight modules called in forward: nothing to shard")
+    ctx = SolveContext(
+        tp=axes[tp_axis], hardware=hardware, link=cost.axis_links(hardware, axes)[tp_axis],
+        dtype=opts.dtype, memory_budget=opts.memory_budget, opts=opts,
+    )
+    solution = solve(graph, ctx)
+    entries = find_regions(graph, solution)
+    opts = _record_shapes(opts, example_inputs)
+    decisions = explain_decisions(graph, solution, ctx) if extra.get("explain", True) else []
+    return Plan(
+        model=ModelInfo(class_name=type(model).__name__, fingerprint=fingerprint(model),
+                        num_params=sum(p.numel() for p in model.parameters()), repeats=_repeats(graph)),
+        mesh=MeshInfo(axes=axes, tp_axis=tp_axis),
+        options=opts,
+        rules=_rules(graph, solution, decisions),
+        regions=_regions(graph, entries),
+        estimate=estimate(graph, solution, entries, ctx),
+        decisions=decisions,
+        warnings=_warnings(graph, solution),
+    )
+
+
+def _record_shapes(opts: PlanOptions, example_inputs: tuple) -> PlanOptions:
+    first = next((t for t in example_inputs if isinstance(t, torch.Tensor)), None)
+    if first is None or first.dim() == 0:
+        return opts
+    seq = first.shape[1] if first.dim() >= 2 and not first.is_floating_point() else opts.seq_len
+    return opts.model_copy(update={"batch_size": int(first.shape[0]), "seq_len": None if seq is None else int(seq)})
+
+
+def _pattern_map(graph: OpGraph) -> dict[str, str]:
+    """Representative block prefix -> ``container.*`` when it stands for every sibling."""
+    reps: dict[str, list[str]] = {}
+    for inst, rep in graph.traced.folded.items():
+        reps.setdefault(rep, []).append(inst)
+    out = {}
+    for rep, insts in reps.items():
+        container, _, _ = rep.rpartition(".")
+        siblings = {n for n, _ in graph.model.get_submodule(container).named_children()} if container else set()
+        covered = {rep.rpartition(".")[2]} | {i.rpartition(".")[2] for i in insts}
+        out[rep] = f"{container}.*" if siblings == covered else ""
+    return out
+
+
+def _patterned(fqn: str, graph: OpGraph, pmap: dict[str, str]) -> list[str]:
+    for rep, pattern in pmap.items():
+        if fqn == rep or fqn.startswith(rep + "."):
+            if pattern:
+                return [pattern + fqn[len(rep):]]
+            insts = [i for i, r in graph.traced.folded.items() if r == rep]
+            return [fqn] + [i + fqn[len(rep):] for i in insts]
+    return [fqn]
+
+
+def _rules(graph: OpGraph, solution: Solution, decisions: list) -> list[Rule]:
+    pmap = _pattern_map(graph)
+    why = {d.module: d for d in decisions}
+    rules: list[Rule] = []
+    for op in graph.ops:
+        if op.kind != "module":
+            continue
+        s = solution.strategies[op.index]
+        for module in _patterned(op.target, graph, pmap):
+            rules.append(Rule(
+                module=module, style=s.name,
+                input_layouts=_layout(s.layouts.get("input")), output_layouts=_layout(s.layouts.get("output")),
+                why=_why(why.get(_patterned(op.target, graph, pmap)[0])),
+            ))
+    rules += [Rule(module=fqn, style="replicate", why="not called in forward: kept whole") for fqn in _unused_modules(graph)]
+    return rules
+
+
+def _layout(p: str | None) -> str | None:
+    return None if p is None else placement_str(p).replace("()", "")
+
+
+def _why(decision) -> str:
+    if decision is None:
+        return ""
+    parts = []
+    for alt in decision.alternatives:
+        if alt.step_time_s is None:
+            parts.append(f"{alt.style}: {alt.reason or 'infeasible'}")
+        else:
+            delta = alt.step_time_s - decision.step_time_s
+            mem = (alt.param_bytes_per_device or 0) - decision.param_bytes_per_device
+            parts.append(f"{alt.style}: {cost.format_seconds(delta)} slower" if delta > 0 and mem <= 0
+                         else f"{alt.style}: +{cost.format_bytes(mem)}/device" if mem > 0 else f"{alt.style}: tie")
+    return "; ".join(parts)
+
+
+def _unused_modules(graph: OpGraph) -> list[str]:
+    called = set(graph.module_multiplicity) | set(graph.traced.folded)
+    out = []
+    for fqn, mod in graph.model.named_modules():
+        if any(True for _ in mod.parameters(recurse=False)) and not any(
+            fqn == c or fqn.startswith(c + ".") for c in called
+        ):
+            out.append(fqn)
+    return out
+
+
+def _regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
+    pmap = _pattern_map(graph)
+    regions = []
+    for e in entries:
+        if e.site is None:
+            continue
+        names = ", ".join(_patterned(graph.ops[c].target, graph, pmap)[0].rpartition(".")[2] for c in e.consumers)
+        for module in _patterned(e.site.module, graph, pmap):
+            layout = _layout("R" if e.kind == "R" else e.kind)
+            regions.append(Region(
+                module=module, input=e.site.input, num_inputs=e.site.num_inputs, input_layouts=layout,
+                desired_input_layouts="Replicate",
+                why=f"{names} share this input: one {'all-reduce' if e.kind == 'R' else 'all-gather/reduce-scatter'} instead of {len(e.consumers)}",
+            ))
+    return regions
+
+
+def _warnings(graph: OpGraph, solution: Solution) -> list[str]:
+    out = []
+    for op in graph.ops:
+        if op.kind == "module" and op.module_kind == "other":
+            out.append(f"{op.target}: {type(graph.model.get_submodule(op.target)).__name__} has no tensor-parallel style; replicated")
+    for fqn in _unused_modules(graph):
+        out.append(f"{fqn}: owns parameters but is not called in forward; replicated")
+    return out
+
+
+def apply_plan(model: nn.Module, device_mesh: Any, plan: Plan) -> nn.Module:
+    """Apply ``plan`` with ``parallelize_module``; see :mod:`shardplan.emit`."""
+    from .emit import apply_plan as _apply
+
+    return _apply(model, device_mesh, plan)
+
+
+def auto_parallelize(model: nn.Module, device_mesh: Any, *, example_inputs: tuple | None = None, **options: Any) -> nn.Module:
+    plan = plan_model(model, device_mesh, example_inputs=example_inputs, **options)
+    for w in plan.warnings:
+        warnings.warn(w, stacklevel=2)
+    return apply_plan(model, device_mesh, plan)
+
+
+def _repeats(graph: OpGraph) -> dict[str, int | list[str]]:
+    out: dict[str, int | list[str]] = {}
+    for fqn, mod in graph.model.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and fqn:
+            names = [n for n, _ in mod.named_children()]
+            out[fqn] = len(names) if names == [str(i) for i in range(len(names))] else names
+    return out

@@ -1,0 +1,173 @@
+"""Emit: turn a :class:`~shardplan.plan.Plan` into torch tensor-parallel styles and apply them.
+
+Contract
+--------
+``to_parallelize_plan(plan)`` returns the ``{pattern: ParallelStyle}`` dict that
+``torch.distributed.tensor.parallel.parallelize_module`` takes; ``apply_plan(model,
+device_mesh, plan)`` applies it on the plan's tensor-parallel axis, re-ties shared weights,
+and installs the gradient hooks sequence parallel needs. This is the only module that
+imports the TP styles. Between modules activations stay plain local tensors
+(``use_local_output=True``), except inside a region, where the input enters DTensor once
+(``PrepareModuleInput(..., use_local_output=False)``) so the Partial gradients of its
+Linears add up before one collective.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from .plan import Plan, Region, Rule
+
+__all__ = ["ReplicateParallel", "to_parallelize_plan", "apply_plan", "tp_mesh", "check_fingerprint"]
+
+
+def placement(text: str | None, default: Any = None) -> Any:
+    """``"Shard(1)"`` -> ``Shard(1)``; the plan's layout strings are upstream's spelling."""
+    if text is None:
+        return default
+    if text == "Replicate":
+        return Replicate()
+    if text == "Partial":
+        return Partial()
+    m = re.fullmatch(r"Shard\((-?\d+)\)", text)
+    if not m:
+        raise ValueError(f"layout {text!r} is not Replicate, Partial or Shard(d)")
+    return Shard(int(m.group(1)))
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters become Replicate DTensors; inputs and outputs stay plain tensors.
+
+    Keeps every parameter of a TP model a DTensor (optimizers' foreach kernels cannot mix
+    DTensor and plain tensors) without changing the math: a replicated module on replicated
+    inputs computes the same thing on every rank, and its gradients need no collective.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(module, device_mesh, None, _inputs_to_replicate, _outputs_to_local)
+
+
+def _inputs_to_replicate(module, inputs, device_mesh):
+    return tuple(
+        DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+        for x in inputs
+    )
+
+
+def _outputs_to_local(module, outputs, device_mesh):
+    if isinstance(outputs, DTensor):
+        return outputs.to_local()
+    if isinstance(outputs, tuple):
+        return tuple(o.to_local() if isinstance(o, DTensor) else o for o in outputs)
+    return outputs
+
+
+def _style(rule: Rule, *, loss_parallel: bool) -> ParallelStyle:
+    inp = placement(rule.input_layouts)
+    out = placement(rule.output_layouts)
+    if rule.style == "colwise":
+        return ColwiseParallel(input_layouts=inp or Replicate(), output_layouts=out or Shard(-1))
+    if rule.style == "colwise_gather_output":
+        if loss_parallel:  # logits stay vocab-sharded for loss_parallel()
+            return ColwiseParallel(input_layouts=inp or Replicate(), output_layouts=Shard(-1), use_local_output=False)
+        return ColwiseParallel(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
+    if rule.style == "rowwise":
+        return RowwiseParallel(input_layouts=inp or Shard(-1), output_layouts=out or Replicate())
+    if rule.style == "embedding_rowwise":
+        return RowwiseParallel(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
+    if rule.style == "sequence_parallel":
+        return SequenceParallel(sequence_dim=(inp or Shard(1)).dim, use_local_output=True)
+    if rule.style == "replicate":
+        return ReplicateParallel()
+    raise ValueError(f"style {rule.style!r} of {rule.module!r} has no emitter; expected one of colwise, rowwise, ...")
+
+
+def _region_style(region: Region) -> ParallelStyle:
+    layout, desired = placement(region.input_layouts), placement(region.desired_input_layouts)
+    if isinstance(region.input, int):
+        layouts = [None] * region.num_inputs
+        wanted = [None] * region.num_inputs
+        layouts[region.input], wanted[region.input] = layout, desired
+        return PrepareModuleInput(input_layouts=tuple(layouts), desired_input_layouts=tuple(wanted), use_local_output=False)
+    return PrepareModuleInput(
+        input_kwarg_layouts={region.input: layout}, desired_input_kwarg_layouts={region.input: desired}, use_local_output=False,
+    )
+
+
+def to_parallelize_plan(plan: Plan) -> dict[str, ParallelStyle]:
+    """The ``parallelize_module`` dict: regions first, then one style per rule."""
+    styles: dict[str, ParallelStyle] = {r.module: _region_style(r) for r in plan.regions}
+    for rule in plan.rules:
+        styles[rule.module] = _style(rule, loss_parallel=plan.options.loss_parallel)
+    return styles
+
+
+def tp_mesh(device_mesh, plan: Plan):
+    names = device_mesh.mesh_dim_names
+    if device_mesh.ndim == 1:
+        return device_mesh
+    if not names or plan.mesh.tp_axis not in names:
+        raise ValueError(f"the plan's tp axis {plan.mesh.tp_axis!r} is not in the mesh's axes {names}")
+    return device_mesh[plan.mesh.tp_axis]
+
+
+def check_fingerprint(model: nn.Module, plan: Plan) -> None:
+    from .plan import fingerprint
+
+    got = fingerprint(model)
+    if got != plan.model.fingerprint:
+        raise ValueError(
+            f"this plan was made for a {plan.model.class_name} with fingerprint {plan.model.fingerprint}, "
+            f"but the model given is a {type(model).__name__} with {got}; re-plan it with `shardplan plan`"
+        )
+
+
+def _tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for fqn, mod in model.named_modules():
+        for name, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((fqn, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _reduce_partial_grad(param: torch.Tensor) -> None:
+    """Sequence-parallel norm weights get Partial gradients (a sum over the local tokens);
+    make them Replicate once per backward instead of inside every optimizer kernel."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        param.grad = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
+
+
+def apply_plan(model: nn.Module, device_mesh, plan: Plan, *, check: bool = True) -> nn.Module:
+    """Shard ``model`` in place on ``device_mesh`` as ``plan`` says; returns the model."""
+    if check:
+        check_fingerprint(model, plan)
+    mesh = tp_mesh(device_mesh, plan)
+    if mesh.size() != plan.tp:
+        raise ValueError(f"the plan was made for tp={plan.tp} but the mesh's tp axis has {mesh.size()} ranks; re-plan for this mesh")
+    tied = _tied_groups(model)
+    parallelize_module(model, mesh, to_parallelize_plan(plan))
+    for group in tied:
+        first_fqn, first_name = group[0]
+        shared = getattr(model.get_submodule(first_fqn), first_name)
+        for fqn, name in group[1:]:
+            setattr(model.get_submodule(fqn), name, shared)
+    for fqn, style in plan.module_styles().items():
+        if style == "sequence_parallel":
+            for p in model.get_submodule(fqn).parameters(recurse=False):
+                p.register_post_accumulate_grad_hook(_reduce_partial_grad)
+    return model

@@ -1,0 +1,88 @@
+"""Estimate: what a solved plan costs per training step, counted the way DTensor runs it.
+
+Contract
+--------
+``estimate(graph, solution, entries, ctx)`` returns a :class:`~shardplan.plan.Estimate`:
+the collectives of one forward and one backward (per kind), the bytes each device sends,
+predicted compute and communication time, parameter bytes per device and peak memory
+(parameters, gradients and optimizer state at ``training_bytes_per_param``, plus saved
+activations). Counts follow the emitter exactly: a region entry realized by one
+``PrepareModuleInput`` is one collective, otherwise one per consuming Linear; this is what
+``CommDebugMode`` sees, and the tests hold the two equal.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from . import cost
+from .graph import OpGraph
+from .plan import Collectives, Estimate
+from .regions import Entry
+from .solve import Solution, SolveContext, _model_dtype_bytes, _tied_second_owners, strategy_time
+
+__all__ = ["estimate", "collective_list"]
+
+Event = tuple[str, str, int]  # (phase, kind, logical bytes)
+
+
+def collective_list(graph: OpGraph, solution: Solution, entries: list[Entry]) -> list[tuple[Event, int]]:
+    """Every collective of one forward + backward with its repeat count."""
+    events: Counter = Counter()
+    for op in graph.ops:
+        s = solution.strategies[op.index]
+        for kind, n in s.fwd:
+            events[("forward", kind, n)] += op.multiplicity
+        for kind, n in s.bwd:
+            events[("backward", kind, n)] += op.multiplicity
+    for e in entries:
+        n = graph.values[e.value].nbytes
+        times = e.num_collectives * graph.ops[e.consumers[0]].multiplicity
+        if e.kind == "R":  # Partial input gradient -> Replicate
+            events[("backward", "all_reduce", n)] += times
+        else:  # Shard(seq) -> Replicate on entry; its gradient reduce-scattered back
+            events[("forward", "all_gather", n)] += times
+            events[("backward", "reduce_scatter", n)] += times
+    return sorted(events.items())
+
+
+def estimate(graph: OpGraph, solution: Solution, entries: list[Entry], ctx: SolveContext) -> Estimate:
+    counts = {"forward": Counter(), "backward": Counter()}
+    comm_bytes = comm_time = 0.0
+    for (phase, kind, n), times in collective_list(graph, solution, entries):
+        counts[phase][kind] += times
+        comm_bytes += cost.collective_bytes(kind, n, group_size=ctx.tp) * times
+        comm_time += cost.collective_time(kind, n, group_size=ctx.tp, link=ctx.link) * times
+    total_time = sum(strategy_time(solution.strategies[op.index], ctx) * op.multiplicity for op in graph.ops)
+    own_comm = sum(
+        cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link) * op.multiplicity
+        for op in graph.ops for k, n in solution.strategies[op.index].fwd + solution.strategies[op.index].bwd
+    )
+    compute_time = total_time - own_comm
+    params = _param_bytes(graph, solution)
+    elem = _model_dtype_bytes(graph)
+    acts = sum(solution.strategies[op.index].act_bytes * op.multiplicity for op in graph.ops)
+    peak = params / elem * cost.training_bytes_per_param(dtype=ctx.dtype) + acts / elem * cost.dtype_bytes(ctx.dtype)
+    return Estimate(
+        param_bytes_per_device=params,
+        peak_memory_bytes=peak,
+        comm_bytes_per_step=comm_bytes,
+        step_time_s=compute_time + comm_time,
+        compute_time_s=compute_time,
+        comm_time_s=comm_time,
+        collectives={phase: Collectives(**dict(c)) for phase, c in counts.items()},
+    )
+
+
+def _param_bytes(graph: OpGraph, solution: Solution) -> float:
+    """Per device: planned modules as sharded, weights the forward never touched as replicated."""
+    tied = _tied_second_owners(graph)
+    total = sum(
+        solution.strategies[op.index].param_bytes * op.multiplicity
+        for op in graph.ops if op.kind == "module" and op.index not in tied
+    )
+    seen = {id(p) for fqn in graph.module_multiplicity for p in graph.model.get_submodule(fqn).parameters()}
+    for fqn in graph.traced.folded:
+        seen.update(id(p) for p in graph.model.get_submodule(fqn).parameters())
+    unused = sum(p.numel() * p.element_size() for p in graph.model.parameters() if id(p) not in seen)
+    return total + unused

@@ -1,0 +1,231 @@
+"""Plan: the data a planning run produces, and its YAML file.
+
+Contract
+--------
+A :class:`Plan` is plain data (pydantic, ``extra="forbid"``): the mesh, the model's
+fingerprint, the options the planner used, one :class:`Rule` per weight-owning module
+(repeated blocks written once as a ``*`` pattern), the :class:`Region` entries where one
+``PrepareModuleInput`` lets several Linears share a collective, the estimates, and for each
+decision the cost of the alternatives it beat. ``to_yaml``/``from_yaml`` round-trip
+losslessly with stable key order; loading uses ``yaml.safe_load`` only, so a plan file
+never runs code. Applying a plan is :mod:`shardplan.emit`'s job.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+__all__ = [
+    "STYLES", "Rule", "Region", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
+    "PlanOptions", "Plan", "load_plan", "fingerprint", "PlanFileError", "LAYOUT_RE",
+]
+
+STYLES = (
+    "colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "sequence_parallel",
+    "replicate", "packed_colwise",
+)
+Style = Literal[
+    "colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "sequence_parallel",
+    "replicate", "packed_colwise",
+]
+LAYOUT_RE = re.compile(r"^(Replicate|Partial|Shard\((-?\d+)\))$")
+
+
+class PlanFileError(ValueError):
+    """A plan file that cannot be used; the message names the file, the key and what to do."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _check_layout(value: str) -> str:
+    if not LAYOUT_RE.match(value):
+        raise ValueError(f"layout {value!r} is not one of Replicate, Partial, Shard(d)")
+    return value
+
+
+Layout = Annotated[str, AfterValidator(_check_layout)]
+
+
+class Rule(_Strict):
+    module: str  # fnmatch pattern per path segment, as parallelize_module matches
+    style: Style
+    input_layouts: Layout | None = None
+    output_layouts: Layout | None = None
+    why: str = ""
+
+
+class Region(_Strict):
+    """One PrepareModuleInput: the module's input enters DTensor once for all its Linears."""
+
+    module: str
+    input: int | str  # positional index or keyword name
+    num_inputs: int  # positional arguments of the traced call
+    input_layouts: Layout = "Replicate"
+    desired_input_layouts: Layout = "Replicate"
+    why: str = ""
+
+
+class Collectives(_Strict):
+    all_reduce: int = 0
+    all_gather: int = 0
+    reduce_scatter: int = 0
+    all_to_all: int = 0
+
+
+class Estimate(_Strict):
+    param_bytes_per_device: float
+    peak_memory_bytes: float
+    comm_bytes_per_step: float
+    step_time_s: float
+    compute_time_s: float = 0.0
+    comm_time_s: float = 0.0
+    collectives: dict[str, Collectives] = Field(default_factory=dict)
+
+
+class Alternative(_Strict):
+    style: str
+    step_time_s: float | None = None  # None: infeasible
+    param_bytes_per_device: float | None = None
+    reason: str = ""
+
+
+class Decision(_Strict):
+    module: str
+    style: str
+    step_time_s: float
+    param_bytes_per_device: float
+    alternatives: list[Alternative] = Field(default_factory=list)
+
+
+class ModelInfo(_Strict):
+    class_name: str
+    fingerprint: str
+    num_params: int
+    repeats: dict[str, int | list[str]] = Field(default_factory=dict)
+
+
+class MeshInfo(_Strict):
+    axes: dict[str, int]
+    tp_axis: str
+
+
+class PlanOptions(_Strict):
+    batch_size: int | None = None
+    seq_len: int | None = None
+    dtype: str = "bf16"
+    hardware: str = "h100-nvlink"
+    memory_budget: int | None = None
+    sequence_parallel: bool | None = None  # None: let the optimizer decide
+    loss_parallel: bool = False
+    optimizer: str = "adamw"
+
+
+class Plan(_Strict):
+    version: Literal[1] = 1
+    model: ModelInfo
+    mesh: MeshInfo
+    options: PlanOptions = Field(default_factory=PlanOptions)
+    rules: list[Rule]
+    regions: list[Region] = Field(default_factory=list)
+    estimate: Estimate | None = None
+    decisions: list[Decision] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.axes[self.mesh.tp_axis]
+
+    def module_styles(self) -> dict[str, str]:
+        """Every weight-owning module FQN -> its style name, patterns expanded."""
+        out: dict[str, str] = {}
+        for rule in self.rules:
+            for fqn in expand_pattern(rule.module, self.model.repeats):
+                out[fqn] = rule.style
+        return dict(sorted(out.items(), key=lambda kv: _natural_key(kv[0])))
+
+    def rule_for(self, fqn: str) -> Rule | None:
+        return next((r for r in self.rules if matches(r.module, fqn)), None)
+
+    def explain(self, fqn: str) -> Decision:
+        rule = self.rule_for(fqn)
+        if rule is None:
+            raise ValueError(f"no rule in this plan covers {fqn!r}; weight modules look like {self.rules[0].module!r}")
+        for d in self.decisions:
+            if d.module == rule.module:
+                return d
+        raise ValueError(f"the plan records no decision for {rule.module!r} (it was written without explanations)")
+
+    def to_yaml(self) -> str:
+        data = self.model_dump(mode="json", exclude_none=False)
+        return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120)
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_yaml(cls, text: str, *, source: str = "<string>") -> "Plan":
+        from .planfile import parse_plan_text  # line-aware validation lives there
+
+        return parse_plan_text(text, source=source)
+
+    def save(self, path: str | Path, *, force: bool = True) -> None:
+        from .planfile import atomic_write
+
+        atomic_write(Path(path), self.to_yaml(), force=force)
+
+    def to_hf_tp_plan(self) -> dict[str, str]:
+        """Hugging Face ``tp_plan`` mapping (patterns use ``*`` for layer indices)."""
+        return {r.module: r.style for r in self.rules if r.style != "replicate"}
+
+
+def load_plan(path: str | Path) -> Plan:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise PlanFileError(f"cannot read plan file {str(p)!r}: {exc.strerror}") from exc
+    return Plan.from_yaml(text, source=str(p))
+
+
+def matches(pattern: str, fqn: str) -> bool:
+    """Segment-wise fnmatch, as ``parallelize_module`` resolves plan keys."""
+    ps, fs = pattern.split("."), fqn.split(".")
+    return len(ps) == len(fs) and all(fnmatch.fnmatchcase(f, p) for p, f in zip(ps, fs))
+
+
+def expand_pattern(pattern: str, repeats: dict[str, int | list[str]]) -> list[str]:
+    """Expand ``*`` segments through the container sizes recorded in ``repeats``."""
+    parts = pattern.split(".")
+    prefixes = [""]
+    for part in parts:
+        nxt = []
+        for prefix in prefixes:
+            if any(ch in part for ch in "*?["):
+                names = repeats.get(prefix, [])
+                names = [str(i) for i in range(names)] if isinstance(names, int) else names
+                nxt += [f"{prefix}.{n}" if prefix else n for n in names if fnmatch.fnmatchcase(n, part)]
+            else:
+                nxt.append(f"{prefix}.{part}" if prefix else part)
+        prefixes = nxt
+    return prefixes
+
+
+def _natural_key(fqn: str) -> list:
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in fqn.split(".")]
+
+
+def fingerprint(model) -> str:
+    """sha256 over the class name and every parameter's name, shape and dtype."""
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    for name, p in model.named_parameters(remove_duplicate=False):
+        h.update(f"{name}:{tuple(p.shape)}:{str(p.dtype).replace('torch.', '')};".encode())
+    return "sha256:" + h.hexdigest()[:32]

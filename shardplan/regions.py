@@ -1,0 +1,93 @@
+"""Regions: where one PrepareModuleInput lets several Linears share one collective.
+
+Contract
+--------
+``find_regions(graph, solution)`` returns, for every value that enters sharded computation
+(``entry`` in a chosen strategy), how the emitter realizes the entry:
+
+* a :class:`RegionSite`: the innermost module that receives the value as an argument and
+  contains every consumer of it, all of which enter there. ``PrepareModuleInput(...,
+  use_local_output=False)`` on that module turns the value into a DTensor once, so the
+  Partial gradients of, say, wq, wk and wv add up as DTensors and one all-reduce (or one
+  reduce-scatter under sequence parallel) closes the region in backward;
+* otherwise each consumer's own style converts the value: one collective per consumer.
+
+Only data flow and module boundaries decide; module names never do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .graph import OpGraph
+from .solve import Solution
+
+__all__ = ["RegionSite", "Entry", "find_regions"]
+
+
+@dataclass(frozen=True)
+class RegionSite:
+    module: str
+    input: int | str
+    num_inputs: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    value: int
+    kind: str  # "R" or "S{d}"
+    consumers: tuple[int, ...]  # op indices
+    site: RegionSite | None
+
+    @property
+    def num_collectives(self) -> int:
+        return 1 if self.site is not None or len(self.consumers) == 1 else len(self.consumers)
+
+
+def _inside(fqn: str, module: str) -> bool:
+    return module == "" or fqn == module or fqn.startswith(module + ".")
+
+
+def _entering_consumers(graph: OpGraph, solution: Solution, value: int, kind: str) -> tuple[int, ...]:
+    found = []
+    for c in graph.consumers.get(value, []):
+        s = solution.strategies[c]
+        for slot, v in enumerate(graph.ops[c].inputs):
+            if v == value and slot < len(s.entry) and s.entry[slot] == kind:
+                found.append(c)
+    return tuple(sorted(set(found)))
+
+
+def _site(graph: OpGraph, value: int, consumers: tuple[int, ...]) -> RegionSite | None:
+    node = graph.ops[graph.values[value].producer].node
+    others = set(graph.consumers.get(value, [])) - set(consumers)
+    best: RegionSite | None = None
+    for fqn, calls in graph.traced.calls.items():
+        if not fqn or fqn in graph.traced.folded or len(calls) != 1:
+            continue
+        call = calls[0]
+        where: int | str | None = next((i for i, a in enumerate(call.args) if a is node), None)
+        if where is None:
+            where = next((k for k, a in call.kwargs.items() if a is node), None)
+        if where is None:
+            continue
+        if not all(_inside(graph.ops[c].target, fqn) for c in consumers):
+            continue
+        if any(_inside(graph.ops[o].owner, fqn) or _inside(graph.ops[o].target, fqn) for o in others):
+            continue
+        if best is None or len(fqn) > len(best.module):
+            best = RegionSite(fqn, where, len(call.args))
+    return best
+
+
+def find_regions(graph: OpGraph, solution: Solution) -> list[Entry]:
+    entries = []
+    for (value, kind), used in sorted(solution.entries.items()):
+        if not used:
+            continue
+        consumers = _entering_consumers(graph, solution, value, kind)
+        if not consumers:
+            continue
+        site = _site(graph, value, consumers) if len(consumers) > 1 else None
+        entries.append(Entry(value, kind, consumers, site))
+    return entries
