@@ -107,7 +107,7 @@ def plan_model(model: nn.Module, mesh: Any, *, example_inputs: tuple | None = No
                         num_params=sum(p.numel() for p in model.parameters()), repeats=_repeats(graph)),
         mesh=MeshInfo(axes=axes, tp_axis=tp_axis),
         options=opts,
-        rules=_rules(graph, solution, decisions),
+        rules=_rules(graph, solution, decisions, entries),
         regions=_regions(graph, entries),
         estimate=estimate(graph, solution, entries, ctx),
         decisions=decisions,
@@ -147,18 +147,23 @@ def _patterned(fqn: str, graph: OpGraph, pmap: dict[str, str]) -> list[str]:
     return [fqn]
 
 
-def _rules(graph: OpGraph, solution: Solution, decisions: list) -> list[Rule]:
+def _rules(graph: OpGraph, solution: Solution, decisions: list, entries: list[Entry]) -> list[Rule]:
     pmap = _pattern_map(graph)
     why = {d.module: d for d in decisions}
+    # inside a region the input is already a Replicate DTensor: a Linear that re-declared
+    # Shard(seq) would redistribute Replicate -> Replicate, whose backward all-reduces its
+    # own Partial gradient and defeats the region
+    in_region = {c for e in entries for _, inside in e.sites for c in inside}
     rules: list[Rule] = []
     for op in graph.ops:
         if op.kind != "module":
             continue
         s = solution.strategies[op.index]
+        inp = None if op.index in in_region else _layout(s.layouts.get("input"))
         for module in _patterned(op.target, graph, pmap):
             rules.append(Rule(
                 module=module, style=s.name,
-                input_layouts=_layout(s.layouts.get("input")), output_layouts=_layout(s.layouts.get("output")),
+                input_layouts=inp, output_layouts=_layout(s.layouts.get("output")),
                 why=_why(why.get(_patterned(op.target, graph, pmap)[0])),
             ))
     rules += [Rule(module=fqn, style="replicate", why="not called in forward: kept whole") for fqn in _unused_modules(graph)]
@@ -199,16 +204,15 @@ def _regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
     pmap = _pattern_map(graph)
     regions = []
     for e in entries:
-        if e.site is None:
-            continue
-        names = ", ".join(_patterned(graph.ops[c].target, graph, pmap)[0].rpartition(".")[2] for c in e.consumers)
-        for module in _patterned(e.site.module, graph, pmap):
-            layout = _layout("R" if e.kind == "R" else e.kind)
-            regions.append(Region(
-                module=module, input=e.site.input, num_inputs=e.site.num_inputs, input_layouts=layout,
-                desired_input_layouts="Replicate",
-                why=f"{names} share this input: one {'all-reduce' if e.kind == 'R' else 'all-gather/reduce-scatter'} instead of {len(e.consumers)}",
-            ))
+        for site, inside in e.sites:
+            names = ", ".join(graph.ops[c].target.rpartition(".")[2] for c in inside)
+            comm = "all-reduce" if e.kind == "R" else "all-gather/reduce-scatter"
+            for module in _patterned(site.module, graph, pmap):
+                regions.append(Region(
+                    module=module, input=site.input, num_inputs=site.num_inputs, input_layouts=_layout(e.kind),
+                    desired_input_layouts="Replicate",
+                    why=f"{names} share this input: one {comm} instead of {len(inside)}",
+                ))
     return regions
 
 

@@ -38,11 +38,13 @@ def collective_list(graph: OpGraph, solution: Solution, entries: list[Entry]) ->
     for e in entries:
         n = graph.values[e.value].nbytes
         times = e.num_collectives * graph.ops[e.consumers[0]].multiplicity
-        if e.kind == "R":  # Partial input gradient -> Replicate
+        needs_grad = e.value in graph.requires_grad  # no gradient flows into model inputs
+        if e.kind == "R" and needs_grad:  # Partial input gradient -> Replicate
             events[("backward", "all_reduce", n)] += times
-        else:  # Shard(seq) -> Replicate on entry; its gradient reduce-scattered back
+        elif e.kind != "R":  # Shard(seq) -> Replicate on entry; its gradient reduce-scattered back
             events[("forward", "all_gather", n)] += times
-            events[("backward", "reduce_scatter", n)] += times
+            if needs_grad:
+                events[("backward", "reduce_scatter", n)] += times
     return sorted(events.items())
 
 

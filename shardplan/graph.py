@@ -61,6 +61,8 @@ class OpGraph:
     consumers: dict[int, list[int]] = field(default_factory=dict)
     # module FQN -> number of times it runs per forward (folded repeats included)
     module_multiplicity: dict[str, int] = field(default_factory=dict)
+    # values whose gradient autograd computes (downstream of a trainable weight)
+    requires_grad: set[int] = field(default_factory=set)
 
     def op_of(self, node: torch.fx.Node) -> Op:
         return self.ops[node.meta["shardplan_op"]]
@@ -168,7 +170,20 @@ def build_graph(traced: Traced) -> OpGraph:
         for v in op.inputs:
             graph.consumers.setdefault(v, []).append(op.index)
     _set_multiplicity(graph)
+    _set_requires_grad(graph)
     return graph
+
+
+def _set_requires_grad(graph: OpGraph) -> None:
+    """Inputs and constants need no gradient; anything computed from a trainable weight does."""
+    for op in graph.ops:
+        if op.output is None:
+            continue
+        trainable = op.kind in ("module", "folded") and any(
+            p.requires_grad for p in graph.model.get_submodule(op.target).parameters()
+        )
+        if trainable or any(v in graph.requires_grad for v in op.inputs):
+            graph.requires_grad.add(op.output)
 
 
 def _set_multiplicity(graph: OpGraph) -> None:

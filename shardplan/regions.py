@@ -37,11 +37,13 @@ class Entry:
     value: int
     kind: str  # "R" or "S{d}"
     consumers: tuple[int, ...]  # op indices
-    site: RegionSite | None
+    sites: tuple[tuple[RegionSite, tuple[int, ...]], ...]  # region module -> consumers inside
 
     @property
     def num_collectives(self) -> int:
-        return 1 if self.site is not None or len(self.consumers) == 1 else len(self.consumers)
+        """One per region, plus one per consumer that converts its input on its own."""
+        grouped = sum(len(c) for _, c in self.sites)
+        return len(self.sites) + len(self.consumers) - grouped
 
 
 def _inside(fqn: str, module: str) -> bool:
@@ -58,10 +60,11 @@ def _entering_consumers(graph: OpGraph, solution: Solution, value: int, kind: st
     return tuple(sorted(set(found)))
 
 
-def _site(graph: OpGraph, value: int, consumers: tuple[int, ...]) -> RegionSite | None:
+def _candidate_sites(graph: OpGraph, value: int, consumers: tuple[int, ...]) -> list[tuple[RegionSite, tuple[int, ...]]]:
+    """Modules that receive ``value`` as an argument and hold only entering consumers of it."""
     node = graph.ops[graph.values[value].producer].node
     others = set(graph.consumers.get(value, [])) - set(consumers)
-    best: RegionSite | None = None
+    found = []
     for fqn, calls in graph.traced.calls.items():
         if not fqn or fqn in graph.traced.folded or len(calls) != 1:
             continue
@@ -69,15 +72,23 @@ def _site(graph: OpGraph, value: int, consumers: tuple[int, ...]) -> RegionSite 
         where: int | str | None = next((i for i, a in enumerate(call.args) if a is node), None)
         if where is None:
             where = next((k for k, a in call.kwargs.items() if a is node), None)
-        if where is None:
-            continue
-        if not all(_inside(graph.ops[c].target, fqn) for c in consumers):
+        inside = tuple(c for c in consumers if _inside(graph.ops[c].target, fqn))
+        if where is None or len(inside) < 2:
             continue
         if any(_inside(graph.ops[o].owner, fqn) or _inside(graph.ops[o].target, fqn) for o in others):
             continue
-        if best is None or len(fqn) > len(best.module):
-            best = RegionSite(fqn, where, len(call.args))
-    return best
+        found.append((RegionSite(fqn, where, len(call.args)), inside))
+    return found
+
+
+def _choose_sites(candidates, consumers: tuple[int, ...]):
+    """Fewest regions: prefer the module covering most consumers, then the innermost."""
+    chosen, left = [], set(consumers)
+    for site, inside in sorted(candidates, key=lambda c: (-len(c[1]), -len(c[0].module), c[0].module)):
+        if set(inside) <= left:
+            chosen.append((site, inside))
+            left -= set(inside)
+    return tuple(sorted(chosen, key=lambda c: c[0].module))
 
 
 def find_regions(graph: OpGraph, solution: Solution) -> list[Entry]:
@@ -88,6 +99,6 @@ def find_regions(graph: OpGraph, solution: Solution) -> list[Entry]:
         consumers = _entering_consumers(graph, solution, value, kind)
         if not consumers:
             continue
-        site = _site(graph, value, consumers) if len(consumers) > 1 else None
-        entries.append(Entry(value, kind, consumers, site))
+        sites = _choose_sites(_candidate_sites(graph, value, consumers), consumers)
+        entries.append(Entry(value, kind, consumers, sites))
     return entries

@@ -83,11 +83,11 @@ def strategy_time(s: Strategy, ctx: SolveContext) -> float:
     return comm + compute + memory
 
 
-def entry_time(entry: str, nbytes: int, ctx: SolveContext) -> float:
+def entry_time(entry: str, nbytes: int, ctx: SolveContext, *, needs_grad: bool = True) -> float:
     if entry == "R":  # Partial gradient of the region input -> one all-reduce in backward
-        return cost.collective_time("all_reduce", nbytes, group_size=ctx.tp, link=ctx.link)
+        return cost.collective_time("all_reduce", nbytes, group_size=ctx.tp, link=ctx.link) if needs_grad else 0.0
     # sequence-sharded input: all-gather forward, reduce-scatter its gradient backward
-    return 2 * cost.collective_time("all_gather", nbytes, group_size=ctx.tp, link=ctx.link)
+    return (1 + needs_grad) * cost.collective_time("all_gather", nbytes, group_size=ctx.tp, link=ctx.link)
 
 
 def _aliases(graph: OpGraph) -> dict[int, int]:
@@ -125,7 +125,9 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
                 entry = s.entry[slot] if slot < len(s.entry) else None
                 if entry and (value, entry) not in prog.entry_of:
                     prog.entry_of[(value, entry)] = prog.num_vars
-                    prog.entry_cost[(value, entry)] = entry_time(entry, graph.values[value].nbytes, ctx) * op.multiplicity
+                    prog.entry_cost[(value, entry)] = entry_time(
+                        entry, graph.values[value].nbytes, ctx, needs_grad=value in graph.requires_grad
+                    ) * op.multiplicity
                     prog.num_vars += 1
     return prog
 

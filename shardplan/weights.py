@@ -62,7 +62,8 @@ def _seq_dims(shape: tuple[int, ...], tp: int) -> list[int]:
 
 def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[Strategy]:
     module = graph.model.get_submodule(op.target)
-    sp = getattr(opts, "sequence_parallel", None) is not False
+    sp_opt = getattr(opts, "sequence_parallel", None)
+    sp = sp_opt is not False
     kind = op.module_kind
     if kind == "linear" and len(op.inputs) == 1:
         found = _linear(op, graph, module, tp, sp)
@@ -70,6 +71,8 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
         found = _embedding(op, graph, module, tp, sp)
     elif kind == "norm" and len(op.inputs) == 1:
         found = _norm(op, graph, module, tp, sp)
+        if sp_opt is True and len(found) > 1:  # the user asked for sequence parallel norms
+            found = found[1:]
     else:
         found = [_replicate(op, graph, module)]
     full = _weight_bytes(module)
@@ -102,6 +105,10 @@ def _linear(op: Op, graph: OpGraph, module: nn.Linear, tp: int, sp: bool) -> lis
             out.append(Strategy(
                 "colwise", (f"S{d}",), f"S{last}", entry=(f"S{d}",),
                 layouts={"weight": "S0", "input": f"S{d}"}, **col,
+            ))
+            out.append(Strategy(
+                "colwise_gather_output", (f"S{d}",), "R", fwd=(("all_gather", y.nbytes),), entry=(f"S{d}",),
+                layouts={"weight": "S0", "input": f"S{d}", "output": "R"}, **col,
             ))
     if module.in_features % tp == 0:
         bias = module.bias.numel() * module.bias.element_size() if module.bias is not None else 0
