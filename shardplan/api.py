@@ -30,7 +30,8 @@ from .trace import TraceError, trace_model
 
 __all__ = ["plan_model", "apply_plan", "auto_parallelize", "mesh_axes", "PlanningError", "TraceError"]
 
-_OPTION_NAMES = set(PlanOptions.model_fields) | {"explain", "tp_axis", "fold_repeated"}
+_EXTRA_OPTIONS = ("explain", "tp_axis", "fold_repeated", "strict")
+_OPTION_NAMES = set(PlanOptions.model_fields) | set(_EXTRA_OPTIONS)
 
 
 def mesh_axes(mesh: Any) -> dict[str, int]:
@@ -73,7 +74,7 @@ def _options(opts: dict[str, Any]) -> tuple[PlanOptions, dict[str, Any]]:
     unknown = sorted(set(opts) - _OPTION_NAMES)
     if unknown:
         raise ValueError(f"unknown plan_model option(s) {unknown}; expected some of {sorted(_OPTION_NAMES)}")
-    extra = {k: opts.pop(k) for k in ("explain", "tp_axis", "fold_repeated") if k in opts}
+    extra = {k: opts.pop(k) for k in _EXTRA_OPTIONS if k in opts}
     if isinstance(opts.get("memory_budget"), str):
         opts["memory_budget"] = cost.parse_bytes(opts["memory_budget"])
     if "dtype" in opts:
@@ -101,6 +102,9 @@ def plan_model(model: nn.Module, mesh: Any, *, example_inputs: tuple | None = No
     solution = solve(graph, ctx)
     entries = find_regions(graph, solution)
     opts = _record_shapes(opts, example_inputs)
+    notes = _warnings(graph, solution, ctx.tp)
+    if extra.get("strict") and notes:
+        raise PlanningError("strict planning refused the plan:\n  " + "\n  ".join(notes))
     decisions = explain_decisions(graph, solution, ctx) if extra.get("explain", True) else []
     return Plan(
         model=ModelInfo(class_name=type(model).__name__, fingerprint=fingerprint(model),
@@ -111,7 +115,7 @@ def plan_model(model: nn.Module, mesh: Any, *, example_inputs: tuple | None = No
         regions=_regions(graph, entries),
         estimate=estimate(graph, solution, entries, ctx),
         decisions=decisions,
-        warnings=_warnings(graph, solution),
+        warnings=notes,
     )
 
 
@@ -216,11 +220,27 @@ def _regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
     return regions
 
 
-def _warnings(graph: OpGraph, solution: Solution) -> list[str]:
+def _warnings(graph: OpGraph, solution: Solution, tp: int) -> list[str]:
+    """Where the plan falls short of splitting a weight and its compute tp ways."""
     out = []
+    output_values = {v for op in graph.ops if op.kind == "output" for v in op.inputs}
+    pmap = _pattern_map(graph)
     for op in graph.ops:
-        if op.kind == "module" and op.module_kind == "other":
-            out.append(f"{op.target}: {type(graph.model.get_submodule(op.target)).__name__} has no tensor-parallel style; replicated")
+        if op.kind != "module":
+            continue
+        style = solution.strategies[op.index].name
+        module = graph.model.get_submodule(op.target)
+        name = _patterned(op.target, graph, pmap)[0]
+        if op.module_kind == "other":
+            out.append(f"{name}: {type(module).__name__} has no tensor-parallel style; replicated")
+        elif op.module_kind in ("linear", "embedding") and style == "replicate":
+            shape = tuple(module.weight.shape)
+            out.append(f"{name}: weight {list(shape)} not sharded: no dimension of it divides by tp={tp}")
+        elif style == "colwise_gather_output" and op.output not in output_values:
+            out.append(
+                f"{name}: output all-gathered: the ops after it cannot run on a 1/{tp} shard "
+                f"(a head count or reshape that does not divide by tp={tp}?); use a tp that divides the head counts"
+            )
     for fqn in _unused_modules(graph):
         out.append(f"{fqn}: owns parameters but is not called in forward; replicated")
     return out

@@ -51,8 +51,10 @@ def collective_list(graph: OpGraph, solution: Solution, entries: list[Entry]) ->
 def estimate(graph: OpGraph, solution: Solution, entries: list[Entry], ctx: SolveContext) -> Estimate:
     counts = {"forward": Counter(), "backward": Counter()}
     comm_bytes = comm_time = 0.0
+    logical = {"forward": 0.0, "backward": 0.0}
     for (phase, kind, n), times in collective_list(graph, solution, entries):
         counts[phase][kind] += times
+        logical[phase] += n * times
         comm_bytes += cost.collective_bytes(kind, n, group_size=ctx.tp) * times
         comm_time += cost.collective_time(kind, n, group_size=ctx.tp, link=ctx.link) * times
     total_time = sum(strategy_time(solution.strategies[op.index], ctx) * op.multiplicity for op in graph.ops)
@@ -73,6 +75,7 @@ def estimate(graph: OpGraph, solution: Solution, entries: list[Entry], ctx: Solv
         compute_time_s=compute_time,
         comm_time_s=comm_time,
         collectives={phase: Collectives(**dict(c)) for phase, c in counts.items()},
+        collective_bytes=logical,
     )
 
 

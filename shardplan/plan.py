@@ -89,6 +89,8 @@ class Estimate(_Strict):
     compute_time_s: float = 0.0
     comm_time_s: float = 0.0
     collectives: dict[str, Collectives] = Field(default_factory=dict)
+    # logical bytes (whole tensors) the collectives of each phase are about
+    collective_bytes: dict[str, float] = Field(default_factory=dict)
 
 
 class Alternative(_Strict):

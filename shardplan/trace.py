@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
-from torch.fx.experimental.meta_tracer import MetaProxy, MetaTracer, proxys_to_metas
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.fx.experimental.meta_tracer import MetaDeviceAttribute, MetaProxy, MetaTracer
 
 __all__ = ["TraceError", "ModuleCall", "Traced", "trace_model", "module_signature", "owns_params"]
 
@@ -143,14 +144,52 @@ class _ShardTracer(MetaTracer):
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         if kind == "call_module" and target in self.folded:
             return self._folded_proxy(kind, target, args, kwargs, name, type_expr)
-        rv = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
-        if kind in ("call_function", "call_method", "call_module", "get_attr") and not hasattr(rv, "_tensor_meta"):
-            raise TraceError(_meta_failure_message(kind, target, rv.node))
-        if hasattr(rv, "_tensor_meta"):
-            rv.node.meta["val"] = rv._tensor_meta
-        elif kind == "placeholder" and target in self.meta_args:
-            rv.node.meta["val"] = self.meta_args[target]
+        rv = torch.fx.Tracer.create_proxy(self, kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        if kind == "placeholder":
+            if target in self.meta_args:
+                rv.install_tensor_meta(self.meta_args[target])
+                rv.node.meta["val"] = self.meta_args[target]
+            return rv
+        if kind == "output":
+            return rv
+        try:
+            meta = self._compute_meta(kind, target, args, kwargs)
+        except TraceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised with the op and module
+            raise TraceError(_meta_failure_message(kind, target, rv.node, exc)) from exc
+        rv.install_tensor_meta(meta)
+        rv.node.meta["val"] = meta
         return rv
+
+    def _compute_meta(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
+        """Run the op on meta tensors: every real tensor (CPU weights, sliced buffers) goes meta."""
+        if target in self.orig_fns and "device" in kwargs:
+            kwargs = {**kwargs, "device": "meta"}
+        args_m = torch.fx.node.map_aggregate(args, _meta_of)
+        kwargs_m = torch.fx.node.map_aggregate(kwargs, _meta_of)
+        if kind == "call_function":
+            return target(*args_m, **kwargs_m)
+        if kind == "call_method":
+            return getattr(args_m[0], target)(*args_m[1:], **kwargs_m)
+        if kind == "call_module":
+            return self._module_meta(self.root.get_submodule(target), args_m, kwargs_m)
+        if kind == "get_attr":
+            value = self.root
+            for atom in str(target).split("."):
+                value = getattr(value, atom)
+            return _to_meta(value)
+        return None
+
+    def _module_meta(self, mod: nn.Module, args: tuple, kwargs: dict) -> Any:
+        state = {n: _to_meta(t) for n, t in list(mod.named_parameters()) + list(mod.named_buffers())}
+        self._disable_module_getattr = True
+        try:
+            # forward, not __call__: the tracer has patched __call__ to record module calls
+            with _reparametrize_module(mod, state):
+                return mod.forward(*args, **kwargs)
+        finally:
+            self._disable_module_getattr = False
 
     def _folded_proxy(self, kind, target, args, kwargs, name, type_expr):
         """A folded block: reuse the representative's output meta when inputs match."""
@@ -160,14 +199,9 @@ class _ShardTracer(MetaTracer):
         if key == self._meta_key(args, kwargs):
             meta = torch.fx.node.map_aggregate(rep_out, _proxy_meta_or_value)
         else:
-            mod = self.model.get_submodule(target)
-            self._disable_module_getattr = True
-            try:
-                metas_a = torch.fx.node.map_aggregate(args, proxys_to_metas)
-                metas_k = torch.fx.node.map_aggregate(kwargs, proxys_to_metas)
-                meta = mod(*metas_a, **metas_k)
-            finally:
-                self._disable_module_getattr = False
+            args_m = torch.fx.node.map_aggregate(args, _meta_of)
+            kwargs_m = torch.fx.node.map_aggregate(kwargs, _meta_of)
+            meta = self._module_meta(self.root.get_submodule(target), args_m, kwargs_m)
         rv.install_tensor_meta(meta)
         rv.node.meta["val"] = meta
         return rv
@@ -216,25 +250,49 @@ def _shape_key(metas: Any) -> tuple:
     return tuple(out)
 
 
-def _meta_failure_message(kind: str, target: Any, node: torch.fx.Node) -> str:
+def _meta_of(v: Any) -> Any:
+    if isinstance(v, MetaDeviceAttribute):
+        return "meta"
+    if isinstance(v, torch.fx.Proxy):
+        meta = getattr(v, "_tensor_meta", None)
+        if meta is None:
+            raise TraceError(f"no shape is known for {v.node.name}; the tracer lost track of it")
+        return meta
+    if isinstance(v, torch.Tensor) and not v.is_meta:
+        return _to_meta(v)
+    return v
+
+
+def _meta_failure_message(kind: str, target: Any, node: torch.fx.Node, exc: Exception) -> str:
     where = _where(node)
+    fqn = str(target)[2:] if kind == "call_module" and str(target).startswith("m.") else getattr(target, "__name__", target)
     return (
-        f"could not compute the shape of {kind} {getattr(target, '__name__', target)!s} {where}; "
+        f"could not compute the shape of {kind} {fqn!s} {where}: {type(exc).__name__}: {str(exc)[:200]}; "
         "the op may depend on tensor values (e.g. MoE routing) or be unsupported on the meta device. "
-        "Try the export tracer (plan_model(..., tracer='export')) or make that module a leaf."
+        "check that example_inputs match forward(), or plan a model whose forward depends only on shapes."
     )
 
 
 def _where(node: torch.fx.Node) -> str:
+    """The module and the user's source line an op came from."""
     stack = node.meta.get("nn_module_stack") or {}
-    module = next(reversed(stack.values()))[0] if stack else "<top level>"
-    trace = (node.stack_trace or "").strip().splitlines()
-    line = trace[-2].strip() if len(trace) >= 2 else ""
-    return f"in module {module!r}" + (f" ({line})" if line else "")
+    module = next(reversed(stack.values()))[0] if stack else "m"
+    module = "<top level>" if module == "m" else module.removeprefix("m.")
+    return f"in module {module!r}" + (f" at {_user_line(node)}" if _user_line(node) else "")
+
+
+def _user_line(node: torch.fx.Node) -> str:
+    lines = (node.stack_trace or "").splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        text = lines[i].strip()
+        if text.startswith("File ") and "/torch/" not in text and "shardplan/trace.py" not in text and "<shardplan-root>" not in text:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{text.split(',')[0][5:].strip(chr(34))}:{text.split('line ')[1].split(',')[0]} `{code}`"
+    return ""
 
 
 def _to_meta(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor) and not value.is_meta:
         return torch.empty_like(value, device="meta")
     return value
 

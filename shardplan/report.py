@@ -1,0 +1,292 @@
+"""Report: a :class:`~shardplan.plan.Plan` rendered for people.
+
+Contract
+--------
+``render_table(plan, *, model=None, console=None, show_why=False)`` prints one row per plan
+rule (repeated layers stay folded as ``layers.*`` patterns): the module pattern, its style,
+and, when ``model`` is given, the global weight shape of the first module the pattern
+matches and the shape each device holds under the style; optionally the ``why``. After the
+table come :func:`plan_summary_lines`: mesh and options, parameter bytes per device, peak
+memory, communication per step, predicted step time (compute + comm), the collectives of a
+forward and a backward, the regions and the warnings. ``decision_table`` renders
+``Plan.explain`` output and ``diff_lines`` compares two plans. Nothing here computes a
+plan; everything reads what the plan recorded (plus weight shapes from ``model``).
+
+``console`` defaults to ``rich.console.Console()`` on stdout, which writes plain text when
+stdout is not a terminal. Plan text (module patterns, messages) is never read as rich
+markup, so ``[...]`` in a pattern prints as written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .cost import format_bytes, format_seconds
+from .plan import Decision, Plan, matches
+
+__all__ = [
+    "render_table", "plan_table", "plan_summary_lines", "decision_table", "diff_lines",
+    "sharded_dim", "weight_of", "make_console",
+]
+
+_DIM0_STYLES = ("colwise", "colwise_gather_output", "embedding_rowwise", "packed_colwise")
+_PIPE_WIDTH = 120  # rich's 80 columns fold most patterns when the output is piped
+
+
+def make_console(*, stderr: bool = False) -> Console:
+    """A console on stdout (or stderr); wider than rich's 80 columns when not a terminal."""
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty() or os.environ.get("COLUMNS"):
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=_PIPE_WIDTH)
+
+
+def weight_of(module: Any) -> Any:
+    """The module's ``weight`` tensor, else its first own parameter, else ``None``."""
+    weight = getattr(module, "weight", None)
+    if weight is not None and hasattr(weight, "shape"):
+        return weight
+    return next(iter(module.parameters(recurse=False)), None)
+
+
+def sharded_dim(style: str, module: Any) -> int | None:
+    """Which dimension of the module's weight ``style`` splits across tp ranks (None: none)."""
+    from torch import nn
+
+    is_embedding = isinstance(module, nn.Embedding)
+    if style in _DIM0_STYLES:
+        return 1 if is_embedding and style == "colwise" else 0
+    if style == "rowwise":
+        return 0 if is_embedding else 1
+    return None
+
+
+def _shape_str(shape: tuple[int, ...] | None) -> str:
+    return "-" if shape is None else "x".join(str(n) for n in shape) or "scalar"
+
+
+def _shapes(plan: Plan, rule_module: str, style: str, modules: list[tuple[str, Any]]) -> tuple[str, str]:
+    mod = next((m for fqn, m in modules if matches(rule_module, fqn)), None)
+    weight = None if mod is None else weight_of(mod)
+    if weight is None:
+        return "-", "-"
+    shape = tuple(int(n) for n in weight.shape)
+    dim = sharded_dim(style, mod)
+    if dim is None or dim >= len(shape):
+        return _shape_str(shape), _shape_str(shape)
+    local = list(shape)
+    local[dim] = -(-shape[dim] // plan.tp)  # torch's chunking: rank 0 holds the ceiling
+    mark = "" if shape[dim] % plan.tp == 0 else " (uneven)"
+    return _shape_str(shape), _shape_str(tuple(local)) + mark
+
+
+def plan_table(plan: Plan, *, model: Any = None, show_why: bool = False) -> Table:
+    """The rules as a rich Table; shape columns only when ``model`` is given."""
+    table = Table(title=f"{plan.model.class_name} on {_mesh_str(plan)}", title_justify="left")
+    table.add_column("module", overflow="fold")
+    table.add_column("style")
+    if model is not None:
+        table.add_column("weight", justify="right")
+        table.add_column(f"per device (tp={plan.tp})", justify="right")
+    if show_why:
+        table.add_column("why", overflow="fold")
+    modules = list(model.named_modules()) if model is not None else []
+    for rule in plan.rules:
+        row = [Text(rule.module), Text(rule.style)]
+        if model is not None:
+            row += [Text(s) for s in _shapes(plan, rule.module, rule.style, modules)]
+        if show_why:
+            row.append(Text(rule.why))
+        table.add_row(*row)
+    return table
+
+
+def render_table(plan: Plan, *, model: Any = None, console: Console | None = None, show_why: bool = False) -> None:
+    """Print the rules table and the summary lines."""
+    console = console or make_console()
+    console.print(plan_table(plan, model=model, show_why=show_why))
+    for line in plan_summary_lines(plan):
+        console.print(Text(line), soft_wrap=True)
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def _mesh_str(plan: Plan) -> str:
+    return ",".join(f"{k}={v}" for k, v in plan.mesh.axes.items())
+
+
+def _count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _options_str(plan: Plan) -> str:
+    o = plan.options
+    sp = {None: "auto", True: "on", False: "off"}[o.sequence_parallel]
+    budget = "none" if o.memory_budget is None else format_bytes(o.memory_budget)
+    return (
+        f"batch {o.batch_size if o.batch_size is not None else '-'}, seq {o.seq_len if o.seq_len is not None else '-'}, "
+        f"{o.dtype}, {o.hardware}, memory budget {budget}, sequence parallel {sp}, "
+        f"loss parallel {'on' if o.loss_parallel else 'off'}, optimizer {o.optimizer}"
+    )
+
+
+def collectives_str(counts: dict[str, int]) -> str:
+    parts = [f"{n} {kind}" for kind, n in counts.items() if n]
+    return ", ".join(parts) or "none"
+
+
+def _estimate_lines(plan: Plan) -> list[str]:
+    e = plan.estimate
+    if e is None:
+        return ["estimate: none recorded in this plan"]
+    lines = [
+        f"parameters per device: {format_bytes(e.param_bytes_per_device)}",
+        f"peak memory per device: {format_bytes(e.peak_memory_bytes)} (parameters, gradients, optimizer state, activations)",
+        f"communication per step: {format_bytes(e.comm_bytes_per_step)} sent per device",
+        f"predicted step time: {format_seconds(e.step_time_s)} "
+        f"(compute {format_seconds(e.compute_time_s)} + comm {format_seconds(e.comm_time_s)})",
+    ]
+    for phase, c in e.collectives.items():
+        lines.append(f"collectives per {phase}: {collectives_str(c.model_dump())}")
+    return lines
+
+
+def plan_summary_lines(plan: Plan) -> list[str]:
+    """Mesh, options, estimates, regions and warnings, one fact per line."""
+    lines = [
+        f"model: {plan.model.class_name}, {_count(plan.model.num_params)} parameters ({plan.model.fingerprint})",
+        f"mesh: {_mesh_str(plan)} (tensor parallel on '{plan.mesh.tp_axis}', tp={plan.tp})",
+        f"options: {_options_str(plan)}",
+        *_estimate_lines(plan),
+    ]
+    if plan.regions:
+        lines.append(f"regions ({len(plan.regions)}): one collective where several Linears share an input")
+        lines += [f"  {r.module} (input {r.input}): {r.why}" for r in plan.regions]
+    if plan.warnings:
+        lines.append(f"warnings ({len(plan.warnings)}):")
+        lines += [f"  {w}" for w in plan.warnings]
+    return lines
+
+
+# --------------------------------------------------------------------------- explain
+
+
+def _delta_seconds(delta: float) -> str:
+    return ("+" if delta > 0 else "") + format_seconds(delta) if delta else "same"
+
+
+def _delta_bytes(delta: float) -> str:
+    return ("+" if delta > 0 else "") + format_bytes(delta) if delta else "same"
+
+
+def decision_table(decision: Decision, *, fqn: str) -> Table:
+    """The chosen style and every alternative: step time, its delta, parameter bytes."""
+    title = f"{fqn}: {decision.style}" + ("" if fqn == decision.module else f" (rule {decision.module})")
+    table = Table(title=title, title_justify="left")
+    for name in ("style", "step time", "vs chosen", "params/device", "note"):
+        table.add_column(name, overflow="fold")
+    table.add_row(Text(decision.style), format_seconds(decision.step_time_s), "-",
+                  format_bytes(decision.param_bytes_per_device), "chosen")
+    for alt in decision.alternatives:
+        if alt.step_time_s is None:
+            table.add_row(Text(alt.style), "-", "-", "-", Text(alt.reason or "infeasible"))
+            continue
+        params = alt.param_bytes_per_device or 0.0
+        note = f"params {_delta_bytes(params - decision.param_bytes_per_device)}"
+        table.add_row(Text(alt.style), format_seconds(alt.step_time_s),
+                      _delta_seconds(alt.step_time_s - decision.step_time_s), format_bytes(params), Text(note))
+    return table
+
+
+# --------------------------------------------------------------------------- diff
+
+
+def _pct(a: float, b: float) -> str:
+    if a == b:
+        return "(same)"
+    if a == 0:
+        return "(new)"
+    return f"({(b - a) / abs(a) * 100:+.1f}%)"
+
+
+def _rule_changes(a: Plan, b: Plan) -> list[str]:
+    ra, rb = {r.module: r for r in a.rules}, {r.module: r for r in b.rules}
+    out = [f"  + {m}: {rb[m].style}" for m in rb if m not in ra]
+    out += [f"  - {m}: {ra[m].style}" for m in ra if m not in rb]
+    for m in (m for m in ra if m in rb):
+        x, y = ra[m], rb[m]
+        old = (x.style, x.input_layouts, x.output_layouts)
+        new = (y.style, y.input_layouts, y.output_layouts)
+        if old != new:
+            out.append(f"  ~ {m}: {_rule_str(*old)} -> {_rule_str(*new)}")
+    return out
+
+
+def _rule_str(style: str, inp: str | None, out: str | None) -> str:
+    extra = ([f"in {inp}"] if inp else []) + ([f"out {out}"] if out else [])
+    return style + (f" ({', '.join(extra)})" if extra else "")
+
+
+def _region_changes(a: Plan, b: Plan) -> list[str]:
+    key = lambda r: (r.module, str(r.input))  # noqa: E731
+    ra, rb = {key(r): r for r in a.regions}, {key(r): r for r in b.regions}
+    out = [f"  + {k[0]} (input {k[1]}): {rb[k].input_layouts}" for k in rb if k not in ra]
+    out += [f"  - {k[0]} (input {k[1]}): {ra[k].input_layouts}" for k in ra if k not in rb]
+    out += [
+        f"  ~ {k[0]} (input {k[1]}): {ra[k].input_layouts} -> {rb[k].input_layouts}"
+        for k in ra if k in rb and ra[k].model_dump(exclude={"why"}) != rb[k].model_dump(exclude={"why"})
+    ]
+    return out
+
+
+def _header_changes(a: Plan, b: Plan) -> list[str]:
+    out = []
+    if a.model.fingerprint != b.model.fingerprint:
+        out.append(f"model: {a.model.class_name} {a.model.fingerprint} -> {b.model.class_name} {b.model.fingerprint}")
+    if a.mesh != b.mesh:
+        out.append(f"mesh: {_mesh_str(a)} -> {_mesh_str(b)}")
+    oa, ob = a.options.model_dump(), b.options.model_dump()
+    out += [f"option {k}: {oa[k]} -> {ob[k]}" for k in oa if oa[k] != ob.get(k)]
+    return out
+
+
+def _estimate_changes(a: Plan, b: Plan) -> list[str]:
+    if a.estimate is None or b.estimate is None:
+        return ["  (one of the plans records no estimate)"] if a.estimate is not b.estimate else []
+    ea, eb = a.estimate, b.estimate
+    rows = [
+        ("param bytes/device", ea.param_bytes_per_device, eb.param_bytes_per_device, format_bytes),
+        ("peak memory/device", ea.peak_memory_bytes, eb.peak_memory_bytes, format_bytes),
+        ("comm bytes/step", ea.comm_bytes_per_step, eb.comm_bytes_per_step, format_bytes),
+        ("step time", ea.step_time_s, eb.step_time_s, format_seconds),
+        ("compute time", ea.compute_time_s, eb.compute_time_s, format_seconds),
+        ("comm time", ea.comm_time_s, eb.comm_time_s, format_seconds),
+    ]
+    out = [f"  {name}: {fmt(x)} -> {fmt(y)} {_pct(x, y)}" for name, x, y, fmt in rows]
+    for phase in sorted(set(ea.collectives) | set(eb.collectives)):
+        ca = ea.collectives[phase].model_dump() if phase in ea.collectives else {}
+        cb = eb.collectives[phase].model_dump() if phase in eb.collectives else {}
+        for kind in sorted(set(ca) | set(cb)):
+            x, y = ca.get(kind, 0), cb.get(kind, 0)
+            if x or y:
+                out.append(f"  {phase} {kind}: {x} -> {y} {_pct(x, y)}")
+    return out
+
+
+def diff_lines(a: Plan, b: Plan) -> list[str]:
+    """What changed from plan ``a`` to plan ``b``: header, rules, regions, estimates."""
+    lines = _header_changes(a, b)
+    rules, regions = _rule_changes(a, b), _region_changes(a, b)
+    lines += (["rules:"] + rules) if rules else ["rules: no changes"]
+    lines += (["regions:"] + regions) if regions else ["regions: no changes"]
+    return lines + ["estimate:"] + _estimate_changes(a, b)

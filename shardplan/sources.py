@@ -1,0 +1,195 @@
+"""Sources: turn a model spec from the command line into an ``nn.Module`` to plan.
+
+Contract
+--------
+``resolve_model(spec, *, device="meta", batch_size=None, seq_len=None)`` returns
+``(model, example_inputs, display_name)``; ``example_inputs`` is ``None`` when the caller
+should let :func:`shardplan.plan_model` infer them. ``spec`` is one of
+
+* a preset name from :data:`shardplan.models.PRESETS` (``llama3-8b``); example inputs come
+  from the preset, sized by ``batch_size``/``seq_len`` when given;
+* ``package.module:callable`` (``callable`` may be dotted, ``mod:Class.build``): imported
+  and called with no arguments under ``torch.device(device)``; it must return an
+  ``nn.Module``. The current directory is importable, as with ``python -m``;
+* ``hf:<model_type>`` (``hf:llama``): a Hugging Face ``transformers`` model built from the
+  default config of that type;
+* a path to a Hugging Face ``config.json`` (or a directory holding one).
+
+Hugging Face models are built on ``device`` (meta by default: nothing is allocated) with
+``use_cache=False`` so they trace, and fed token ids of shape
+``(batch_size or 1, seq_len or min(2048, max_position_embeddings))``. ``transformers`` is
+optional and imported only here, lazily, with ``HF_HUB_OFFLINE=1`` set first: nothing is
+ever downloaded. Every problem with the spec raises ``ValueError`` saying what was given,
+what was expected and what to try.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["resolve_model", "SPEC_HELP"]
+
+SPEC_HELP = (
+    "a preset name (e.g. llama3-8b; see `shardplan plan --help`), 'package.module:callable', "
+    "'hf:<model_type>' (e.g. hf:llama) or a path to a Hugging Face config.json"
+)
+_HF_SEQ_LEN = 2048
+
+
+def resolve_model(
+    spec: str, *, device: str | torch.device = "meta", batch_size: int | None = None, seq_len: int | None = None
+) -> tuple[nn.Module, tuple | None, str]:
+    """The model ``spec`` names, its example inputs (or ``None``) and a display name."""
+    from .models import PRESETS
+
+    spec = spec.strip()
+    if spec in PRESETS:
+        return _preset(spec, device=device, batch_size=batch_size, seq_len=seq_len)
+    if spec.startswith("hf:"):
+        return _hf_model(spec[3:], spec, device=device, batch_size=batch_size, seq_len=seq_len)
+    if _looks_like_path(spec):
+        return _hf_model(None, spec, device=device, batch_size=batch_size, seq_len=seq_len, path=_config_path(spec))
+    if ":" in spec:
+        return _from_callable(spec, device=device), None, spec
+    raise ValueError(_unknown_message(spec, list(PRESETS)))
+
+
+def _unknown_message(spec: str, presets: list[str]) -> str:
+    close = difflib.get_close_matches(spec, presets, n=3)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return f"unknown model {spec!r}: expected {SPEC_HELP}. Presets: {', '.join(presets)}{hint}"
+
+
+def _preset(
+    name: str, *, device: str | torch.device, batch_size: int | None, seq_len: int | None
+) -> tuple[nn.Module, tuple, str]:
+    from .models import PRESETS, build_preset
+
+    sizes: dict[str, int] = {}
+    if batch_size is not None:
+        sizes["batch_size"] = batch_size
+    if seq_len is not None:
+        sizes["seq_len"] = seq_len
+    model = build_preset(name, device=device)
+    try:
+        inputs = PRESETS[name].example_inputs(device=device, **sizes)
+    except ValueError as exc:
+        raise ValueError(f"preset {name}: {exc}; pick --batch/--seq within the model's limits") from None
+    return model, inputs, name
+
+
+# --------------------------------------------------------------------------- module:callable
+
+
+def _from_callable(spec: str, *, device: str | torch.device) -> nn.Module:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"model spec {spec!r} is not 'package.module:callable' (e.g. mypkg.models:build_model)")
+    fn = _import_attr(module_name, attr, spec)
+    if not callable(fn):
+        raise ValueError(f"{spec}: {attr} is a {type(fn).__name__}, not a callable; point at a function or class")
+    try:
+        with torch.device(device):
+            model = fn()
+    except Exception as exc:  # the user's code: report it as a bad spec, not a crash
+        raise ValueError(f"{spec}: calling {attr}() raised {type(exc).__name__}: {exc}; it must build a model with no arguments") from exc
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{spec}: {attr}() returned a {type(model).__name__}; expected a torch.nn.Module")
+    return model
+
+
+def _import_attr(module_name: str, attr: str, spec: str) -> Any:
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"{spec}: cannot import module {module_name!r} ({exc}); check the spelling and that it is on PYTHONPATH"
+        ) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{spec}: module {module_name!r} has no attribute {attr!r}; expected 'package.module:callable'")
+        obj = getattr(obj, part)
+    return obj
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.endswith(".json") or os.sep in spec or spec.startswith(".") or Path(spec).is_dir()
+
+
+def _config_path(spec: str) -> Path:
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no Hugging Face config at {str(path)!r}: expected a config.json file or a directory holding one")
+    return path
+
+
+def _transformers() -> Any:
+    os.environ["HF_HUB_OFFLINE"] = "1"  # never download; must be set before the import
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(
+            "Hugging Face models need the optional 'transformers' package; install it with "
+            "`pip install shardplan[hf]` (or `pip install transformers`)"
+        ) from None
+    return transformers
+
+
+def _hf_config(tf: Any, model_type: str | None, path: Path | None) -> Any:
+    if path is not None:
+        try:
+            return tf.AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot load Hugging Face config {str(path)!r}: {str(exc).splitlines()[0]}") from None
+    try:
+        return tf.AutoConfig.for_model(model_type)
+    except ValueError:
+        known = list(tf.CONFIG_MAPPING.keys())
+        close = difflib.get_close_matches(model_type or "", known, n=3)
+        hint = f"; did you mean {', '.join('hf:' + c for c in close)}?" if close else "; e.g. hf:llama, hf:gpt2, hf:mistral"
+        raise ValueError(f"unknown Hugging Face model type {model_type!r}: expected a transformers model_type{hint}") from None
+
+
+def _hf_model(
+    model_type: str | None, spec: str, *, device: str | torch.device, batch_size: int | None,
+    seq_len: int | None, path: Path | None = None,
+) -> tuple[nn.Module, tuple, str]:
+    tf = _transformers()
+    cfg = _hf_config(tf, model_type, path)
+    if hasattr(cfg, "use_cache"):
+        cfg.use_cache = False  # a KV cache object in the outputs cannot be traced
+    model = _hf_build(tf, cfg, spec, device=device)
+    max_pos = getattr(cfg, "max_position_embeddings", None) or _HF_SEQ_LEN
+    shape = (batch_size or 1, seq_len or min(_HF_SEQ_LEN, max_pos))
+    return model, (torch.zeros(shape, dtype=torch.long, device=device),), spec
+
+
+def _hf_build(tf: Any, cfg: Any, spec: str, *, device: str | torch.device) -> nn.Module:
+    with torch.device(device):
+        try:
+            return tf.AutoModelForCausalLM.from_config(cfg)
+        except ValueError:
+            pass
+        try:
+            return tf.AutoModel.from_config(cfg)
+        except ValueError as exc:
+            raise ValueError(
+                f"{spec}: transformers has no model class for {type(cfg).__name__} "
+                f"({str(exc).splitlines()[0][:200]}); pick a text model type such as hf:llama"
+            ) from None
