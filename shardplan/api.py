@@ -85,6 +85,8 @@ def _options(opts: dict[str, Any]) -> tuple[PlanOptions, dict[str, Any]]:
 def plan_model(model: nn.Module, mesh: Any, *, example_inputs: tuple | None = None, **options: Any) -> Plan:
     """Decide the tensor-parallel plan of ``model`` on ``mesh``; see the module docstring."""
     opts, extra = _options(dict(options))
+    if opts.dtype is None:
+        opts = opts.model_copy(update={"dtype": _model_dtype(model)})
     axes = mesh_axes(mesh)
     tp_axis = _tp_axis(axes, extra.get("tp_axis"))
     hardware = cost.get_hardware(opts.hardware)
@@ -117,6 +119,11 @@ def plan_model(model: nn.Module, mesh: Any, *, example_inputs: tuple | None = No
         decisions=decisions,
         warnings=notes,
     )
+
+
+def _model_dtype(model: nn.Module) -> str:
+    first = next(model.parameters(), None)
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(first.dtype if first is not None else None, "fp32")
 
 
 def _record_shapes(opts: PlanOptions, example_inputs: tuple) -> PlanOptions:

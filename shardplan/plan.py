@@ -123,7 +123,7 @@ class MeshInfo(_Strict):
 class PlanOptions(_Strict):
     batch_size: int | None = None
     seq_len: int | None = None
-    dtype: str = "bf16"
+    dtype: str | None = None  # training dtype; None: the model's parameter dtype
     hardware: str = "h100-nvlink"
     memory_budget: int | None = None
     sequence_parallel: bool | None = None  # None: let the optimizer decide

@@ -88,12 +88,24 @@ def _default_seq_len(max_seq_len: int, debug: bool) -> int:
     return min(max_seq_len, _DEBUG_SEQ_LEN if debug else _BIG_SEQ_LEN)
 
 
+def _with_default_dtype(dtype: torch.dtype, build: Callable[[], nn.Module]) -> nn.Module:
+    """Create parameters in ``dtype`` directly (a later ``.to`` costs time at 405B)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return build()
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def _llama(name: str, description: str, cfg: LlamaConfig, *, debug: bool) -> Preset:
+    # the released Llama 3 weights are bfloat16; the debug shapes stay float32 for exact tests
+    dtype = torch.float32 if debug else torch.bfloat16
     return Preset(
         name=name,
         description=description,
         # A fresh config per build: callers may mutate model.config freely.
-        build=lambda: Transformer(dataclasses.replace(cfg)),
+        build=lambda: _with_default_dtype(dtype, lambda: Transformer(dataclasses.replace(cfg))),
         example_inputs=_token_inputs(
             cfg.vocab_size, cfg.max_seq_len, _default_seq_len(cfg.max_seq_len, debug)
         ),

@@ -1,0 +1,486 @@
+"""Command line: ``shardplan plan|explain|check|diff|simulate|schema``.
+
+Contract
+--------
+``main(argv=None) -> int`` parses ``argv`` (default ``sys.argv[1:]``), runs one subcommand
+and returns its exit status; it never calls ``sys.exit`` itself (``python -m shardplan``
+and the ``shardplan`` console script do). Data (tables, YAML, JSON, findings) goes to
+stdout; progress and confirmations go to stderr, and the progress spinner shows only when
+stderr is a terminal.
+
+Exit status: 0 success; 1 when ``check`` finds problems or ``simulate`` counts collectives
+other than the plan predicts; 2 for unusable input. A user error (``ValueError`` and its
+subclasses ``PlanningError``, ``TraceError``, ``PlanFileError``; ``FileExistsError``;
+``FileNotFoundError``) prints ``shardplan: error: <message>`` on stderr (one line, plus one
+more for the details of a multi-line message), never a traceback. argparse's own usage
+errors also exit 2.
+
+``--mesh`` is ``axis=size`` pairs separated by commas (``tp=8``, ``dp=16,tp=8``); tensor
+parallelism runs on ``tp`` (else the last axis). Only the planning options given on the
+command line reach :func:`shardplan.plan_model`, so its defaults stay the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "build_parser", "parse_mesh", "check_findings"]
+
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+_AXIS_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=([1-9][0-9]*)")
+_MESH_EXAMPLE = "e.g. --mesh tp=8 or --mesh dp=16,tp=8"
+_CPU_FALLBACK_PARAMS = 100_000_000  # simulate re-runs models up to this size on CPU if meta fails
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"dp=16,tp=8"`` -> ``{"dp": 16, "tp": 8}``; anything else raises ``ValueError``."""
+    axes: dict[str, int] = {}
+    for part in text.split(","):
+        m = _AXIS_RE.fullmatch(part.strip())
+        if m is None:
+            raise ValueError(f"bad --mesh {text!r}: expected axis=size pairs (positive sizes) separated by commas, {_MESH_EXAMPLE}")
+        if m.group(1) in axes:
+            raise ValueError(f"bad --mesh {text!r}: axis {m.group(1)!r} appears twice; {_MESH_EXAMPLE}")
+        axes[m.group(1)] = int(m.group(2))
+    return axes
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.RawDescriptionHelpFormatter(prog, max_help_position=32)
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    from .cost import HARDWARE
+    from .models import PRESETS
+
+    p.add_argument("model", metavar="MODEL", help=(
+        f"a preset ({', '.join(PRESETS)}), 'package.module:callable', 'hf:<model_type>' or a path to a config.json"))
+    g = p.add_argument_group("planning options")
+    g.add_argument("--mesh", default="tp=8", help=f"device mesh axes (default: tp=8); {_MESH_EXAMPLE}")
+    g.add_argument("--batch", type=_positive_int, metavar="N", help="batch size per data-parallel rank")
+    g.add_argument("--seq", type=_positive_int, metavar="N", help="sequence length")
+    g.add_argument("--dtype", help="training dtype: bf16 (default), fp16, fp32, fp8")
+    g.add_argument("--hardware", help=f"hardware profile: {', '.join(sorted(HARDWARE))} (default: h100-nvlink)")
+    g.add_argument("--memory-budget", metavar="BYTES", help="per-device memory limit, e.g. 80GB or 80GiB")
+    g.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
+                   help="shard norms and activations along the sequence (default: auto, the optimizer decides)")
+    g.add_argument("--loss-parallel", action="store_true", default=None, help="keep logits vocab-sharded for loss_parallel()")
+
+
+def _subparser(sub: Any, name: str, *, help: str, epilog: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
+                          epilog="examples:\n" + epilog, formatter_class=_formatter)
+
+
+def _add_plan(sub: Any) -> None:
+    p = _subparser(sub, "plan", help="decide a tensor-parallel plan for a model", epilog=(
+        "  shardplan plan llama3-8b --mesh tp=8\n"
+        "  shardplan plan llama3-70b --mesh dp=16,tp=8 --seq 4096 --memory-budget 80GB -o plan.yaml\n"
+        "  shardplan plan mypkg.models:build_model --mesh tp=4 --format json\n"
+        "  shardplan plan hf:llama --mesh tp=8 --why"))
+    _add_model_options(p)
+    out = p.add_argument_group("output")
+    out.add_argument("--format", choices=("table", "yaml", "json"), help="table (default on stdout), yaml or json")
+    out.add_argument("-o", "--output", metavar="FILE", help="write the plan to FILE (YAML, or JSON for .json)")
+    out.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    out.add_argument("--why", action="store_true", help="add each rule's reason to the table")
+    out.add_argument("--no-explain", action="store_true", help="skip the per-module alternatives (faster)")
+    p.set_defaults(func=cmd_plan)
+
+
+def _add_explain(sub: Any) -> None:
+    p = _subparser(sub, "explain", help="show why a module got its style and what the alternatives cost", epilog=(
+        "  shardplan explain llama3-8b layers.0.attention.wq --mesh tp=8\n"
+        "  shardplan explain gpt2 lm_head --mesh tp=4"))
+    _add_model_options(p)
+    p.add_argument("fqn", metavar="FQN", help="module name, e.g. layers.0.attention.wq (or its rule, layers.*.attention.wq)")
+    p.set_defaults(func=cmd_explain)
+
+
+def _add_check(sub: Any) -> None:
+    p = _subparser(sub, "check", help="validate a plan file against a model", epilog=(
+        "  shardplan check plan.yaml llama3-8b\n"
+        "exit status: 0 no findings, 1 findings, 2 unusable plan file or model"))
+    p.add_argument("plan", metavar="PLAN", help="plan file written by `shardplan plan -o`")
+    p.add_argument("model", metavar="MODEL", help="the model spec the plan is for (as for `shardplan plan`)")
+    p.set_defaults(func=cmd_check)
+
+
+def _add_diff(sub: Any) -> None:
+    p = _subparser(sub, "diff", help="compare two plan files", epilog=(
+        "  shardplan plan llama3-8b --mesh tp=4 -o tp4.yaml\n"
+        "  shardplan plan llama3-8b --mesh tp=8 -o tp8.yaml\n"
+        "  shardplan diff tp4.yaml tp8.yaml"))
+    p.add_argument("plan_a", metavar="PLAN_A")
+    p.add_argument("plan_b", metavar="PLAN_B")
+    p.set_defaults(func=cmd_diff)
+
+
+def _add_simulate(sub: Any) -> None:
+    p = _subparser(sub, "simulate", help="apply a plan on a fake process group and count its collectives", epilog=(
+        "  shardplan simulate llama3-8b --mesh tp=64\n"
+        "  shardplan simulate llama3-debug --plan plan.yaml\n"
+        "exit status: 0 counts match the plan's estimate, 1 they differ, 2 unusable input"))
+    _add_model_options(p)
+    p.add_argument("--plan", metavar="FILE", help="simulate this plan file instead of planning (its mesh is used)")
+    p.set_defaults(func=cmd_simulate)
+
+
+def _add_schema(sub: Any) -> None:
+    p = _subparser(sub, "schema", help="print the JSON schema of plan files", epilog=(
+        "  shardplan schema > plan.schema.json"))
+    p.set_defaults(func=cmd_schema)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardplan", formatter_class=_formatter,
+        description="Tensor-parallel sharding-plan compiler for PyTorch: trace, cost, solve, emit DTensor plans.",
+        epilog="run `shardplan COMMAND --help` for a command's options and examples",
+    )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"shardplan {__version__}")
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for add in (_add_plan, _add_explain, _add_check, _add_diff, _add_simulate, _add_schema):
+        add(sub)
+    return parser
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@contextlib.contextmanager
+def _progress(message: str) -> Iterator[None]:
+    """A spinner on stderr while the body runs, only when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(message):
+        yield
+
+
+def _plan_options(args: argparse.Namespace, *, explain: bool) -> dict[str, Any]:
+    given = {
+        "batch_size": args.batch, "seq_len": args.seq, "dtype": args.dtype, "hardware": args.hardware,
+        "memory_budget": args.memory_budget, "loss_parallel": args.loss_parallel,
+    }
+    opts = {k: v for k, v in given.items() if v is not None}
+    opts["sequence_parallel"] = {"auto": None, "on": True, "off": False}[args.sequence_parallel]
+    opts["explain"] = explain
+    return opts
+
+
+def _resolve(args: argparse.Namespace, *, device: str = "meta") -> tuple[Any, tuple | None, str]:
+    from .sources import resolve_model
+
+    return resolve_model(args.model, device=device, batch_size=args.batch, seq_len=args.seq)
+
+
+def _make_plan(args: argparse.Namespace, *, explain: bool) -> tuple[Any, Any, str]:
+    """(plan, model, display name) for the model and options on the command line."""
+    import shardplan
+
+    axes = parse_mesh(args.mesh)
+    opts = _plan_options(args, explain=explain)
+    mesh = ",".join(f"{k}={v}" for k, v in axes.items())
+    with _progress(f"tracing and planning {args.model} on {mesh} ..."):
+        model, inputs, name = _resolve(args)
+        plan = shardplan.plan_model(model, axes, example_inputs=inputs, **opts)
+    return plan, model, name
+
+
+def _output_format(args: argparse.Namespace) -> str:
+    if args.output is None:
+        return args.format or "table"
+    if args.format == "table":
+        raise ValueError("-o writes a plan file: use --format yaml or --format json (a table goes to stdout)")
+    if args.format:
+        return args.format
+    return "json" if Path(args.output).suffix.lower() == ".json" else "yaml"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    fmt = _output_format(args)
+    if args.output and not args.force and Path(args.output).exists():  # fail before the slow part
+        raise FileExistsError(f"{args.output} exists; pass --force to overwrite it")
+    plan, model, name = _make_plan(args, explain=not args.no_explain)
+    if args.output:
+        from .planfile import atomic_write
+
+        atomic_write(Path(args.output), plan.to_json() + "\n" if fmt == "json" else plan.to_yaml(), force=args.force)
+        step = f", predicted step {_seconds(plan.estimate.step_time_s)}" if plan.estimate else ""
+        print(f"shardplan: wrote the {name} plan for {args.mesh} to {args.output} ({len(plan.rules)} rules{step})", file=sys.stderr)
+    elif fmt == "table":
+        from .report import render_table
+
+        render_table(plan, model=model, show_why=args.why)
+    else:
+        sys.stdout.write(plan.to_yaml() if fmt == "yaml" else plan.to_json() + "\n")
+    return EXIT_OK
+
+
+def _seconds(s: float) -> str:
+    from .cost import format_seconds
+
+    return format_seconds(s)
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from .plan import Plan
+
+    print(json.dumps(Plan.model_json_schema(), indent=2))
+    return EXIT_OK
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .plan import matches
+    from .report import decision_table, make_console
+
+    plan, model, name = _make_plan(args, explain=True)
+    names = [fqn for fqn, _ in model.named_modules() if fqn]
+    if not any(matches(args.fqn, fqn) for fqn in names):
+        raise ValueError(f"{name} has no module {args.fqn!r}; weight modules look like {_examples(plan)}")
+    make_console().print(decision_table(plan.explain(args.fqn), fqn=args.fqn))
+    return EXIT_OK
+
+
+def _examples(plan: Any) -> str:
+    return ", ".join(repr(r.module) for r in plan.rules[:3])
+
+
+# --------------------------------------------------------------------------- check
+
+
+def _owns_params(module: Any) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) -> list[str]:
+    from .report import sharded_dim, weight_of
+
+    bad = []
+    for fqn in hits:
+        mod = modules[fqn]
+        weight, dim = weight_of(mod), sharded_dim(rule.style, mod)
+        if weight is None or dim is None or dim >= weight.dim() or weight.shape[dim] % tp == 0:
+            continue
+        bad.append((fqn, dim, int(weight.shape[dim])))
+    if not bad:
+        return []
+    fqn, dim, size = bad[0]
+    more = f" (and {len(bad) - 1} more modules)" if len(bad) > 1 else ""
+    return [f"{fqn}: {rule.style} splits weight dim {dim} of size {size}, which tp={tp} does not divide{more}"]
+
+
+def check_findings(plan: Any, model: Any) -> list[str]:
+    """Problems applying ``plan`` to ``model`` would hit; empty when it fits."""
+    from .plan import fingerprint, matches
+
+    findings = []
+    got = fingerprint(model)
+    if got != plan.model.fingerprint:
+        findings.append(f"fingerprint: the plan is for a {plan.model.class_name} with {plan.model.fingerprint}, "
+                        f"the model is a {type(model).__name__} with {got}; re-plan it with `shardplan plan`")
+    modules = dict(model.named_modules())
+    for rule in plan.rules:
+        hits = [fqn for fqn in modules if matches(rule.module, fqn)]
+        if not hits:
+            findings.append(f"rule {rule.module} ({rule.style}): matches no module of the model")
+        findings += _divisibility(rule, hits, modules, plan.tp) if hits else []
+    for region in plan.regions:
+        if not any(matches(region.module, fqn) for fqn in modules):
+            findings.append(f"region {region.module}: matches no module of the model")
+    for fqn, mod in modules.items():
+        if _owns_params(mod) and not any(matches(r.module, fqn) for r in plan.rules):
+            findings.append(f"{fqn or '<root>'} ({type(mod).__name__}): owns parameters but no rule covers it")
+    return findings
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .plan import load_plan
+    from .sources import resolve_model
+
+    plan = load_plan(args.plan)
+    model, _, name = resolve_model(args.model)
+    findings = check_findings(plan, model)
+    for line in findings:
+        print(line)
+    if findings:
+        print(f"shardplan: {len(findings)} finding(s): {args.plan} does not fit {name}", file=sys.stderr)
+        return EXIT_FINDINGS
+    print(f"ok: {args.plan} fits {name} ({len(plan.rules)} rules, tp={plan.tp})", file=sys.stderr)
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- diff
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from .plan import load_plan
+    from .report import diff_lines
+
+    a, b = load_plan(args.plan_a), load_plan(args.plan_b)
+    print(f"--- {args.plan_a}\n+++ {args.plan_b}")
+    for line in diff_lines(a, b):
+        print(line)
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- simulate
+
+_COLLECTIVE_KINDS = {
+    "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
+}
+
+
+def _kind(op: Any) -> str:
+    name = str(op).rsplit(".", 1)[-1].rstrip("_")
+    return _COLLECTIVE_KINDS.get(name, name)
+
+
+def _scalar_loss(out: Any) -> Any:
+    if hasattr(out, "logits"):
+        out = out.logits
+    elif isinstance(out, dict):
+        out = next(iter(out.values()))
+    elif isinstance(out, (tuple, list)):
+        out = out[0]
+    return out.float().sum()
+
+
+def _count_collectives(model: Any, plan: Any, inputs: tuple) -> dict[str, dict[str, int]]:
+    """Apply ``plan`` under a fake process group; count one forward and one backward."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from .api import apply_plan
+    from .launch import fake_process_group, make_mesh
+
+    counted: dict[str, dict[str, int]] = {}
+    with fake_process_group(math.prod(plan.mesh.axes.values())), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_plan(model, make_mesh(plan.mesh.axes), plan)
+        with CommDebugMode() as fwd:
+            loss = _scalar_loss(model(*inputs))
+        with CommDebugMode() as bwd:
+            loss.backward()
+    for phase, mode in (("forward", fwd), ("backward", bwd)):
+        counts: dict[str, int] = {}
+        for op, n in mode.get_comm_counts().items():
+            counts[_kind(op)] = counts.get(_kind(op), 0) + n
+        counted[phase] = counts
+    return counted
+
+
+def _simulate_model(args: argparse.Namespace, plan: Any, *, device: str) -> dict[str, dict[str, int]]:
+    from .api import infer_example_inputs
+
+    model, inputs, _ = _resolve(args, device=device)
+    if inputs is None:
+        inputs = infer_example_inputs(model, batch_size=args.batch or 1, seq_len=args.seq or 2048)
+        inputs = tuple(t.to(device) for t in inputs) if device != "meta" else inputs
+    return _count_collectives(model, plan, inputs)
+
+
+def _simulate(args: argparse.Namespace, plan: Any) -> dict[str, dict[str, int]]:
+    try:
+        return _simulate_model(args, plan, device="meta")
+    except (RuntimeError, NotImplementedError) as exc:
+        if plan.model.num_params > _CPU_FALLBACK_PARAMS:
+            raise ValueError(f"running {args.model} on meta tensors under the fake process group failed: "
+                             f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+    try:
+        return _simulate_model(args, plan, device="cpu")
+    except (RuntimeError, NotImplementedError) as exc:
+        raise ValueError(f"running {args.model} under the fake process group failed (meta and CPU): "
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+
+
+def _simulation_table(counted: dict[str, dict[str, int]], predicted: dict[str, dict[str, int]]) -> tuple[Any, bool]:
+    from rich.table import Table
+
+    table = Table(title="collectives per step: counted (CommDebugMode) vs predicted (plan estimate)", title_justify="left")
+    for col in ("phase", "collective", "counted", "predicted", ""):
+        table.add_column(col, justify="right" if col in ("counted", "predicted") else "left")
+    ok = True
+    for phase in ("forward", "backward"):
+        c, p = counted.get(phase, {}), predicted.get(phase, {})
+        for kind in sorted(k for k in set(c) | set(p) if c.get(k, 0) or p.get(k, 0)):
+            same = c.get(kind, 0) == p.get(kind, 0)
+            ok &= same
+            table.add_row(phase, kind, str(c.get(kind, 0)), str(p.get(kind, 0)), "ok" if same else "DIFFERS")
+    return table, ok
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .plan import load_plan
+    from .report import make_console
+
+    plan = load_plan(args.plan) if args.plan else _make_plan(args, explain=False)[0]
+    with _progress(f"simulating {args.model} on a fake process group ..."):
+        counted = _simulate(args, plan)
+    predicted = {ph: c.model_dump() for ph, c in plan.estimate.collectives.items()} if plan.estimate else {}
+    table, ok = _simulation_table(counted, predicted)
+    make_console().print(table)
+    if not ok:
+        print("shardplan: the counted collectives differ from the plan's estimate", file=sys.stderr)
+    return EXIT_OK if ok else EXIT_FINDINGS
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _print_error(exc: BaseException) -> None:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()] or [type(exc).__name__]
+    print(f"shardplan: error: {lines[0]}", file=sys.stderr)
+    if len(lines) > 1:
+        print("  " + "; ".join(lines[1:]), file=sys.stderr)
+
+
+def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    try:
+        return func(args)
+    except (ValueError, FileExistsError, FileNotFoundError) as exc:
+        _print_error(exc)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("shardplan: interrupted", file=sys.stderr)
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line in ``argv``; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version and usage errors
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    return _run(args.func, args)
