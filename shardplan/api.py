@@ -28,9 +28,9 @@ from .solve import PlanningError, Solution, SolveContext, solve
 from .strategies import placement_str
 from .trace import TraceError, trace_model
 
-__all__ = ["plan_model", "apply_plan", "auto_parallelize", "mesh_axes", "PlanningError", "TraceError"]
+__all__ = ["plan_model", "apply_plan", "auto_parallelize", "price_styles", "mesh_axes", "PlanningError", "TraceError"]
 
-_EXTRA_OPTIONS = ("explain", "tp_axis", "fold_repeated", "strict")
+_EXTRA_OPTIONS = ("explain", "tp_axis", "fold_repeated", "strict", "_pinned")
 _OPTION_NAMES = set(PlanOptions.model_fields) | set(_EXTRA_OPTIONS)
 
 
@@ -100,6 +100,7 @@ def plan_model(model: nn.Module, mesh: Any, *, example_inputs: tuple | None = No
     ctx = SolveContext(
         tp=axes[tp_axis], hardware=hardware, link=cost.axis_links(hardware, axes)[tp_axis],
         dtype=opts.dtype, memory_budget=opts.memory_budget, opts=opts,
+        forced=_pin(graph, extra.get("_pinned") or {}),
     )
     solution = solve(graph, ctx)
     entries = find_regions(graph, solution)
@@ -124,6 +125,29 @@ def plan_model(model: nn.Module, mesh: Any, *, example_inputs: tuple | None = No
 def _model_dtype(model: nn.Module) -> str:
     first = next(model.parameters(), None)
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(first.dtype if first is not None else None, "fp32")
+
+
+def price_styles(
+    model: nn.Module, mesh: Any, styles: Mapping[str, str | tuple[str, dict[str, str]]], *,
+    example_inputs: tuple | None = None, **options: Any,
+) -> Plan:
+    """Plan ``model`` with the given modules pinned to the given styles (a hand-written plan,
+    e.g. torchtitan's), so it is priced by the same cost model as the planner's own choice.
+    ``styles`` maps module FQNs (fnmatch patterns allowed) to a style name or ``(name,
+    {"input": "S1", "output": "R"})`` to pin layouts too."""
+    return plan_model(model, mesh, example_inputs=example_inputs, explain=False, _pinned=dict(styles), **options)
+
+
+def _pin(graph: OpGraph, styles: dict) -> dict[int, Any]:
+    from .plan import matches
+
+    forced = {}
+    for op in graph.ops:
+        if op.kind == "module":
+            hit = next((v for k, v in styles.items() if matches(k, op.target)), None)
+            if hit is not None:
+                forced[op.index] = hit
+    return forced
 
 
 def _record_shapes(opts: PlanOptions, example_inputs: tuple) -> PlanOptions:

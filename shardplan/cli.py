@@ -424,8 +424,8 @@ def _simulate(args: argparse.Namespace, plan: Any) -> dict[str, dict[str, int]]:
 def _simulation_table(counted: dict[str, dict[str, int]], predicted: dict[str, dict[str, int]]) -> tuple[Any, bool]:
     from rich.table import Table
 
-    table = Table(title="collectives per step: counted (CommDebugMode) vs predicted (plan estimate)", title_justify="left")
-    for col in ("phase", "collective", "counted", "predicted", ""):
+    table = Table(title="collectives: counted vs predicted", title_justify="left")
+    for col in ("phase", "collective", "counted", "predicted", "match"):
         table.add_column(col, justify="right" if col in ("counted", "predicted") else "left")
     ok = True
     for phase in ("forward", "backward"):

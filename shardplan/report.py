@@ -273,7 +273,8 @@ def _estimate_changes(a: Plan, b: Plan) -> list[str]:
         ("comm time", ea.comm_time_s, eb.comm_time_s, format_seconds),
     ]
     out = [f"  {name}: {fmt(x)} -> {fmt(y)} {_pct(x, y)}" for name, x, y, fmt in rows]
-    for phase in sorted(set(ea.collectives) | set(eb.collectives)):
+    phases = [p for p in ("forward", "backward") if p in ea.collectives or p in eb.collectives]
+    for phase in phases + sorted((set(ea.collectives) | set(eb.collectives)) - set(phases)):
         ca = ea.collectives[phase].model_dump() if phase in ea.collectives else {}
         cb = eb.collectives[phase].model_dump() if phase in eb.collectives else {}
         for kind in sorted(set(ca) | set(cb)):

@@ -51,7 +51,8 @@ class SolveContext:
     dtype: str = "bf16"
     memory_budget: int | None = None
     opts: Any = None
-    forced: dict[int, str] = field(default_factory=dict)  # op index -> style name
+    # op index -> style name, or (style name, layouts that must match, e.g. {"input": "S1"})
+    forced: dict[int, str | tuple[str, dict[str, str]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,7 +113,7 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
     for op in graph.ops:
         options = op_strategies(op, graph, tp=ctx.tp, opts=ctx.opts)
         if op.index in ctx.forced:
-            options = [s for s in options if s.name == ctx.forced[op.index]]
+            options = [s for s in options if _forced_match(s, ctx.forced[op.index])]
         strategies[op.index] = options
     prog = _Program(graph, ctx, strategies, {}, {}, {})
     for op_index, options in strategies.items():
@@ -130,6 +131,11 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
                     ) * op.multiplicity
                     prog.num_vars += 1
     return prog
+
+
+def _forced_match(s: Strategy, want: str | tuple[str, dict[str, str]]) -> bool:
+    name, layouts = (want, {}) if isinstance(want, str) else want
+    return s.name == name and all(s.layouts.get(k) == v for k, v in layouts.items())
 
 
 def _rows(prog: _Program) -> tuple[list[dict[int, float]], list[float], list[float]]:
