@@ -82,7 +82,22 @@ def _options(opts: dict[str, Any]) -> tuple[PlanOptions, dict[str, Any]]:
     return PlanOptions(**opts), extra
 
 
-def plan_model(model: nn.Module, mesh: Any, *, example_inputs: tuple | None = None, **options: Any) -> Plan:
+def _trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None, fold: bool):
+    """Hugging Face models build a KV cache unless told not to; planning traces training."""
+    config = getattr(model, "config", None)
+    saved = getattr(config, "use_cache", None)
+    if saved:
+        config.use_cache = False
+    try:
+        return trace_model(model, example_inputs, example_kwargs=example_kwargs, fold_repeated=fold)
+    finally:
+        if saved:
+            config.use_cache = saved
+
+
+def plan_model(
+    model: nn.Module, mesh: Any, *, example_inputs: tuple | None = None, example_kwargs: dict | None = None, **options: Any
+) -> Plan:
     """Decide the tensor-parallel plan of ``model`` on ``mesh``; see the module docstring."""
     opts, extra = _options(dict(options))
     if opts.dtype is None:
@@ -94,7 +109,7 @@ def plan_model(model: nn.Module, mesh: Any, *, example_inputs: tuple | None = No
         example_inputs = infer_example_inputs(model, batch_size=opts.batch_size or 1, seq_len=opts.seq_len or 2048)
     elif not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    graph = build_graph(trace_model(model, example_inputs, fold_repeated=extra.get("fold_repeated", True)))
+    graph = build_graph(_trace(model, example_inputs, example_kwargs, extra.get("fold_repeated", True)))
     if not any(op.kind == "module" for op in graph.ops):
         raise PlanningError(f"{type(model).__name__} has no weight modules called in forward: nothing to shard")
     ctx = SolveContext(

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import re
 import sys
 import warnings
@@ -471,6 +472,10 @@ def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) ->
     except KeyboardInterrupt:
         print("shardplan: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `shardplan schema | head`: stop quietly, as a SIGPIPE'd tool would
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,11 +15,12 @@ Linears add up before one collective.
 from __future__ import annotations
 
 import re
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -76,20 +77,56 @@ def _outputs_to_local(module, outputs, device_mesh):
     return outputs
 
 
-def _style(rule: Rule, *, loss_parallel: bool) -> ParallelStyle:
+class _Conv1DColwise(ColwiseParallel):
+    """ColwiseParallel for Hugging Face's Conv1D, whose weight is [in, out]: split dim 1."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, _conv1d_partition(Shard(1), Shard(0), self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class _Conv1DRowwise(RowwiseParallel):
+    """RowwiseParallel for Conv1D: the weight's input rows are dim 0; the bias stays whole."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, _conv1d_partition(Shard(0), Replicate(), self.src_data_rank),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+def _conv1d_partition(weight: Any, bias: Any, src_data_rank: int | None):
+    def partition(name, module, device_mesh):
+        for pname, layout in (("weight", weight), ("bias", bias)):
+            param = getattr(module, pname, None)
+            if param is not None:
+                dist = distribute_tensor(param, device_mesh, [layout], src_data_rank=src_data_rank)
+                module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+    return partition
+
+
+def _style(rule: Rule, *, loss_parallel: bool, conv1d: bool = False) -> ParallelStyle:
     inp = placement(rule.input_layouts)
     out = placement(rule.output_layouts)
+    col, row = (_Conv1DColwise, _Conv1DRowwise) if conv1d else (ColwiseParallel, RowwiseParallel)
     if rule.style == "colwise":
-        return ColwiseParallel(input_layouts=inp or Replicate(), output_layouts=out or Shard(-1))
+        return col(input_layouts=inp or Replicate(), output_layouts=out or Shard(-1))
     if rule.style == "colwise_gather_output":
         if loss_parallel:  # logits stay vocab-sharded for loss_parallel()
-            return ColwiseParallel(input_layouts=inp or Replicate(), output_layouts=Shard(-1), use_local_output=False)
-        return ColwiseParallel(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
+            return col(input_layouts=inp or Replicate(), output_layouts=Shard(-1), use_local_output=False)
+        return col(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
     if rule.style == "rowwise":
-        return RowwiseParallel(input_layouts=inp or Shard(-1), output_layouts=out or Replicate())
+        return row(input_layouts=inp or Shard(-1), output_layouts=out or Replicate())
+    if rule.style == "rowwise_split_input":  # Replicate -> Shard(-1) is a local slice
+        return row(input_layouts=Replicate(), output_layouts=out or Replicate())
     if rule.style == "embedding_rowwise":
         return RowwiseParallel(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
-    if rule.style == "sequence_parallel":
+    if rule.style in ("sequence_parallel", "replicated_with_grad_allreduce"):
         return SequenceParallel(sequence_dim=(inp or Shard(1)).dim, use_local_output=True)
     if rule.style == "replicate":
         return ReplicateParallel()
@@ -108,12 +145,27 @@ def _region_style(region: Region) -> ParallelStyle:
     )
 
 
-def to_parallelize_plan(plan: Plan) -> dict[str, ParallelStyle]:
+def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str, ParallelStyle]:
     """The ``parallelize_module`` dict: regions first, then one style per rule."""
     styles: dict[str, ParallelStyle] = {r.module: _region_style(r) for r in plan.regions}
+    conv1d = _conv1d_rules(plan, model)
     for rule in plan.rules:
-        styles[rule.module] = _style(rule, loss_parallel=plan.options.loss_parallel)
+        styles[rule.module] = _style(rule, loss_parallel=plan.options.loss_parallel, conv1d=rule.module in conv1d)
     return styles
+
+
+def _conv1d_rules(plan: Plan, model: nn.Module | None) -> set[str]:
+    if model is None:
+        return set()
+    from .graph import module_kind
+    from .plan import expand_pattern
+
+    found = set()
+    for rule in plan.rules:
+        fqns = expand_pattern(rule.module, plan.model.repeats)
+        if fqns and module_kind(model.get_submodule(fqns[0])) == "conv1d":
+            found.add(rule.module)
+    return found
 
 
 def tp_mesh(device_mesh, plan: Plan):
@@ -160,14 +212,14 @@ def apply_plan(model: nn.Module, device_mesh, plan: Plan, *, check: bool = True)
     if mesh.size() != plan.tp:
         raise ValueError(f"the plan was made for tp={plan.tp} but the mesh's tp axis has {mesh.size()} ranks; re-plan for this mesh")
     tied = _tied_groups(model)
-    parallelize_module(model, mesh, to_parallelize_plan(plan))
+    parallelize_module(model, mesh, to_parallelize_plan(plan, model))
     for group in tied:
         first_fqn, first_name = group[0]
         shared = getattr(model.get_submodule(first_fqn), first_name)
         for fqn, name in group[1:]:
             setattr(model.get_submodule(fqn), name, shared)
     for fqn, style in plan.module_styles().items():
-        if style == "sequence_parallel":
+        if style in ("sequence_parallel", "replicated_with_grad_allreduce"):
             for p in model.get_submodule(fqn).parameters(recurse=False):
                 p.register_post_accumulate_grad_hook(_reduce_partial_grad)
     return model

@@ -82,6 +82,8 @@ def module_kind(module: nn.Module) -> str:
     weight = params.get("weight")
     if isinstance(module, nn.Linear) and weight is not None and weight.dim() == 2:
         return "linear"
+    if type(module).__name__ == "Conv1D" and weight is not None and weight.dim() == 2 and hasattr(module, "nf"):
+        return "conv1d"  # Hugging Face's transposed Linear (GPT-2): y = x @ W + b, W [in, out]
     if isinstance(module, nn.Embedding):
         return "embedding"
     if params and all(p.dim() == 1 for p in params.values()) and _is_norm_like(module, params):

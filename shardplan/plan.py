@@ -28,12 +28,12 @@ __all__ = [
 ]
 
 STYLES = (
-    "colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "sequence_parallel",
-    "replicate", "packed_colwise",
+    "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
+    "sequence_parallel", "replicated_with_grad_allreduce", "replicate",
 )
 Style = Literal[
-    "colwise", "rowwise", "colwise_gather_output", "embedding_rowwise", "sequence_parallel",
-    "replicate", "packed_colwise",
+    "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
+    "sequence_parallel", "replicated_with_grad_allreduce", "replicate",
 ]
 LAYOUT_RE = re.compile(r"^(Replicate|Partial|Shard\((-?\d+)\))$")
 

@@ -20,9 +20,13 @@ The matrix math (Linear computes y = x @ W.T, W is [out, in]):
   logits the user needs whole).
 * embedding_rowwise (vocab parallel): the table is sharded on the vocabulary (Shard(0));
   each rank looks up the ids it owns and zeros the rest: a Partial sum, all-reduced.
+* rowwise_split_input: rowwise on an input that arrives whole; each rank slices its
+  features locally, and backward all-gathers the sliced input gradient.
 * sequence_parallel (norms): the activation is sharded on the sequence; the norm is
   per-token so it runs locally, but its weight gradient sums over tokens: Partial,
-  all-reduced once per step.
+  all-reduced once per step. replicated_with_grad_allreduce is the same for a norm whose
+  input is sharded on heads (Qwen3's q_norm/k_norm).
+* Hugging Face's Conv1D stores W as [in, out]: each style splits the other weight dim.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any
 from torch import nn
 
 from .graph import Op, OpGraph
+from .graph import module_kind as module_kind_of
 from .strategies import Strategy
 
 __all__ = ["module_strategies", "STYLE_NAMES"]
@@ -41,8 +46,10 @@ STYLE_NAMES = (
     "colwise",
     "rowwise",
     "colwise_gather_output",
+    "rowwise_split_input",
     "embedding_rowwise",
     "sequence_parallel",
+    "replicated_with_grad_allreduce",
     "replicate",
 )
 
@@ -65,7 +72,7 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
     sp_opt = getattr(opts, "sequence_parallel", None)
     sp = sp_opt is not False
     kind = op.module_kind
-    if kind == "linear" and len(op.inputs) == 1:
+    if kind in ("linear", "conv1d") and len(op.inputs) == 1:
         found = _linear(op, graph, module, tp, sp)
     elif kind == "embedding" and len(op.inputs) == 1:
         found = _embedding(op, graph, module, tp, sp)
@@ -87,39 +94,68 @@ def _replicate(op: Op, graph: OpGraph, module: nn.Module, flops: float = 0.0) ->
     )
 
 
-def _linear(op: Op, graph: OpGraph, module: nn.Linear, tp: int, sp: bool) -> list[Strategy]:
+def _features(module: nn.Module) -> tuple[int, int, str, str]:
+    """(in, out, colwise weight placement, rowwise weight placement).
+
+    nn.Linear stores W as [out, in]; HF's Conv1D as [in, out] (y = x @ W + b), so the same
+    style splits the other weight dim."""
+    w = module.weight
+    if module_kind_of(module) == "conv1d":
+        return w.shape[0], w.shape[1], "S1", "S0"
+    return w.shape[1], w.shape[0], "S0", "S1"
+
+
+def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[Strategy]:
     x, y = graph.values[op.inputs[0]], graph.values[op.output]
+    n_in, n_out, col_w, row_w = _features(module)
     tokens = x.nbytes // max(x.shape[-1], 1) // x.dtype.itemsize if x.shape else 0
-    flops = 3 * 2 * tokens * module.in_features * module.out_features  # fwd + dx + dW
+    flops = 3 * 2 * tokens * n_in * n_out  # forward, dx and dW
     pbytes = _param_bytes(module)
     last = len(y.shape) - 1
     out: list[Strategy] = [_replicate(op, graph, module, flops)]
-    if module.out_features % tp == 0:
-        col = dict(param_bytes=pbytes / tp, flops=flops / tp, act_bytes=y.nbytes / tp)
-        out.append(Strategy("colwise", ("R",), f"S{last}", entry=("R",), layouts={"weight": "S0"}, **col))
+    col = dict(param_bytes=_ceil_div_bytes(pbytes, n_out, tp), flops=flops / tp, act_bytes=y.nbytes / tp)
+    # gathering right away tolerates an uneven split (a 50257-token head); sharded outputs do not
+    out.append(Strategy(
+        "colwise_gather_output", ("R",), "R", fwd=(("all_gather", y.nbytes),), entry=("R",),
+        layouts={"weight": col_w, "output": "R"}, **col,
+    ))
+    for d in _seq_dims(x.shape, tp) if sp else []:
         out.append(Strategy(
-            "colwise_gather_output", ("R",), "R", fwd=(("all_gather", y.nbytes),), entry=("R",),
-            layouts={"weight": "S0", "output": "R"}, **col,
+            "colwise_gather_output", (f"S{d}",), "R", fwd=(("all_gather", y.nbytes),), entry=(f"S{d}",),
+            layouts={"weight": col_w, "input": f"S{d}", "output": "R"}, **col,
         ))
+    if n_out % tp == 0:
+        out.append(Strategy("colwise", ("R",), f"S{last}", entry=("R",), layouts={"weight": col_w}, **col))
         for d in _seq_dims(x.shape, tp) if sp else []:
             out.append(Strategy(
-                "colwise", (f"S{d}",), f"S{last}", entry=(f"S{d}",),
-                layouts={"weight": "S0", "input": f"S{d}"}, **col,
+                "colwise", (f"S{d}",), f"S{last}", entry=(f"S{d}",), layouts={"weight": col_w, "input": f"S{d}"}, **col,
             ))
-            out.append(Strategy(
-                "colwise_gather_output", (f"S{d}",), "R", fwd=(("all_gather", y.nbytes),), entry=(f"S{d}",),
-                layouts={"weight": "S0", "input": f"S{d}", "output": "R"}, **col,
-            ))
-    if module.in_features % tp == 0:
-        bias = module.bias.numel() * module.bias.element_size() if module.bias is not None else 0
-        row = dict(param_bytes=(pbytes - bias) / tp + bias, flops=flops / tp)
-        in_shard = f"S{len(x.shape) - 1}"
-        out.append(Strategy("rowwise", (in_shard,), "R", fwd=(("all_reduce", y.nbytes),), act_bytes=y.nbytes, layouts={"weight": "S1"}, **row))
-        for d in _seq_dims(y.shape, tp) if sp else []:
-            out.append(Strategy(
-                "rowwise", (in_shard,), f"S{d}", fwd=(("reduce_scatter", y.nbytes),), bwd=(("all_gather", y.nbytes),),
-                act_bytes=y.nbytes / tp, layouts={"weight": "S1", "output": f"S{d}"}, **row,
-            ))
+    if n_in % tp == 0:
+        out += _rowwise(x, y, module, pbytes, flops, tp, sp, row_w)
+    return out
+
+
+def _ceil_div_bytes(total: int, dim: int, tp: int) -> float:
+    """Bytes of the largest shard when ``dim`` splits unevenly (torch gives the remainder to the last)."""
+    return total * (-(-dim // tp)) / dim
+
+
+def _rowwise(x, y, module: nn.Module, pbytes: int, flops: float, tp: int, sp: bool, row_w: str) -> list[Strategy]:
+    bias = module.bias.numel() * module.bias.element_size() if getattr(module, "bias", None) is not None else 0
+    row = dict(param_bytes=(pbytes - bias) / tp + bias, flops=flops / tp)
+    in_shard = f"S{len(x.shape) - 1}"
+    out = [Strategy("rowwise", (in_shard,), "R", fwd=(("all_reduce", y.nbytes),), act_bytes=y.nbytes, layouts={"weight": row_w}, **row)]
+    # input arrives whole (e.g. after a gathered fused qkv): each rank keeps its slice of the
+    # features; backward all-gathers the sliced input gradient
+    out.append(Strategy(
+        "rowwise_split_input", ("R",), "R", fwd=(("all_reduce", y.nbytes),), bwd=(("all_gather", x.nbytes),),
+        act_bytes=y.nbytes, layouts={"weight": row_w, "input": "R"}, **row,
+    ))
+    for d in _seq_dims(y.shape, tp) if sp else []:
+        out.append(Strategy(
+            "rowwise", (in_shard,), f"S{d}", fwd=(("reduce_scatter", y.nbytes),), bwd=(("all_gather", y.nbytes),),
+            act_bytes=y.nbytes / tp, layouts={"weight": row_w, "output": f"S{d}"}, **row,
+        ))
     return out
 
 
@@ -128,15 +164,16 @@ def _embedding(op: Op, graph: OpGraph, module: nn.Embedding, tp: int, sp: bool) 
     pbytes = _param_bytes(module)
     last = len(y.shape) - 1
     out: list[Strategy] = [_replicate(op, graph, module)]
+    vocab_shard = _ceil_div_bytes(pbytes, module.num_embeddings, tp)  # uneven vocabularies split too
+    out.append(Strategy(
+        "embedding_rowwise", ("R",), "R", fwd=(("all_reduce", y.nbytes),),
+        param_bytes=vocab_shard, act_bytes=y.nbytes, layouts={"weight": "S0"},
+    ))
     if module.num_embeddings % tp == 0:
-        out.append(Strategy(
-            "embedding_rowwise", ("R",), "R", fwd=(("all_reduce", y.nbytes),),
-            param_bytes=pbytes / tp, act_bytes=y.nbytes, layouts={"weight": "S0"},
-        ))
         for d in _seq_dims(y.shape, tp) if sp else []:
             out.append(Strategy(
                 "embedding_rowwise", ("R",), f"S{d}", fwd=(("reduce_scatter", y.nbytes),), bwd=(("all_gather", y.nbytes),),
-                param_bytes=pbytes / tp, act_bytes=y.nbytes / tp, layouts={"weight": "S0", "output": f"S{d}"},
+                param_bytes=vocab_shard, act_bytes=y.nbytes / tp, layouts={"weight": "S0", "output": f"S{d}"},
             ))
     if module.embedding_dim % tp == 0:
         out.append(Strategy("colwise", ("R",), f"S{last}", param_bytes=pbytes / tp, act_bytes=y.nbytes / tp, layouts={"weight": "S1"}))
@@ -149,8 +186,10 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
     out: list[Strategy] = [_replicate(op, graph, module)]
     out[0] = Strategy("replicate", ("R",), "R", param_bytes=pbytes, mem_bytes=2 * x.nbytes, act_bytes=x.nbytes, layouts={"weight": "R"})
     for d in _seq_dims(x.shape, tp) if sp else []:
+        # dim 1 of (batch, seq, hidden) is the sequence; a deeper dim is heads (q_norm/k_norm)
+        name = "sequence_parallel" if d == 1 and len(x.shape) == 3 else "replicated_with_grad_allreduce"
         out.append(Strategy(
-            "sequence_parallel", (f"S{d}",), f"S{d}", bwd=tuple(("all_reduce", p.numel() * p.element_size()) for p in module.parameters(recurse=False)),
+            name, (f"S{d}",), f"S{d}", bwd=tuple(("all_reduce", p.numel() * p.element_size()) for p in module.parameters(recurse=False)),
             param_bytes=pbytes, mem_bytes=2 * x.nbytes / tp, act_bytes=x.nbytes / tp, layouts={"weight": "R", "input": f"S{d}"},
         ))
     return out

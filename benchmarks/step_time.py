@@ -1,0 +1,324 @@
+"""Real training-step time on 2 gloo ranks: the auto plan vs torchtitan's hand plans.
+
+One run, one pair of gloo ranks (``shardplan.launch.run_on_gloo``, one thread per rank),
+three copies of the same Llama (same seed, same weights, same batch) in the same worker
+processes, each tensor-parallel over tp=2 a different way:
+
+  A  auto   ``shardplan.plan_model(..., hardware="cpu-gloo")`` then ``shardplan.apply_plan``
+  B  tt-sp  torchtitan's ``apply_tp`` written out with torch's own styles (sequence parallel)
+  C  tt-nosp the same without sequence parallel: per-Linear TP, one PrepareModuleInput per
+            block so wq/wk/wv (and w1/w3) share one backward all-reduce, norms replicated
+
+B and C are written from pytorch/torchtitan, torchtitan/models/llama3/infra/parallelize.py,
+``apply_tp`` (commit 018740b7aae7846d24954539244c78215dbd181f), with ``loss_parallel=False``
+(output ``Replicate``, so all three compute the same plain cross-entropy), no float8, no
+context parallel. Our ``Attention.forward`` takes ``(x, cos, sin)``, so the attention
+``PrepareModuleInput`` has three entries where torchtitan's has four.
+
+A step is forward, cross-entropy, backward, ``AdamW(foreach=True).step()``, ``zero_grad``.
+After 3 warm-up steps each, the variants alternate step by step (A, B, C, A, B, C, ...), a
+barrier before every step; a step's time is the max over the two ranks; the table shows the
+median per variant. The losses of the three variants are compared step by step as a check
+that they train the same model on the same data.
+
+Usage (from the repo root)::
+
+    python benchmarks/step_time.py [--steps 15] [--dim 512] [--layers 4] [--batch 4] [--seq 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+VARIANTS = ("A", "B", "C")
+NAMES = {"A": "auto (shardplan)", "B": "torchtitan, SP", "C": "torchtitan, no SP"}
+
+
+def make_config(args_dict: dict):
+    from shardplan.models import LlamaConfig
+
+    return LlamaConfig(
+        dim=args_dict["dim"], n_layers=args_dict["layers"], n_heads=args_dict["heads"],
+        n_kv_heads=args_dict["kv_heads"], vocab_size=args_dict["vocab"],
+        multiple_of=args_dict["multiple_of"], max_seq_len=max(args_dict["seq"], 128),
+    )
+
+
+def build_model(cfg, seed: int = 0, device: str = "cpu") -> nn.Module:
+    from shardplan.models import Transformer
+
+    if device == "meta":
+        with torch.device("meta"):
+            return Transformer(cfg)
+    torch.manual_seed(seed)
+    return Transformer(cfg)
+
+
+# --------------------------------------------------------------------------- hand plans
+
+
+def _replicate_norm(module: nn.Module, mesh) -> None:
+    """Make a norm's parameters Replicate DTensors, inputs and outputs staying plain tensors.
+
+    Plan C leaves the norms whole; turning their weights into Replicate DTensors (same math,
+    no communication: replicated input, replicated weight, replicated gradient) lets every
+    parameter be a DTensor, so ``AdamW(foreach=True)`` works for C as for A and B.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def inputs_to_dtensor(mod, inputs, device_mesh):
+        return tuple(
+            DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+            for x in inputs
+        )
+
+    def output_to_local(mod, output, device_mesh):
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    distribute_module(module, mesh, None, inputs_to_dtensor, output_to_local)
+
+
+def _reduce_partial_grad(param: torch.Tensor) -> None:
+    """A sequence-parallel norm's weight gradient is Partial (a sum over each rank's tokens):
+    make it Replicate once per backward (torchtitan leaves this to FSDP's reduce-scatter;
+    with TP alone something has to do it, and shardplan's emitter installs the same hook)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    grad = param.grad
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        param.grad = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
+
+
+def apply_torchtitan(model: nn.Module, mesh, *, sequence_parallel: bool) -> nn.Module:
+    """torchtitan's ``apply_tp`` (loss_parallel=False), or its no-SP counterpart."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+    )
+
+    if sequence_parallel:
+        top = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+        seq, norm_style = Shard(1), SequenceParallel
+    else:
+        top = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        }
+        seq, norm_style = Replicate(), None
+    parallelize_module(model, mesh, top)
+    for block in model.layers:
+        plan = {
+            # x, cos, sin: only x becomes a DTensor; use_local_output=False (the default
+            # of PrepareModuleInput) lets the Partial input-gradients of wq, wk and wv add
+            # up as DTensors, so one collective closes the block in backward
+            "attention": PrepareModuleInput(
+                input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None),
+                use_local_output=False,
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False,
+            ),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if norm_style is not None:
+            plan["attention_norm"] = norm_style()
+            plan["ffn_norm"] = norm_style()
+        parallelize_module(block, mesh, plan)
+    norms = [m for m in model.modules() if isinstance(m, nn.RMSNorm)]
+    for norm in norms:
+        if sequence_parallel:
+            for p in norm.parameters():
+                p.register_post_accumulate_grad_hook(_reduce_partial_grad)
+        else:
+            _replicate_norm(norm, mesh)
+    return model
+
+
+# --------------------------------------------------------------------------- worker
+
+
+def _train_step(model, opt, tokens, labels) -> torch.Tensor:
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def worker(rank: int, world: int, args_dict: dict) -> dict:
+    import shardplan
+    from shardplan.launch import make_mesh
+    from torch.distributed.tensor import DTensor
+
+    torch.set_num_threads(1)
+    cfg = make_config(args_dict)
+    mesh = make_mesh({"tp": world})
+    bs, seq = args_dict["batch"], args_dict["seq"]
+    gen = torch.Generator().manual_seed(1234)  # same batch on every rank
+    tokens = torch.randint(0, cfg.vocab_size, (bs, seq), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (bs, seq), generator=gen)
+
+    models = {v: build_model(cfg, seed=0) for v in VARIANTS}
+    t0 = time.perf_counter()
+    plan = shardplan.plan_model(
+        models["A"], {"tp": world}, example_inputs=(torch.empty(bs, seq, dtype=torch.long, device="meta"),),
+        hardware="cpu-gloo", explain=False,
+    )
+    plan_s = time.perf_counter() - t0
+    shardplan.apply_plan(models["A"], mesh, plan)
+    apply_torchtitan(models["B"], mesh, sequence_parallel=True)
+    apply_torchtitan(models["C"], mesh, sequence_parallel=False)
+    opts = {}
+    for v, model in models.items():
+        plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+        if plain:
+            raise RuntimeError(f"variant {v}: parameters {plain[:4]} are not DTensors; foreach AdamW would fail")
+        opts[v] = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+
+    losses: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for i in range(args_dict["warmup"] + args_dict["steps"]):
+        for v in VARIANTS:
+            dist.barrier()
+            start = time.perf_counter()
+            loss = _train_step(models[v], opts[v], tokens, labels)
+            elapsed = time.perf_counter() - start
+            losses[v].append(float(loss))
+            if i >= args_dict["warmup"]:
+                times[v].append(elapsed)
+    # a step's time is the slower rank's
+    packed = torch.tensor([times[v] for v in VARIANTS], dtype=torch.float64)
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    return {
+        "times": {v: packed[k].tolist() for k, v in enumerate(VARIANTS)},
+        "losses": losses,
+        "plan": plan.model_dump(mode="json") if rank == 0 else None,
+        "plan_s": plan_s,
+    }
+
+
+# --------------------------------------------------------------------------- parent
+
+
+def _predicted(cfg, args_dict: dict) -> dict[str, float | None]:
+    """The cost model's step time (cpu-gloo profile) for each variant's styles."""
+    import shardplan
+
+    from plan_quality import NO_SP, TORCHTITAN  # the same style tables as the pricing benchmark
+
+    model = build_model(cfg, device="meta")
+    inputs = (torch.empty(args_dict["batch"], args_dict["seq"], dtype=torch.long, device="meta"),)
+    common = dict(example_inputs=inputs, hardware="cpu-gloo")
+    out: dict[str, float | None] = {}
+    for v, call in (
+        ("A", lambda: shardplan.plan_model(model, {"tp": 2}, explain=False, **common)),
+        ("B", lambda: shardplan.price_styles(model, {"tp": 2}, TORCHTITAN, **common)),
+        ("C", lambda: shardplan.price_styles(model, {"tp": 2}, NO_SP, sequence_parallel=False, **common)),
+    ):
+        try:
+            out[v] = call().estimate.step_time_s
+        except Exception as exc:  # pricing is informative only; never fail the measurement
+            print(f"# pricing {v} failed: {type(exc).__name__}: {exc}")
+            out[v] = None
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per variant (>= 12)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--multiple-of", type=int, default=256, help="ffn hidden = 8/3*dim rounded up to this")
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args()
+    args_dict = {k.replace("-", "_"): v for k, v in vars(args).items()}
+    args_dict["kv_heads"] = args.kv_heads
+    args_dict["multiple_of"] = args.multiple_of
+
+    from shardplan.launch import run_on_gloo
+
+    cfg = make_config(args_dict)
+    n_params = sum(p.numel() for p in build_model(cfg, device="meta").parameters())
+    print(f"# step_time: {datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs, 2 gloo ranks x 1 thread, fp32")
+    print(f"# Llama dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} "
+          f"ffn={cfg.ffn_hidden_dim} vocab={cfg.vocab_size} ({n_params / 1e6:.1f}M params); "
+          f"batch {args.batch} x seq {args.seq}; AdamW(foreach=True)")
+    started = time.perf_counter()
+    results = run_on_gloo(worker, world_size=2, args=(args_dict,), timeout_s=args.timeout, num_threads=1)
+    wall = time.perf_counter() - started
+    r0 = results[0]
+    times = r0["times"]
+    med = {v: statistics.median(times[v]) for v in VARIANTS}
+    predicted = _predicted(cfg, args_dict)
+
+    plan = r0["plan"]
+    print(f"# auto plan (planned in {r0['plan_s']:.2f} s on rank 0, hardware cpu-gloo):")
+    for rule in plan["rules"]:
+        lay = ", ".join(f"{k}={rule[k]}" for k in ("input_layouts", "output_layouts") if rule[k])
+        print(f"#   {rule['module']:<28} {rule['style']}{f' ({lay})' if lay else ''}")
+    for region in plan["regions"]:
+        print(f"#   region {region['module']:<21} input {region['input']}: "
+              f"{region['input_layouts']} -> {region['desired_input_layouts']}")
+    uses_sp = any(r["style"] == "sequence_parallel" for r in plan["rules"])
+    print(f"# auto plan uses sequence parallel at this size: {'yes' if uses_sp else 'no'}")
+    print()
+    print(f"{'variant':<22} {'median s':>9} {'min s':>7} {'max s':>7} {'n':>3} {'predicted s':>11} {'meas/pred':>9}")
+    for v in VARIANTS:
+        pred = predicted.get(v)
+        pred_s = f"{pred:>11.4f}" if pred else f"{'-':>11}"
+        ratio = f"{med[v] / pred:>9.2f}" if pred else f"{'-':>9}"
+        print(f"{v + ' ' + NAMES[v]:<22} {med[v]:>9.4f} {min(times[v]):>7.4f} {max(times[v]):>7.4f} "
+              f"{len(times[v]):>3} {pred_s} {ratio}")
+    best_hand = min(("B", "C"), key=lambda v: med[v])
+    print()
+    print(f"A/B (auto / torchtitan SP)      = {med['A'] / med['B']:.3f}")
+    print(f"A/C (auto / torchtitan no SP)   = {med['A'] / med['C']:.3f}")
+    ok = med["A"] / med[best_hand] <= 1.05
+    print(f"A/best hand plan ({best_hand})         = {med['A'] / med[best_hand]:.3f}   target <= 1.05: "
+          f"{'met' if ok else 'NOT met'}")
+    # paired per-step ratios are less sensitive to slow drifts in machine load
+    paired = {h: statistics.median(a / b for a, b in zip(times["A"], times[h])) for h in ("B", "C")}
+    print(f"median of paired per-step ratios: A/B {paired['B']:.3f}, A/C {paired['C']:.3f}")
+    losses = r0["losses"]
+    diffs = {h: max(abs(a - b) for a, b in zip(losses["A"], losses[h])) for h in ("B", "C")}
+    print(f"loss step 1 / last: " + ", ".join(
+        f"{v} {losses[v][0]:.4f}/{losses[v][-1]:.4f}" for v in VARIANTS))
+    print(f"max |loss A - loss B| = {diffs['B']:.2e}, max |loss A - loss C| = {diffs['C']:.2e} "
+          f"over {len(losses['A'])} steps")
+    print(f"# wall time of the gloo run: {wall:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

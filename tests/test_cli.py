@@ -1,0 +1,192 @@
+"""Command line: ``main([...])`` in-process (exit codes, stdout data, one-line errors on
+stderr, never a traceback), plus one subprocess run of ``python -m shardplan --help``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shardplan
+from shardplan.cli import main, parse_mesh
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_error(err: str) -> None:
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert 1 <= len(lines) <= 2, err
+    assert lines[0].startswith("shardplan: error: ")
+
+
+@pytest.fixture(scope="module")
+def plan_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """tp=2 and tp=4 plans of llama3-debug, written once through the CLI."""
+    d = tmp_path_factory.mktemp("plans")
+    files = {"tp2": d / "tp2.yaml", "tp4": d / "tp4.yaml"}
+    for key, path in files.items():
+        assert main(["plan", "llama3-debug", "--mesh", f"tp={key[2:]}", "-o", str(path)]) == 0
+    return files
+
+
+def test_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "plan", "llama3-debug", "--mesh", "tp=2")
+    assert code == 0, err
+    assert "layers.*.attention.wq" in out and "colwise" in out
+    assert "64x64" in out and "32x64" in out  # global and per-device shapes of wq
+    assert "step time" in out and "all_reduce" in out
+
+
+def test_plan_yaml_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "llama3-debug", "--mesh", "tp=2", "--format", "yaml", "--no-explain")
+    assert code == 0
+    plan = shardplan.Plan.from_yaml(out)
+    assert plan.tp == 2 and plan.rules
+    code, out, _ = run(capsys, "plan", "llama3-debug", "--mesh", "dp=2,tp=2", "--format", "json", "--no-explain")
+    assert code == 0
+    assert json.loads(out)["mesh"]["axes"] == {"dp": 2, "tp": 2}
+
+
+def test_output_file_refuses_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "plan.yaml"
+    code, out, err = run(capsys, "plan", "llama3-debug", "--mesh", "tp=2", "--no-explain", "-o", str(path))
+    assert code == 0 and out == "" and str(path) in err
+    assert shardplan.load_plan(path).tp == 2
+    code, _, err = run(capsys, "plan", "llama3-debug", "--mesh", "tp=2", "-o", str(path))
+    assert code == 2 and "--force" in err
+    assert_one_error(err)
+    code, _, _ = run(capsys, "plan", "llama3-debug", "--mesh", "tp=4", "--no-explain", "-o", str(path), "--force")
+    assert code == 0 and shardplan.load_plan(path).tp == 4
+    json_path = tmp_path / "plan.json"
+    assert run(capsys, "plan", "llama3-debug", "--mesh", "tp=2", "--no-explain", "-o", str(json_path))[0] == 0
+    assert json.loads(json_path.read_text())["version"] == 1
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "no-such-model"],
+    ["plan", "llama3-debug", "--mesh", "tp8"],
+    ["plan", "llama3-debug", "--mesh", "tp=0"],
+    ["plan", "llama3-debug", "--mesh", "dp=2,,tp=2"],
+    ["plan", "nosuchpkg.mod:build"],
+    ["plan", "llama3-debug", "--hardware", "tpu-v9"],
+    ["check", "/nonexistent/plan.yaml", "llama3-debug"],
+])
+def test_user_errors_exit_2_with_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert_one_error(err)
+
+
+def test_parse_mesh() -> None:
+    assert parse_mesh("tp=8") == {"tp": 8}
+    assert parse_mesh("dp=16,tp=8") == {"dp": 16, "tp": 8}
+    with pytest.raises(ValueError, match="tp=8"):
+        parse_mesh("tp:8")
+
+
+def test_tp_that_does_not_divide_kv_heads(capsys: pytest.CaptureFixture[str]) -> None:
+    """llama3-debug has 4 kv heads: tp=8 is either refused clearly or planned validly."""
+    code, out, err = run(capsys, "plan", "llama3-debug", "--mesh", "tp=8", "--format", "yaml", "--no-explain")
+    assert "Traceback" not in err
+    if code == 2:
+        assert_one_error(err)
+    else:
+        assert code == 0
+        assert shardplan.Plan.from_yaml(out).tp == 8
+
+
+def test_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "schema")
+    assert code == 0
+    assert "properties" in json.loads(out)
+
+
+def test_check(plan_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "check", str(plan_files["tp2"]), "llama3-debug")
+    assert code == 0, out + err
+    edited = tmp_path / "edited.yaml"
+    text = plan_files["tp2"].read_text()
+    old = shardplan.load_plan(plan_files["tp2"]).model.fingerprint
+    edited.write_text(text.replace(old, "sha256:" + "0" * 32))
+    code, out, err = run(capsys, "check", str(edited), "llama3-debug")
+    assert code == 1
+    assert "fingerprint" in out
+
+
+def test_check_unusable_plan_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nrules: [\n")
+    code, _, err = run(capsys, "check", str(bad), "llama3-debug")
+    assert code == 2
+    assert_one_error(err)
+
+
+def test_diff(plan_files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "diff", str(plan_files["tp2"]), str(plan_files["tp4"]))
+    assert code == 0
+    line = next(ln for ln in out.splitlines() if "param bytes/device" in ln)
+    assert "->" in line and "%" in line and "(same)" not in line
+    assert "tp=2 -> tp=4" in out
+
+
+def test_explain(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "explain", "llama3-debug", "layers.0.attention.wq", "--mesh", "tp=2")
+    assert code == 0, err
+    assert "colwise" in out and "replicate" in out and "chosen" in out
+
+
+def test_simulate_counts_match(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "simulate", "llama3-debug", "--mesh", "tp=2")
+    assert code == 0, out + err
+    assert "all_reduce" in out and "DIFFERS" not in out
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--help")
+    assert code == 0 and "examples:" in out and "--mesh" in out
+
+
+def test_python_m_help() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "shardplan", "--help"], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for command in ("plan", "explain", "check", "diff", "schema", "simulate"):
+        assert command in proc.stdout
+
+
+def test_callable_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "cli_user_models.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 32))\n"
+        "def not_a_model():\n"
+        "    return 42\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run(capsys, "plan", "cli_user_models:build", "--mesh", "tp=4", "--no-explain")
+    assert code == 0, err
+    assert "128x32" in out and "32x32" in out
+    code, _, err = run(capsys, "plan", "cli_user_models:not_a_model")
+    assert code == 2 and "nn.Module" in err
+    assert_one_error(err)
+
+
+def test_hf_without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardplan.sources import resolve_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # restored afterwards; resolve_model sets it
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+    with pytest.raises(ValueError, match=r"shardplan\[hf\]"):
+        resolve_model("hf:llama")
