@@ -217,7 +217,21 @@ def _rules(graph: OpGraph, solution: Solution, decisions: list, entries: list[En
                 why=_why(why.get(_patterned(op.target, graph, pmap)[0])),
             ))
     rules += [Rule(module=fqn, style="replicate", why="not called in forward: kept whole") for fqn in _unused_modules(graph)]
+    rules += [
+        Rule(module=fqn, style="replicate", why="container that owns parameters directly: they stay plain, whole tensors")
+        for fqn in _containers(graph)
+    ]
     return rules
+
+
+def _containers(graph: OpGraph) -> list[str]:
+    from .trace import is_weight_leaf, owns_params
+
+    called = set(graph.module_multiplicity)
+    return [
+        fqn for fqn, mod in graph.model.named_modules()
+        if owns_params(mod) and not is_weight_leaf(mod) and any(c.startswith(fqn + ".") for c in called)
+    ]
 
 
 def _layout(p: str | None) -> str | None:
@@ -243,9 +257,9 @@ def _unused_modules(graph: OpGraph) -> list[str]:
     called = set(graph.module_multiplicity) | set(graph.traced.folded)
     out = []
     for fqn, mod in graph.model.named_modules():
-        if any(True for _ in mod.parameters(recurse=False)) and not any(
-            fqn == c or fqn.startswith(c + ".") for c in called
-        ):
+        inside_called = any(fqn == c or fqn.startswith(c + ".") for c in called)
+        container = any(c.startswith(fqn + ".") for c in called)
+        if any(True for _ in mod.parameters(recurse=False)) and not inside_called and not container:
             out.append(fqn)
     return out
 

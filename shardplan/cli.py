@@ -48,7 +48,9 @@ def parse_mesh(text: str) -> dict[str, int]:
     for part in text.split(","):
         m = _AXIS_RE.fullmatch(part.strip())
         if m is None:
-            raise ValueError(f"bad --mesh {text!r}: expected axis=size pairs (positive sizes) separated by commas, {_MESH_EXAMPLE}")
+            raise ValueError(
+                f"bad --mesh {text!r}: expected axis=size pairs (positive sizes) separated by commas, {_MESH_EXAMPLE}"
+            )
         if m.group(1) in axes:
             raise ValueError(f"bad --mesh {text!r}: axis {m.group(1)!r} appears twice; {_MESH_EXAMPLE}")
         axes[m.group(1)] = int(m.group(2))
@@ -235,7 +237,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         atomic_write(Path(args.output), plan.to_json() + "\n" if fmt == "json" else plan.to_yaml(), force=args.force)
         step = f", predicted step {_seconds(plan.estimate.step_time_s)}" if plan.estimate else ""
-        print(f"shardplan: wrote the {name} plan for {args.mesh} to {args.output} ({len(plan.rules)} rules{step})", file=sys.stderr)
+        summary = f"{len(plan.rules)} rules{step}"
+        print(f"shardplan: wrote the {name} plan for {args.mesh} to {args.output} ({summary})", file=sys.stderr)
     elif fmt == "table":
         from .report import render_table
 
@@ -277,13 +280,20 @@ def _examples(plan: Any) -> str:
 # --------------------------------------------------------------------------- check
 
 
+# styles whose output is whole: torch splits the weight unevenly (a 50257-token vocabulary)
+_UNEVEN_OK = ("colwise_gather_output", "embedding_rowwise")
+
+
 def _owns_params(module: Any) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
 
 def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) -> list[str]:
+    """A finding when the dim a style splits does not divide by tp (uneven-tolerant styles aside)."""
     from .report import sharded_dim, weight_of
 
+    if rule.style in _UNEVEN_OK and not (rule.output_layouts or "").startswith("Shard"):
+        return []
     bad = []
     for fqn in hits:
         mod = modules[fqn]
@@ -294,7 +304,7 @@ def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) 
     if not bad:
         return []
     fqn, dim, size = bad[0]
-    more = f" (and {len(bad) - 1} more modules)" if len(bad) > 1 else ""
+    more = f" (and {len(bad) - 1} more of its modules)" if len(bad) > 1 else ""
     return [f"{fqn}: {rule.style} splits weight dim {dim} of size {size}, which tp={tp} does not divide{more}"]
 
 

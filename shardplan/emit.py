@@ -92,6 +92,7 @@ class _Conv1DRowwise(RowwiseParallel):
     """RowwiseParallel for Conv1D: the weight's input rows are dim 0; the bias stays whole."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)  # the contraction dim, as for nn.Linear
         return distribute_module(
             module, device_mesh, _conv1d_partition(Shard(0), Replicate(), self.src_data_rank),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
@@ -150,6 +151,8 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
     styles: dict[str, ParallelStyle] = {r.module: _region_style(r) for r in plan.regions}
     conv1d = _conv1d_rules(plan, model)
     for rule in plan.rules:
+        if rule.style == "replicate" and "container" in rule.why:
+            continue  # its children carry their own styles; its direct parameters stay plain
         styles[rule.module] = _style(rule, loss_parallel=plan.options.loss_parallel, conv1d=rule.module in conv1d)
     return styles
 
@@ -214,9 +217,11 @@ def apply_plan(model: nn.Module, device_mesh, plan: Plan, *, check: bool = True)
     tied = _tied_groups(model)
     parallelize_module(model, mesh, to_parallelize_plan(plan, model))
     for group in tied:
-        first_fqn, first_name = group[0]
-        shared = getattr(model.get_submodule(first_fqn), first_name)
-        for fqn, name in group[1:]:
+        # re-tie to the copy a sharding style produced (a replicated or plain copy would
+        # silently un-shard the other owner)
+        copies = [getattr(model.get_submodule(fqn), name) for fqn, name in group]
+        shared = next((c for c in copies if isinstance(c, DTensor) and not c.placements[0].is_replicate()), copies[0])
+        for fqn, name in group:
             setattr(model.get_submodule(fqn), name, shared)
     for fqn, style in plan.module_styles().items():
         if style in ("sequence_parallel", "replicated_with_grad_allreduce"):

@@ -25,7 +25,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from .trace import Traced, owns_params
+from .trace import Traced, is_weight_leaf
 
 __all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind"]
 
@@ -140,7 +140,7 @@ def _kind(node: torch.fx.Node, traced: Traced) -> str:
     if node.op == "call_module":
         if node.target in traced.folded:
             return "folded"
-        if owns_params(traced.model.get_submodule(node.target)):
+        if is_weight_leaf(traced.model.get_submodule(node.target)):
             return "module"
     return "function"
 

@@ -35,7 +35,8 @@ __all__ = [
     "sharded_dim", "weight_of", "make_console",
 ]
 
-_DIM0_STYLES = ("colwise", "colwise_gather_output", "embedding_rowwise", "packed_colwise")
+_COLWISE_STYLES = ("colwise", "colwise_gather_output", "packed_colwise")
+_ROWWISE_STYLES = ("rowwise", "rowwise_split_input", "embedding_rowwise")
 _PIPE_WIDTH = 120  # rich's 80 columns fold most patterns when the output is piped
 
 
@@ -56,14 +57,20 @@ def weight_of(module: Any) -> Any:
 
 
 def sharded_dim(style: str, module: Any) -> int | None:
-    """Which dimension of the module's weight ``style`` splits across tp ranks (None: none)."""
-    from torch import nn
+    """Which dimension of the module's weight ``style`` splits across tp ranks (None: none).
 
-    is_embedding = isinstance(module, nn.Embedding)
-    if style in _DIM0_STYLES:
-        return 1 if is_embedding and style == "colwise" else 0
-    if style == "rowwise":
-        return 0 if is_embedding else 1
+    nn.Linear stores W as [out, in] (colwise splits dim 0, rowwise dim 1); Hugging Face's
+    Conv1D stores [in, out], so each style splits the other dim; an Embedding [vocab, dim]
+    splits the vocabulary rowwise and the features colwise. Norm styles split nothing."""
+    from .graph import module_kind
+
+    kind = module_kind(module)
+    col = {"linear": 0, "conv1d": 1, "embedding": 1}.get(kind)
+    row = {"linear": 1, "conv1d": 0, "embedding": 0}.get(kind)
+    if style in _COLWISE_STYLES:
+        return col
+    if style in _ROWWISE_STYLES:
+        return row
     return None
 
 
@@ -135,7 +142,7 @@ def _options_str(plan: Plan) -> str:
     budget = "none" if o.memory_budget is None else format_bytes(o.memory_budget)
     return (
         f"batch {o.batch_size if o.batch_size is not None else '-'}, seq {o.seq_len if o.seq_len is not None else '-'}, "
-        f"{o.dtype}, {o.hardware}, memory budget {budget}, sequence parallel {sp}, "
+        f"{o.dtype or 'model dtype'}, {o.hardware}, memory budget {budget}, sequence parallel {sp}, "
         f"loss parallel {'on' if o.loss_parallel else 'off'}, optimizer {o.optimizer}"
     )
 

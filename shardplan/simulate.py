@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .plan import Plan
@@ -42,6 +43,11 @@ class _Recorder(TorchDispatchMode):
         self.group_size = group_size
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            # let DTensor desugar first: the collectives it issues come back through this mode
+            return NotImplemented
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
         name = func._overloadpacket.__name__
         kind = COLLECTIVE_OPS.get(name)
         if kind is not None and isinstance(args[0], torch.Tensor):

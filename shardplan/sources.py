@@ -100,7 +100,9 @@ def _from_callable(spec: str, *, device: str | torch.device) -> nn.Module:
         with torch.device(device):
             model = fn()
     except Exception as exc:  # the user's code: report it as a bad spec, not a crash
-        raise ValueError(f"{spec}: calling {attr}() raised {type(exc).__name__}: {exc}; it must build a model with no arguments") from exc
+        raise ValueError(
+            f"{spec}: calling {attr}() raised {type(exc).__name__}: {exc}; it must build a model with no arguments"
+        ) from exc
     if not isinstance(model, nn.Module):
         raise ValueError(f"{spec}: {attr}() returned a {type(model).__name__} object; expected a torch.nn.Module")
     return model

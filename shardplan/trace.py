@@ -66,6 +66,12 @@ def owns_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
 
+def is_weight_leaf(module: nn.Module) -> bool:
+    """Owns parameters and no descendant does: one op in the graph (Linear, norm, experts).
+    A container that also owns a parameter (BERT's prediction head bias) is traced through."""
+    return owns_params(module) and not any(owns_params(m) for _, m in module.named_modules() if m is not module)
+
+
 def module_signature(module: nn.Module) -> str:
     """A hash of class, parameter/buffer names, shapes and dtypes: equal hash, same structure."""
     h = hashlib.sha256(type(module).__qualname__.encode())
@@ -111,6 +117,7 @@ class _ShardTracer(MetaTracer):
         self.folded = folded
         self.calls: dict[str, list[ModuleCall]] = {}
         self._fold_cache: dict[str, tuple[tuple, Any]] = {}
+        self._computing_meta = False
         self._module_paths = {id(m): n for n, m in model.named_modules()}
 
     def _fqn(self, m: nn.Module) -> str:
@@ -118,12 +125,14 @@ class _ShardTracer(MetaTracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         fqn = self._fqn(m)
-        if fqn in self.folded or owns_params(m):
+        if fqn in self.folded or is_weight_leaf(m):
             return True
         # parameter-free torch.nn modules (activations, dropout) are leaves too
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m, forward, args, kwargs):
+        if self._computing_meta:  # inside a leaf's meta forward: plain meta tensors, no graph
+            return forward(*args, **kwargs)
         fqn = self._fqn(m)
         out = super().call_module(m, forward, args, kwargs)
         self._record_call(fqn, args, kwargs, out)
@@ -184,12 +193,14 @@ class _ShardTracer(MetaTracer):
     def _module_meta(self, mod: nn.Module, args: tuple, kwargs: dict) -> Any:
         state = {n: _to_meta(t) for n, t in list(mod.named_parameters()) + list(mod.named_buffers())}
         self._disable_module_getattr = True
+        self._computing_meta = True
         try:
             # forward, not __call__: the tracer has patched __call__ to record module calls
             with _reparametrize_module(mod, state):
                 return mod.forward(*args, **kwargs)
         finally:
             self._disable_module_getattr = False
+            self._computing_meta = False
 
     def _folded_proxy(self, kind, target, args, kwargs, name, type_expr):
         """A folded block: reuse the representative's output meta when inputs match."""

@@ -76,7 +76,7 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
         found = _linear(op, graph, module, tp, sp)
     elif kind == "embedding" and len(op.inputs) == 1:
         found = _embedding(op, graph, module, tp, sp)
-    elif kind == "norm" and len(op.inputs) == 1:
+    elif kind == "norm" and len(op.inputs) == 1 and _acts_like_norm(op, graph, module):
         found = _norm(op, graph, module, tp, sp)
         if sp_opt is True and len(found) > 1:  # the user asked for sequence parallel norms
             found = found[1:]
@@ -84,6 +84,13 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
         found = [_replicate(op, graph, module)]
     full = _weight_bytes(module)
     return [replace(s, weight_bytes=full if s.layouts.get("weight", "R") == "R" else full / tp) for s in found]
+
+
+def _acts_like_norm(op: Op, graph: OpGraph, module: nn.Module) -> bool:
+    """Per-token over the last dim: output shaped as input, parameters sized to the last dim."""
+    x, y = graph.values[op.inputs[0]], graph.values[op.output] if op.output is not None else None
+    sizes = {p.shape[0] for p in module.parameters(recurse=False)}
+    return y is not None and x.shape == y.shape and sizes == {x.shape[-1]}
 
 
 def _replicate(op: Op, graph: OpGraph, module: nn.Module, flops: float = 0.0) -> Strategy:

@@ -122,6 +122,15 @@ def test_check(plan_files: dict[str, Path], tmp_path: Path, capsys: pytest.Captu
     code, out, err = run(capsys, "check", str(edited), "llama3-debug")
     assert code == 1
     assert "fingerprint" in out
+    renamed = tmp_path / "renamed.yaml"
+    renamed.write_text(text.replace("module: norm\n", "module: nrm\n"))
+    code, out, _ = run(capsys, "check", str(renamed), "llama3-debug")
+    assert code == 1
+    assert "nrm" in out and "norm (RMSNorm)" in out  # the stray rule, and the module it left uncovered
+    uneven = tmp_path / "tp3.yaml"
+    uneven.write_text(text.replace("    tp: 2\n", "    tp: 3\n"))
+    code, out, _ = run(capsys, "check", str(uneven), "llama3-debug")
+    assert code == 1 and "tp=3 does not divide" in out
 
 
 def test_check_unusable_plan_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
