@@ -85,6 +85,10 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def _fmt_time(t: float) -> str:
+    return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.2f} ms"
+
+
 def _collectives(est) -> str:
     """Per step, forward + backward: ar all-reduce, ag all-gather, rs reduce-scatter."""
     tot = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0, "all_to_all": 0}
@@ -132,6 +136,7 @@ def main() -> None:
           f"hardware profile {HARDWARE}, predicted figures (shardplan cost model)")
     print("# time = predicted step time; sent = bytes each device sends per step; "
           "params = parameter bytes per device;")
+    print("# peak mem = predicted peak per device (params + grads + AdamW state + saved activations)")
     print("# colls = collectives per step (fwd+bwd): ar all-reduce, ag all-gather, rs reduce-scatter")
     started = time.perf_counter()
     failures: list[str] = []
@@ -139,8 +144,8 @@ def main() -> None:
     for batch in batches:
         print()
         print(f"## batch = {'default' if batch is None else batch}")
-        header = (f"{'model':<12} {'tp':>2} {'plan':<8} {'SP':<3} {'time':>9} {'sent':>10} {'params':>10} "
-                  f"{'colls':<18} {'time/tt':>7} {'sent/tt':>7} {'params/(total/tp)':>17}")
+        header = (f"{'model':<12} {'tp':>2} {'plan':<8} {'SP':<3} {'time':>10} {'sent':>10} {'params':>10} "
+                  f"{'peak mem':>10} {'colls':<18} {'time/tt':>7} {'sent/tt':>7} {'params/(total/tp)':>17}")
         print(header)
         for name in models:
             model = build_preset(name)
@@ -159,8 +164,9 @@ def main() -> None:
                     e = plan.estimate
                     share = e.param_bytes_per_device / (total / tp)
                     print(f"{name if label == 'auto' else '':<12} {tp if label == 'auto' else '':>2} {label:<8} "
-                          f"{'yes' if _uses_sp(plan) else 'no':<3} {e.step_time_s * 1e3:>7.2f}ms "
+                          f"{'yes' if _uses_sp(plan) else 'no':<3} {_fmt_time(e.step_time_s):>10} "
                           f"{_fmt_bytes(e.comm_bytes_per_step):>10} {_fmt_bytes(e.param_bytes_per_device):>10} "
+                          f"{_fmt_bytes(e.peak_memory_bytes):>10} "
                           f"{_collectives(e):<18} {e.step_time_s / tt.step_time_s:>7.3f} "
                           f"{e.comm_bytes_per_step / tt.comm_bytes_per_step:>7.3f} "
                           f"{share:>9.4f} {'ok' if abs(share - 1) <= 0.01 else 'OFF':>4}")

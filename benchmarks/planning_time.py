@@ -49,6 +49,24 @@ FALLBACK = (
 )
 
 
+# One instrumented child per round for the 405B: where the end-to-end time goes. It plans
+# the way the CLI does (the preset's example inputs, batch 2 x seq 2048; explain=True).
+PHASES = (
+    "import time, json, sys\n"
+    "t0 = time.perf_counter()\n"
+    "import shardplan\n"
+    "from shardplan.models import PRESETS, build_preset\n"
+    "t1 = time.perf_counter()\n"
+    "model = build_preset(sys.argv[1])\n"
+    "t2 = time.perf_counter()\n"
+    "plan = shardplan.plan_model(model, {'dp': 16, 'tp': 8}, example_inputs=PRESETS[sys.argv[1]].example_inputs(device='meta'))\n"
+    "t3 = time.perf_counter()\n"
+    "text = plan.to_json()\n"
+    "t4 = time.perf_counter()\n"
+    "print(json.dumps({'import': t1 - t0, 'build': t2 - t1, 'plan': t3 - t2, 'to_json': t4 - t3}))\n"
+)
+
+
 def _cli_cmd(name: str) -> list[str]:
     return [sys.executable, "-m", "shardplan", "plan", name, "--mesh", MESH_ARG, "--format", "json"]
 
@@ -91,9 +109,10 @@ def end_to_end(runs: int) -> tuple[dict, str]:
         how = ("FALLBACK python -c (build_preset + plan_model + to_json): `python -m shardplan plan` failed: "
                + (probe["stderr"].strip().splitlines() or ["?"])[-1])
     make = _cli_cmd if use_cli else _fallback_cmd
-    rows: dict[str, list[dict]] = {name: [] for name in ("startup", *MODELS)}
+    rows: dict[str, list[dict]] = {name: [] for name in ("startup", *MODELS, "phases")}
     for _ in range(runs):
         rows["startup"].append(run_child([sys.executable, "-c", "import shardplan.cli, shardplan.models"]))
+        rows["phases"].append(run_child([sys.executable, "-c", PHASES, "llama3-405b"]))
         for name in MODELS:  # alternate the models inside each round
             res = run_child(make(name))
             if res["rc"] != 0:
@@ -134,6 +153,7 @@ def main() -> None:
     print(f"# (a) end to end, fresh process each run, median of {args.runs}: {how}")
     print(f"{'model':<28} {'median s':>9} {'min s':>7} {'max s':>7} {'peak RSS':>10} {'rules':>6} {'JSON':>9} {'target':>10}")
     e2e = {}
+    phases = rows.pop("phases")
     for name, res in rows.items():
         walls = [r["wall"] for r in res]
         e2e[name] = statistics.median(walls)
@@ -146,6 +166,13 @@ def main() -> None:
             target = f"< 6 s {'ok' if e2e[name] < 6 else 'MISS'}"
         print(f"{label:<28} {e2e[name]:>9.2f} {min(walls):>7.2f} {max(walls):>7.2f} "
               f"{rss / 2**20:>6.0f} MiB {rules:>6} {size:>9} {target:>10}")
+
+    try:
+        split = [json.loads(r["stdout"].strip().splitlines()[-1]) for r in phases]
+        parts = ", ".join(f"{k} {statistics.median(d[k] for d in split):.2f} s" for k in split[0])
+        print(f"# 405B in a fresh process, median per phase (API, as the CLI plans it): {parts}")
+    except (ValueError, IndexError, KeyError):
+        print(f"# 405B phase breakdown failed: {phases[0]['stderr'][-500:]}")
 
     times = plan_model_times(args.reps)
     print()

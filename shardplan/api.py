@@ -282,7 +282,7 @@ def _regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
 
 def _warnings(graph: OpGraph, solution: Solution, tp: int) -> list[str]:
     """Where the plan falls short of splitting a weight and its compute tp ways."""
-    out = []
+    out = list(graph.traced.notes)
     output_values = {v for op in graph.ops if op.kind == "output" for v in op.inputs}
     pmap = _pattern_map(graph)
     for op in graph.ops:

@@ -57,6 +57,7 @@ class Traced:
     calls: dict[str, list[ModuleCall]] = field(default_factory=dict)
     # folded instance FQN -> FQN of the representative that was traced through
     folded: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # assumptions the tracer had to make
 
     def module(self, fqn: str) -> nn.Module:
         return self.model.get_submodule(fqn)
@@ -118,6 +119,7 @@ class _ShardTracer(MetaTracer):
         self.calls: dict[str, list[ModuleCall]] = {}
         self._fold_cache: dict[str, tuple[tuple, Any]] = {}
         self._computing_meta = False
+        self.notes: list[str] = []
         self._module_paths = {id(m): n for n, m in model.named_modules()}
 
     def _fqn(self, m: nn.Module) -> str:
@@ -182,13 +184,30 @@ class _ShardTracer(MetaTracer):
         if kind == "call_method":
             return getattr(args_m[0], target)(*args_m[1:], **kwargs_m)
         if kind == "call_module":
-            return self._module_meta(self.root.get_submodule(target), args_m, kwargs_m)
+            return self._leaf_meta(str(target), args_m, kwargs_m)
         if kind == "get_attr":
             value = self.root
             for atom in str(target).split("."):
                 value = getattr(value, atom)
             return _to_meta(value)
         return None
+
+    def _leaf_meta(self, target: str, args: tuple, kwargs: dict) -> Any:
+        """A weight module's output shape. Experts that route tokens by value (MoE) cannot run
+        on meta tensors; such a module maps hidden states to hidden states, so its output is
+        taken to be shaped like its first input, and the plan says so."""
+        mod = self.root.get_submodule(target)
+        try:
+            return self._module_meta(mod, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - decided below, re-raised if not an experts-like leaf
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if first is None or not is_weight_leaf(mod) or all(p.dim() < 3 for p in mod.parameters(recurse=False)):
+                raise
+            self.notes.append(
+                f"{target.removeprefix('m.')}: output shape taken from its input "
+                f"({type(exc).__name__} on the meta device: data-dependent routing)"
+            )
+            return torch.empty_like(first)
 
     def _module_meta(self, mod: nn.Module, args: tuple, kwargs: dict) -> Any:
         state = {n: _to_meta(t) for n, t in list(mod.named_parameters()) + list(mod.named_buffers())}
@@ -365,7 +384,7 @@ def _strip_root(graph: torch.fx.Graph, model: nn.Module, tracer: _ShardTracer) -
     for node in graph.nodes:  # tensors fx captured as constants (sliced buffers, rope tables)
         if node.op == "get_attr" and "val" not in node.meta:
             node.meta["val"] = _to_meta(getattr(tracer.root, node.target, None))
-    return Traced(graph=graph, model=model, calls=calls, folded=folded)
+    return Traced(graph=graph, model=model, calls=calls, folded=folded, notes=list(tracer.notes))
 
 
 def signature_params(model: nn.Module) -> list[str]:
