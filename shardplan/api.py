@@ -293,9 +293,9 @@ def _warnings(graph: OpGraph, solution: Solution, tp: int) -> list[str]:
         name = _patterned(op.target, graph, pmap)[0]
         if op.module_kind == "other":
             out.append(f"{name}: {type(module).__name__} has no tensor-parallel style; replicated")
-        elif op.module_kind in ("linear", "embedding") and style == "replicate":
-            shape = tuple(module.weight.shape)
-            out.append(f"{name}: weight {list(shape)} not sharded: no dimension of it divides by tp={tp}")
+        elif op.module_kind in ("linear", "conv1d", "embedding", "experts") and style == "replicate":
+            shapes = [list(p.shape) for p in module.parameters(recurse=False) if p.dim() >= 2]
+            out.append(f"{name}: weight {shapes[0] if len(shapes) == 1 else shapes} not sharded: no dimension of it divides by tp={tp}")
         elif style == "colwise_gather_output" and op.output not in output_values:
             out.append(
                 f"{name}: output all-gathered: the ops after it cannot run on a 1/{tp} shard "

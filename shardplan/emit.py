@@ -32,7 +32,10 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from .plan import Plan, Region, Rule
 
-__all__ = ["ReplicateParallel", "to_parallelize_plan", "apply_plan", "tp_mesh", "check_fingerprint"]
+__all__ = [
+    "ReplicateParallel", "MoEExpertsParallel", "unpack_experts", "to_parallelize_plan", "apply_plan", "tp_mesh",
+    "check_fingerprint",
+]
 
 
 def placement(text: str | None, default: Any = None) -> Any:
@@ -111,6 +114,90 @@ def _conv1d_partition(weight: Any, bias: Any, src_data_rank: int | None):
     return partition
 
 
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient backward (Megatron's "f")."""
+
+    @staticmethod
+    def forward(ctx, x, group_name: str):
+        ctx.group_name = group_name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group_name), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward (sum the experts' partial outputs); identity backward ("g")."""
+
+    @staticmethod
+    def forward(ctx, x, group_name: str):
+        return _all_reduce(x, group_name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _all_reduce(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    out = torch.ops._c10d_functional.all_reduce(t.contiguous(), "sum", group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+class MoEExpertsParallel(ParallelStyle):
+    """Tensor parallel inside every expert of a 3-D expert bank (``moe_tp_experts``).
+
+    The up projection [E, X, H] is split on X, the down projection [E, H, I] on I; when X is
+    gate and up packed (X = 2I, split by ``chunk(2)``), each rank keeps matching slices of
+    both halves (packed). The parameters are DTensors (Shard(1) / Shard(2)); the forward runs
+    on their local shards, sums the partial outputs with one all-reduce, and all-reduces the
+    gradients of the inputs it consumed whole. The packed weight's global DTensor view holds
+    [gate_0, up_0, gate_1, up_1, ...]; ``unpack_experts`` restores the module's own order.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from .graph import expert_params
+
+        up, down, packed = expert_params(module)
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+        whole = distribute_tensor(getattr(module, up).detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
+        local = _packed_slice(whole.to_local(), blocks=2 if packed else 1, tp=tp, rank=rank)
+        up_param = DTensor.from_local(local, device_mesh, [Shard(1)], run_check=False)
+        module.register_parameter(up, nn.Parameter(up_param, requires_grad=getattr(module, up).requires_grad))
+        down_param = distribute_tensor(getattr(module, down).detach(), device_mesh, [Shard(2)], src_data_rank=self.src_data_rank)
+        module.register_parameter(down, nn.Parameter(down_param, requires_grad=getattr(module, down).requires_grad))
+        group = device_mesh.get_group().group_name
+        module.register_forward_pre_hook(partial(_experts_enter, names=(up, down), group=group), with_kwargs=True)
+        module.register_forward_hook(partial(_experts_leave, names=(up, down), group=group))
+        return module
+
+
+def _packed_slice(full: torch.Tensor, *, blocks: int, tp: int, rank: int) -> torch.Tensor:
+    parts = full.chunk(blocks, dim=1)
+    return torch.cat([p.chunk(tp, dim=1)[rank] for p in parts], dim=1).contiguous()
+
+
+def unpack_experts(full: torch.Tensor, *, tp: int, blocks: int = 2) -> torch.Tensor:
+    """The module's [gate; up] order from a packed experts weight's ``full_tensor()``."""
+    shards = full.chunk(tp, dim=1)
+    return torch.cat([torch.cat([s.chunk(blocks, dim=1)[b] for s in shards], dim=1) for b in range(blocks)], dim=1)
+
+
+def _experts_enter(module, args, kwargs, *, names, group):
+    # run on local shards; to_local is differentiable, so gradients reach the DTensor params
+    module._shardplan_params = {n: module._parameters[n] for n in names}
+    for n in names:
+        module._parameters[n] = module._parameters[n].to_local()
+    wrap = lambda x: _CopyToTP.apply(x, group) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad else x  # noqa: E731
+    return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
+
+
+def _experts_leave(module, args, output, *, names, group):
+    module._parameters.update(module._shardplan_params)
+    del module._shardplan_params
+    return _ReduceFromTP.apply(output, group)
+
+
 def _style(rule: Rule, *, loss_parallel: bool, conv1d: bool = False) -> ParallelStyle:
     inp = placement(rule.input_layouts)
     out = placement(rule.output_layouts)
@@ -129,6 +216,8 @@ def _style(rule: Rule, *, loss_parallel: bool, conv1d: bool = False) -> Parallel
         return RowwiseParallel(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
     if rule.style in ("sequence_parallel", "replicated_with_grad_allreduce"):
         return SequenceParallel(sequence_dim=(inp or Shard(1)).dim, use_local_output=True)
+    if rule.style == "moe_tp_experts":
+        return MoEExpertsParallel()
     if rule.style == "replicate":
         return ReplicateParallel()
     raise ValueError(f"style {rule.style!r} of {rule.module!r} has no emitter; expected one of colwise, rowwise, ...")

@@ -88,7 +88,25 @@ def module_kind(module: nn.Module) -> str:
         return "embedding"
     if params and all(p.dim() == 1 for p in params.values()) and _is_norm_like(module, params):
         return "norm"
+    if expert_params(module) is not None:
+        return "experts"
     return "other"
+
+
+def expert_params(module: nn.Module) -> tuple[str, str, bool] | None:
+    """(up name, down name, packed) for a bank of expert MLPs stored as 3-D weights.
+
+    Recognized by shapes alone: an up projection [E, X, H] and a down projection [E, H, I]
+    over the same E experts, with X == I or X == 2*I (gate and up packed, split by chunk)."""
+    params = {n: p for n, p in module.named_parameters(recurse=False)}
+    if len(params) != 2 or any(p.dim() != 3 for p in params.values()):
+        return None
+    (a, pa), (b, pb) = params.items()
+    for up, pu, down, pd in ((a, pa, b, pb), (b, pb, a, pa)):
+        e, x, h = pu.shape
+        if pd.shape[0] == e and pd.shape[1] == h and x in (pd.shape[2], 2 * pd.shape[2]):
+            return up, down, x == 2 * pd.shape[2]
+    return None
 
 
 def _is_norm_like(module: nn.Module, params: dict[str, torch.Tensor]) -> bool:

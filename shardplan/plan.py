@@ -29,11 +29,11 @@ __all__ = [
 
 STYLES = (
     "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
-    "sequence_parallel", "replicated_with_grad_allreduce", "replicate",
+    "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "replicate",
 )
 Style = Literal[
     "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
-    "sequence_parallel", "replicated_with_grad_allreduce", "replicate",
+    "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "replicate",
 ]
 LAYOUT_RE = re.compile(r"^(Replicate|Partial|Shard\((-?\d+)\))$")
 

@@ -50,6 +50,7 @@ STYLE_NAMES = (
     "embedding_rowwise",
     "sequence_parallel",
     "replicated_with_grad_allreduce",
+    "moe_tp_experts",
     "replicate",
 )
 
@@ -80,6 +81,8 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
         found = _norm(op, graph, module, tp, sp)
         if sp_opt is True and len(found) > 1:  # the user asked for sequence parallel norms
             found = found[1:]
+    elif kind == "experts":
+        found = _experts(op, graph, module, tp)
     else:
         found = [_replicate(op, graph, module)]
     full = _weight_bytes(module)
@@ -184,6 +187,33 @@ def _embedding(op: Op, graph: OpGraph, module: nn.Embedding, tp: int, sp: bool) 
             ))
     if module.embedding_dim % tp == 0:
         out.append(Strategy("colwise", ("R",), f"S{last}", param_bytes=pbytes / tp, act_bytes=y.nbytes / tp, layouts={"weight": "S1"}))
+    return out
+
+
+def _experts(op: Op, graph: OpGraph, module: nn.Module, tp: int) -> list[Strategy]:
+    """Tensor parallel inside every expert: the up (and gate) projections split on their
+    output features, the down projection on its input features, as Megatron's MLP. Each
+    rank's experts produce partial sums: one all-reduce forward; backward all-reduces the
+    gradients of the inputs (hidden states and routing weights) the experts consumed whole."""
+    from .graph import expert_params
+
+    up, down, packed = expert_params(module)
+    inner = getattr(module, down).shape[2]
+    y = graph.values[op.output]
+    tokens = y.shape[0] if len(y.shape) == 2 else y.nbytes // y.shape[-1] // y.dtype.itemsize
+    k = graph.values[op.inputs[1]].shape[-1] if len(op.inputs) > 1 and graph.values[op.inputs[1]].shape else 1
+    hidden = getattr(module, up).shape[2]
+    flops = 3 * 2 * tokens * k * hidden * inner * (3 if packed else 2)  # each token visits k experts
+    out = [_replicate(op, graph, module, flops)]
+    if inner % tp == 0:
+        grads = tuple(
+            ("all_reduce", graph.values[v].nbytes) for v in op.inputs
+            if v in graph.requires_grad and graph.values[v].dtype.is_floating_point
+        )
+        out.append(Strategy(
+            "moe_tp_experts", tuple("R" for _ in op.inputs), "R", fwd=(("all_reduce", y.nbytes),), bwd=grads,
+            param_bytes=_param_bytes(module) / tp, flops=flops / tp, act_bytes=y.nbytes, layouts={"weight": "experts"},
+        ))
     return out
 
 
