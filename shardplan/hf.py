@@ -251,11 +251,12 @@ class Agreement(NamedTuple):
 
 
 def weight_kind(module: nn.Module) -> str:
-    """``"linear"`` (nn.Linear or HF Conv1D), ``"embedding"``, or ``"other"``."""
+    """``"linear"`` (nn.Linear or HF Conv1D), ``"embedding"``, ``"experts"`` (a bank of 3-D
+    expert weights, as the core recognizes it) or ``"other"``."""
     from .graph import module_kind
 
     kind = module_kind(module)
-    return {"linear": "linear", "conv1d": "linear", "embedding": "embedding"}.get(kind, "other")
+    return {"linear": "linear", "conv1d": "linear", "embedding": "embedding", "experts": "experts"}.get(kind, "other")
 
 
 def _hf_style_for(fqn: str, hf: Mapping[str, str], owned: list[str]) -> str | None:
