@@ -273,7 +273,8 @@ def _regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
             comm = "all-reduce" if e.kind == "R" else "all-gather/reduce-scatter"
             for module in _patterned(site.module, graph, pmap):
                 regions.append(Region(
-                    module=module, input=site.input, num_inputs=site.num_inputs, input_layouts=_layout(e.kind),
+                    module=module, input="output" if site.input is None else site.input,
+                    num_inputs=site.num_inputs, input_layouts=_layout(e.kind),
                     desired_input_layouts="Replicate",
                     why=f"{names} share this input: one {comm} instead of {len(inside)}",
                 ))

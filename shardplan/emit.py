@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -225,6 +226,8 @@ def _style(rule: Rule, *, loss_parallel: bool, conv1d: bool = False) -> Parallel
 
 def _region_style(region: Region) -> ParallelStyle:
     layout, desired = placement(region.input_layouts), placement(region.desired_input_layouts)
+    if region.input == "output":
+        return PrepareModuleOutput(output_layouts=layout, desired_output_layouts=desired, use_local_output=False)
     if isinstance(region.input, int):
         layouts = [None] * region.num_inputs
         wanted = [None] * region.num_inputs
@@ -237,7 +240,7 @@ def _region_style(region: Region) -> ParallelStyle:
 
 def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str, ParallelStyle]:
     """The ``parallelize_module`` dict: regions first, then one style per rule."""
-    styles: dict[str, ParallelStyle] = {r.module: _region_style(r) for r in plan.regions}
+    styles: dict[str, ParallelStyle] = {r.module: _region_style(r) for r in plan.regions if r.input != "output"}
     conv1d = _conv1d_rules(plan, model)
     for rule in plan.rules:
         if rule.style == "replicate" and "container" in rule.why:
@@ -305,6 +308,10 @@ def apply_plan(model: nn.Module, device_mesh, plan: Plan, *, check: bool = True)
         raise ValueError(f"the plan was made for tp={plan.tp} but the mesh's tp axis has {mesh.size()} ranks; re-plan for this mesh")
     tied = _tied_groups(model)
     parallelize_module(model, mesh, to_parallelize_plan(plan, model))
+    # output regions hook in after the module's own style has turned its output local
+    outputs = {r.module: _region_style(r) for r in plan.regions if r.input == "output"}
+    if outputs:
+        parallelize_module(model, mesh, outputs)
     for group in tied:
         # re-tie to the copy a sharding style produced (a replicated or plain copy would
         # silently un-shard the other owner)

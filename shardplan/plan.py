@@ -64,10 +64,12 @@ class Rule(_Strict):
 
 
 class Region(_Strict):
-    """One PrepareModuleInput: the module's input enters DTensor once for all its Linears."""
+    """Where a value enters DTensor once for all the Linears that read it: the module's
+    input (PrepareModuleInput) or, for ``input: output``, the module's output
+    (PrepareModuleOutput)."""
 
     module: str
-    input: int | str  # positional index or keyword name
+    input: int | str  # positional index, keyword name, or "output"
     num_inputs: int  # positional arguments of the traced call
     input_layouts: Layout = "Replicate"
     desired_input_layouts: Layout = "Replicate"

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .graph import OpGraph
 from .solve import Solution
 
@@ -28,7 +30,7 @@ __all__ = ["RegionSite", "Entry", "find_regions"]
 @dataclass(frozen=True)
 class RegionSite:
     module: str
-    input: int | str
+    input: int | str | None  # None: the module's output is the value (PrepareModuleOutput)
     num_inputs: int
 
 
@@ -81,13 +83,28 @@ def _candidate_sites(graph: OpGraph, value: int, consumers: tuple[int, ...]) -> 
     return found
 
 
-def _choose_sites(candidates, consumers: tuple[int, ...]):
-    """Fewest regions: prefer the module covering most consumers, then the innermost."""
+def _output_site(graph: OpGraph, value: int, consumers: tuple[int, ...]):
+    """The module that produces ``value``, when every consumer of it enters sharded compute:
+    ``PrepareModuleOutput(..., use_local_output=False)`` there hands all of them one DTensor,
+    e.g. a norm feeding attention and MLP branches side by side (GPT-J)."""
+    producer = graph.ops[graph.values[value].producer]
+    if producer.kind != "module" or len(consumers) < 2 or len(graph.traced.calls.get(producer.target, [])) != 1:
+        return None
+    if set(graph.consumers.get(value, [])) != set(consumers) or not isinstance(producer.node.meta.get("val"), torch.Tensor):
+        return None
+    return (RegionSite(producer.target, None, 0), consumers)
+
+
+def _choose_sites(candidates, consumers: tuple[int, ...], output_site=None):
+    """Fewest collectives: modules covering most consumers first, then the innermost; a
+    producer's output region when it beats the input regions."""
     chosen, left = [], set(consumers)
     for site, inside in sorted(candidates, key=lambda c: (-len(c[1]), -len(c[0].module), c[0].module)):
         if set(inside) <= left:
             chosen.append((site, inside))
             left -= set(inside)
+    if output_site is not None and len(chosen) + len(left) > 1:
+        return (output_site,)
     return tuple(sorted(chosen, key=lambda c: c[0].module))
 
 
@@ -99,6 +116,8 @@ def find_regions(graph: OpGraph, solution: Solution) -> list[Entry]:
         consumers = _entering_consumers(graph, solution, value, kind)
         if not consumers:
             continue
-        sites = _choose_sites(_candidate_sites(graph, value, consumers), consumers)
+        sites = _choose_sites(
+            _candidate_sites(graph, value, consumers), consumers, _output_site(graph, value, consumers)
+        )
         entries.append(Entry(value, kind, consumers, sites))
     return entries

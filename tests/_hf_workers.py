@@ -78,6 +78,23 @@ def _tied_groups(model: nn.Module) -> list[list[str]]:
     return sorted(g for g in owners.values() if len(g) > 1)
 
 
+def _global_order(ref: nn.Module, plan: shardplan.Plan, tp: int) -> dict[str, Any]:
+    """Parameter name -> function turning its ``full_tensor()`` into the module's own layout.
+    ``moe_tp_experts`` keeps a packed gate/up expert weight as per-rank [gate_r, up_r] blocks,
+    so its global DTensor view is [gate_0, up_0, gate_1, up_1] (see ``shardplan.emit``)."""
+    fix: dict[str, Any] = {}
+    for fqn, style in plan.module_styles().items():
+        if style != "moe_tp_experts":
+            continue
+        from shardplan.emit import unpack_experts
+        from shardplan.graph import expert_params
+
+        up, _down, packed = expert_params(ref.get_submodule(fqn))
+        if packed:
+            fix[f"{fqn}.{up}"] = lambda t: unpack_experts(t, tp=tp)
+    return fix
+
+
 def _run_case(case: dict[str, Any], mesh, tols: dict[str, tuple[float, float]]) -> dict[str, Any]:
     t0 = time.perf_counter()
     plan = shardplan.Plan.from_yaml(case["plan_yaml"])
@@ -132,9 +149,13 @@ def _run_case(case: dict[str, Any], mesh, tols: dict[str, tuple[float, float]]) 
         n for n, p in tp_params.items()
         if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)
     )
+    order = _global_order(ref, plan, mesh.size())
+    checks["reordered"] = sorted(order)
     common = [n for n in ref_params if n in tp_params and tp_params[n].grad is not None and ref_params[n].grad is not None]
     checks["num_grads"] = len(common)
-    res["grad"] = _compare([(n, _full(tp_params[n].grad), ref_params[n].grad) for n in common], *tols["grad"])
+    res["grad"] = _compare(
+        [(n, order.get(n, lambda t: t)(_full(tp_params[n].grad)), ref_params[n].grad) for n in common], *tols["grad"]
+    )
     res["seconds"] = time.perf_counter() - t0
     return res
 
