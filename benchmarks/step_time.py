@@ -16,8 +16,9 @@ context parallel. Our ``Attention.forward`` takes ``(x, cos, sin)``, so the atte
 ``PrepareModuleInput`` has three entries where torchtitan's has four.
 
 A step is forward, cross-entropy, backward, ``AdamW(foreach=True).step()``, ``zero_grad``.
-After 3 warm-up steps each, the variants alternate step by step (A, B, C, A, B, C, ...), a
-barrier before every step; a step's time is the max over the two ranks; the table shows the
+One untimed step per variant under ``CommDebugMode`` counts its collectives. After 3
+warm-up steps each, the variants alternate step by step, the order rotating each round
+(ABC, BCA, CAB, ...), a barrier before every step; a step's time is the max over the two ranks; the table shows the
 median per variant. The losses of the three variants are compared step by step as a check
 that they train the same model on the same data.
 
@@ -202,10 +203,20 @@ def worker(rank: int, world: int, args_dict: dict) -> dict:
             raise RuntimeError(f"variant {v}: parameters {plain[:4]} are not DTensors; foreach AdamW would fail")
         opts[v] = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
 
+    # one untimed step per variant under CommDebugMode: the collectives each plan issues
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    comms: dict[str, dict[str, int]] = {}
     losses: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for v in VARIANTS:
+        with CommDebugMode() as mode:
+            losses[v].append(float(_train_step(models[v], opts[v], tokens, labels)))
+        comms[v] = {str(k).rsplit(".", 1)[-1]: n for k, n in mode.get_comm_counts().items()}
+
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for i in range(args_dict["warmup"] + args_dict["steps"]):
-        for v in VARIANTS:
+        # rotate the order (ABC, BCA, CAB, ...) so no variant always runs first after the barrier
+        for v in VARIANTS[i % 3:] + VARIANTS[:i % 3]:
             dist.barrier()
             start = time.perf_counter()
             loss = _train_step(models[v], opts[v], tokens, labels)
@@ -221,6 +232,7 @@ def worker(rank: int, world: int, args_dict: dict) -> dict:
         "losses": losses,
         "plan": plan.model_dump(mode="json") if rank == 0 else None,
         "plan_s": plan_s,
+        "comms": comms,
     }
 
 
@@ -303,6 +315,8 @@ def main() -> None:
         ratio = f"{med[v] / pred:>9.2f}" if pred else f"{'-':>9}"
         print(f"{v + ' ' + NAMES[v]:<22} {med[v]:>9.4f} {min(times[v]):>7.4f} {max(times[v]):>7.4f} "
               f"{len(times[v]):>3} {pred_s} {ratio}")
+    print("collectives per step (CommDebugMode, rank 0): " + "; ".join(
+        f"{v} " + ", ".join(f"{k} {n}" for k, n in sorted(r0["comms"][v].items())) for v in VARIANTS))
     best_hand = min(("B", "C"), key=lambda v: med[v])
     print()
     print(f"A/B (auto / torchtitan SP)      = {med['A'] / med['B']:.3f}")
@@ -318,7 +332,7 @@ def main() -> None:
     print(f"loss step 1 / last: " + ", ".join(
         f"{v} {losses[v][0]:.4f}/{losses[v][-1]:.4f}" for v in VARIANTS))
     print(f"max |loss A - loss B| = {diffs['B']:.2e}, max |loss A - loss C| = {diffs['C']:.2e} "
-          f"over {len(losses['A'])} steps")
+          f"over {len(losses['A'])} steps (first untimed)")
     print(f"# wall time of the gloo run: {wall:.1f} s")
 
 

@@ -23,7 +23,7 @@ from .estimate import estimate
 from .explain import explain_decisions
 from .graph import OpGraph, build_graph
 from .plan import MeshInfo, ModelInfo, Plan, PlanOptions, Region, Rule, fingerprint
-from .regions import Entry, find_regions
+from .regions import Entry, PartialBlock, find_partial_blocks, find_regions
 from .solve import PlanningError, Solution, SolveContext, solve
 from .strategies import placement_str
 from .trace import TraceError, trace_model
@@ -119,6 +119,7 @@ def plan_model(
     )
     solution = solve(graph, ctx)
     entries = find_regions(graph, solution)
+    blocks = find_partial_blocks(graph, solution)
     opts = _record_shapes(opts, example_inputs)
     notes = _warnings(graph, solution, ctx.tp)
     if extra.get("strict") and notes:
@@ -129,9 +130,9 @@ def plan_model(
                         num_params=sum(p.numel() for p in model.parameters()), repeats=_repeats(graph)),
         mesh=MeshInfo(axes=axes, tp_axis=tp_axis),
         options=opts,
-        rules=_rules(graph, solution, decisions, entries),
-        regions=_regions(graph, entries),
-        estimate=estimate(graph, solution, entries, ctx),
+        rules=_rules(graph, solution, decisions, entries, blocks),
+        regions=_regions(graph, entries) + _block_regions(graph, blocks),
+        estimate=estimate(graph, solution, entries, ctx, blocks=blocks),
         decisions=decisions,
         warnings=notes,
     )
@@ -197,13 +198,16 @@ def _patterned(fqn: str, graph: OpGraph, pmap: dict[str, str]) -> list[str]:
     return [fqn]
 
 
-def _rules(graph: OpGraph, solution: Solution, decisions: list, entries: list[Entry]) -> list[Rule]:
+def _rules(
+    graph: OpGraph, solution: Solution, decisions: list, entries: list[Entry], blocks: list[PartialBlock]
+) -> list[Rule]:
     pmap = _pattern_map(graph)
     why = {d.module: d for d in decisions}
     # inside a region the input is already a Replicate DTensor: a Linear that re-declared
     # Shard(seq) would redistribute Replicate -> Replicate, whose backward all-reduces its
     # own Partial gradient and defeats the region
     in_region = {c for e in entries for _, inside in e.sites for c in inside}
+    partial = {r for b in blocks for r in b.rowwise}
     rules: list[Rule] = []
     for op in graph.ops:
         if op.kind != "module":
@@ -213,7 +217,7 @@ def _rules(graph: OpGraph, solution: Solution, decisions: list, entries: list[En
         for module in _patterned(op.target, graph, pmap):
             rules.append(Rule(
                 module=module, style=s.name,
-                input_layouts=inp, output_layouts=_layout(s.layouts.get("output")),
+                input_layouts=inp, output_layouts="Partial" if op.index in partial else _layout(s.layouts.get("output")),
                 why=_why(why.get(_patterned(op.target, graph, pmap)[0])),
             ))
     rules += [Rule(module=fqn, style="replicate", why="not called in forward: kept whole") for fqn in _unused_modules(graph)]
@@ -279,6 +283,20 @@ def _regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
                     why=f"{names} share this input: one {comm} instead of {len(inside)}",
                 ))
     return regions
+
+
+def _block_regions(graph: OpGraph, blocks: list[PartialBlock]) -> list[Region]:
+    pmap = _pattern_map(graph)
+    out = []
+    for b in blocks:
+        names = ", ".join(graph.ops[r].target.rpartition(".")[2] for r in b.rowwise)
+        for module in _patterned(b.module, graph, pmap):
+            out.append(Region(module=module, input=b.input, num_inputs=b.num_inputs,
+                              why=f"residual enters as a Replicate DTensor so {names} can stay Partial"))
+            out.append(Region(module=module, input="output", num_inputs=b.num_inputs, input_layouts="Partial",
+                              use_local_output=True,
+                              why=f"one all-reduce sums {names} and the residual instead of {len(b.rowwise)}"))
+    return out
 
 
 def _warnings(graph: OpGraph, solution: Solution, tp: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""Command line: ``shardplan plan|explain|check|diff|simulate|schema``.
+"""Command line: ``shardplan plan|explain|check|diff|simulate|verify|schema``.
 
 Contract
 --------
@@ -8,16 +8,20 @@ and the ``shardplan`` console script do). Data (tables, YAML, JSON, findings) go
 stdout; progress and confirmations go to stderr, and the progress spinner shows only when
 stderr is a terminal.
 
-Exit status: 0 success; 1 when ``check`` finds problems or ``simulate`` counts collectives
-other than the plan predicts; 2 for unusable input. A user error (``ValueError`` and its
+Exit status: 0 success; 1 when ``check`` finds problems, ``simulate`` counts collectives (or
+their logical bytes) other than the plan predicts, or ``verify`` finds the sharded model
+differing from the unsharded one; 2 for unusable input, including a ``verify`` whose ranks
+crashed or timed out (one line saying which rank and why). A user error (``ValueError`` and its
 subclasses ``PlanningError``, ``TraceError``, ``PlanFileError``; ``FileExistsError``;
 ``FileNotFoundError``) prints ``shardplan: error: <message>`` on stderr (one line, plus one
 more for the details of a multi-line message), never a traceback. argparse's own usage
-errors also exit 2.
+errors also exit 2. Every command's ``--help`` ends with examples.
 
 ``--mesh`` is ``axis=size`` pairs separated by commas (``tp=8``, ``dp=16,tp=8``); tensor
 parallelism runs on ``tp`` (else the last axis). Only the planning options given on the
 command line reach :func:`shardplan.plan_model`, so its defaults stay the defaults.
+``verify`` plans for ``--mesh tp=NPROC`` unless ``--mesh`` or ``--plan`` says otherwise, and
+the plan's tp must equal ``--nproc`` (see :mod:`shardplan.verify`).
 """
 
 from __future__ import annotations
@@ -67,6 +71,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -74,14 +88,15 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
     return argparse.RawDescriptionHelpFormatter(prog, max_help_position=32)
 
 
-def _add_model_options(p: argparse.ArgumentParser) -> None:
+def _add_model_options(p: argparse.ArgumentParser, *, mesh_default: str | None = "tp=8") -> None:
     from .cost import HARDWARE
     from .models import PRESETS
 
     p.add_argument("model", metavar="MODEL", help=(
         f"a preset ({', '.join(PRESETS)}), 'package.module:callable', 'hf:<model_type>' or a path to a config.json"))
     g = p.add_argument_group("planning options")
-    g.add_argument("--mesh", default="tp=8", help=f"device mesh axes (default: tp=8); {_MESH_EXAMPLE}")
+    default = f"default: {mesh_default}" if mesh_default else "default: tp=NPROC"
+    g.add_argument("--mesh", default=mesh_default, help=f"device mesh axes ({default}); {_MESH_EXAMPLE}")
     g.add_argument("--batch", type=_positive_int, metavar="N", help="batch size per data-parallel rank")
     g.add_argument("--seq", type=_positive_int, metavar="N", help="sequence length")
     g.add_argument("--dtype", help="training dtype: bf16 (default), fp16, fp32, fp8")
@@ -142,13 +157,31 @@ def _add_diff(sub: Any) -> None:
 
 
 def _add_simulate(sub: Any) -> None:
-    p = _subparser(sub, "simulate", help="apply a plan on a fake process group and count its collectives", epilog=(
+    p = _subparser(sub, "simulate", help="apply a plan on a fake process group and count its collectives and bytes",
+                   epilog=(
         "  shardplan simulate llama3-8b --mesh tp=64\n"
         "  shardplan simulate llama3-debug --plan plan.yaml\n"
-        "exit status: 0 counts match the plan's estimate, 1 they differ, 2 unusable input"))
+        "exit status: 0 counts and logical bytes match the plan's estimate, 1 they differ, 2 unusable input"))
     _add_model_options(p)
     p.add_argument("--plan", metavar="FILE", help="simulate this plan file instead of planning (its mesh is used)")
     p.set_defaults(func=cmd_simulate)
+
+
+def _add_verify(sub: Any) -> None:
+    p = _subparser(sub, "verify", help="run a plan on gloo ranks of this CPU and compare it with the unsharded model",
+                   epilog=(
+        "  shardplan verify llama3-debug --nproc 2\n"
+        "  shardplan plan llama3-debug --mesh tp=4 -o plan.yaml && shardplan verify llama3-debug --plan plan.yaml --nproc 4\n"
+        "  shardplan verify mypkg.models:build_small --nproc 2 --sequence-parallel on\n"
+        "compares the weights after sharding (exact), the output, a loss and every gradient in float32\n"
+        "exit status: 0 all within tolerance, 1 a difference, 2 unusable input or a rank crashed / timed out"))
+    _add_model_options(p, mesh_default=None)
+    p.add_argument("--plan", metavar="FILE", help="verify this plan file instead of planning (its tp must equal --nproc)")
+    p.add_argument("--nproc", type=_positive_int, default=2, metavar="N", help="gloo ranks to run (default: 2)")
+    p.add_argument("--timeout", type=_positive_float, default=300.0, metavar="S",
+                   help="give up after S seconds, process start-up included (default: 300)")
+    p.add_argument("--traceback", action="store_true", help="when a rank fails, print its traceback on stderr")
+    p.set_defaults(func=cmd_verify)
 
 
 def _add_schema(sub: Any) -> None:
@@ -167,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"shardplan {__version__}")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for add in (_add_plan, _add_explain, _add_check, _add_diff, _add_simulate, _add_schema):
+    for add in (_add_plan, _add_explain, _add_check, _add_diff, _add_simulate, _add_verify, _add_schema):
         add(sub)
     return parser
 
@@ -364,61 +397,27 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- simulate
 
-_COLLECTIVE_KINDS = {
-    "all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
-}
+_PHASES = ("forward", "backward")
+_BYTES_RTOL = 1e-9  # the estimate's logical bytes are floats of exact integer sums
 
 
-def _kind(op: Any) -> str:
-    name = str(op).rsplit(".", 1)[-1].rstrip("_")
-    return _COLLECTIVE_KINDS.get(name, name)
+def _simulate_model(args: argparse.Namespace, plan: Any, *, device: str) -> Any:
+    """:func:`shardplan.simulate.simulate` on the model the command line names."""
+    import torch
 
-
-def _scalar_loss(out: Any) -> Any:
-    if hasattr(out, "logits"):
-        out = out.logits
-    elif isinstance(out, dict):
-        out = next(iter(out.values()))
-    elif isinstance(out, (tuple, list)):
-        out = out[0]
-    return out.float().sum()
-
-
-def _count_collectives(model: Any, plan: Any, inputs: tuple) -> dict[str, dict[str, int]]:
-    """Apply ``plan`` under a fake process group; count one forward and one backward."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    from .api import apply_plan
-    from .launch import fake_process_group, make_mesh
-
-    counted: dict[str, dict[str, int]] = {}
-    with fake_process_group(math.prod(plan.mesh.axes.values())), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        apply_plan(model, make_mesh(plan.mesh.axes), plan)
-        with CommDebugMode() as fwd:
-            loss = _scalar_loss(model(*inputs))
-        with CommDebugMode() as bwd:
-            loss.backward()
-    for phase, mode in (("forward", fwd), ("backward", bwd)):
-        counts: dict[str, int] = {}
-        for op, n in mode.get_comm_counts().items():
-            counts[_kind(op)] = counts.get(_kind(op), 0) + n
-        counted[phase] = counts
-    return counted
-
-
-def _simulate_model(args: argparse.Namespace, plan: Any, *, device: str) -> dict[str, dict[str, int]]:
     from .api import infer_example_inputs
+    from .simulate import simulate
 
     model, inputs, _ = _resolve(args, device=device)
     if inputs is None:
         inputs = infer_example_inputs(model, batch_size=args.batch or 1, seq_len=args.seq or 2048)
-        inputs = tuple(t.to(device) for t in inputs) if device != "meta" else inputs
-    return _count_collectives(model, plan, inputs)
+        inputs = tuple(torch.zeros(t.shape, dtype=t.dtype, device=device) for t in inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return simulate(model, plan, inputs)
 
 
-def _simulate(args: argparse.Namespace, plan: Any) -> dict[str, dict[str, int]]:
+def _simulate(args: argparse.Namespace, plan: Any) -> Any:
     try:
         return _simulate_model(args, plan, device="meta")
     except (RuntimeError, NotImplementedError) as exc:
@@ -432,35 +431,116 @@ def _simulate(args: argparse.Namespace, plan: Any) -> dict[str, dict[str, int]]:
                          f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
 
 
-def _simulation_table(counted: dict[str, dict[str, int]], predicted: dict[str, dict[str, int]]) -> tuple[Any, bool]:
+def _bytes_match(counted: float, predicted: float | None) -> bool:
+    return predicted is not None and abs(counted - predicted) <= _BYTES_RTOL * max(1.0, abs(predicted))
+
+
+def _bytes_cell(n: float | None, other: float | None) -> str:
+    from .cost import format_bytes
+
+    if n is None:
+        return "-"
+    return format_bytes(n) if _bytes_match(n, other) else f"{n:,.0f} B"  # exact when they differ
+
+
+def _simulation_table(result: Any, plan: Any) -> tuple[Any, bool]:
+    """Counted vs predicted collectives (per kind) and logical bytes, per phase; and whether all match."""
     from rich.table import Table
 
-    table = Table(title="collectives: counted vs predicted", title_justify="left")
+    table = Table(title="collectives: counted on a fake process group vs the plan's estimate", title_justify="left")
     for col in ("phase", "collective", "counted", "predicted", "match"):
         table.add_column(col, justify="right" if col in ("counted", "predicted") else "left")
-    ok = True
-    for phase in ("forward", "backward"):
-        c, p = counted.get(phase, {}), predicted.get(phase, {})
+    predicted_bytes = plan.estimate.collective_bytes
+    bytes_ok = True
+    for phase in _PHASES:
+        c, p = result.counted.get(phase, {}), result.predicted.get(phase, {})
         for kind in sorted(k for k in set(c) | set(p) if c.get(k, 0) or p.get(k, 0)):
             same = c.get(kind, 0) == p.get(kind, 0)
-            ok &= same
             table.add_row(phase, kind, str(c.get(kind, 0)), str(p.get(kind, 0)), "ok" if same else "DIFFERS")
-    return table, ok
+        got, want = result.counted_bytes.get(phase, 0), predicted_bytes.get(phase)
+        same = _bytes_match(got, want)
+        bytes_ok &= same
+        table.add_row(phase, "logical bytes", _bytes_cell(got, want), _bytes_cell(want, got),
+                      "ok" if same else "DIFFERS" if want is not None else "not in plan", end_section=True)
+    return table, result.matches and bytes_ok
+
+
+def _plan_shapes(args: argparse.Namespace, plan: Any) -> None:
+    """Simulate a plan file at the batch and sequence it was made for (its byte estimate's)."""
+    for flag, attr, recorded in (("--batch", "batch", plan.options.batch_size), ("--seq", "seq", plan.options.seq_len)):
+        given = getattr(args, attr)
+        if given is not None and recorded is not None and given != recorded:
+            raise ValueError(f"{flag} {given} differs from the {recorded} {args.plan} was planned for; "
+                             f"its estimate is for its own shapes: drop {flag}")
+        if given is None:
+            setattr(args, attr, recorded)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from .plan import load_plan
     from .report import make_console
 
-    plan = load_plan(args.plan) if args.plan else _make_plan(args, explain=False)[0]
+    if args.plan:
+        plan = load_plan(args.plan)
+        _plan_shapes(args, plan)
+    else:
+        plan = _make_plan(args, explain=False)[0]
+    if plan.estimate is None:
+        raise ValueError(f"{args.plan or 'the plan'} records no estimate to compare the counts with; re-plan it")
     with _progress(f"simulating {args.model} on a fake process group ..."):
-        counted = _simulate(args, plan)
-    predicted = {ph: c.model_dump() for ph, c in plan.estimate.collectives.items()} if plan.estimate else {}
-    table, ok = _simulation_table(counted, predicted)
+        result = _simulate(args, plan)
+    table, ok = _simulation_table(result, plan)
     make_console().print(table)
     if not ok:
-        print("shardplan: the counted collectives differ from the plan's estimate", file=sys.stderr)
+        print("shardplan: the counted collectives or their bytes differ from the plan's estimate", file=sys.stderr)
     return EXIT_OK if ok else EXIT_FINDINGS
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def _verify_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The planning options given on the command line (none may be given with --plan)."""
+    opts = _plan_options(args, explain=False)
+    opts = {k: v for k, v in opts.items() if k not in ("explain", "batch_size", "seq_len")}
+    if opts.get("sequence_parallel") is None:
+        opts.pop("sequence_parallel", None)
+    return opts
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .plan import load_plan
+    from rich.text import Text
+
+    from .report import make_console, verify_lines, verify_table
+    from .verify import VerifyError, verify
+
+    opts = _verify_options(args)
+    if args.plan:
+        if args.mesh is not None or opts:
+            given = ["--mesh"] * (args.mesh is not None) + [f"--{k.replace('_', '-')}" for k in opts]
+            raise ValueError(f"{', '.join(given)}: planning options do not apply to --plan {args.plan}; "
+                             "the plan file fixes its mesh and options")
+        plan, mesh = load_plan(args.plan), None
+    else:
+        plan, mesh = None, parse_mesh(args.mesh) if args.mesh else None
+    sizes = {"batch_size": args.batch} if args.batch else {}
+    mesh_text = args.mesh or f"tp={args.nproc}"
+    try:
+        with _progress(f"verifying {args.model} ({mesh_text}) on {args.nproc} gloo ranks ..."):
+            result = verify(args.model, plan=plan, nproc=args.nproc, mesh=mesh, timeout_s=args.timeout,
+                            seq_len=args.seq, **sizes, **opts)
+    except VerifyError as exc:
+        if args.traceback and exc.details:
+            print(exc.details.rstrip(), file=sys.stderr)
+        hint = "" if args.traceback else " (--traceback shows it in full)"
+        raise ValueError(f"verify could not finish: {exc}{hint}") from exc
+    console = make_console()
+    console.print(verify_table(result))
+    for line in verify_lines(result):
+        console.print(Text(line), soft_wrap=True)
+    print(f"shardplan: {result.summary()}", file=sys.stderr)
+    return EXIT_OK if result.passed else EXIT_FINDINGS
 
 
 # --------------------------------------------------------------------------- main

@@ -209,8 +209,8 @@ def _style(rule: Rule, *, loss_parallel: bool, conv1d: bool = False) -> Parallel
         if loss_parallel:  # logits stay vocab-sharded for loss_parallel()
             return col(input_layouts=inp or Replicate(), output_layouts=Shard(-1), use_local_output=False)
         return col(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
-    if rule.style == "rowwise":
-        return row(input_layouts=inp or Shard(-1), output_layouts=out or Replicate())
+    if rule.style == "rowwise":  # a Partial output stays a DTensor for the block's exit to sum
+        return row(input_layouts=inp or Shard(-1), output_layouts=out or Replicate(), use_local_output=not isinstance(out, Partial))
     if rule.style == "rowwise_split_input":  # Replicate -> Shard(-1) is a local slice
         return row(input_layouts=Replicate(), output_layouts=out or Replicate())
     if rule.style == "embedding_rowwise":
@@ -227,7 +227,7 @@ def _style(rule: Rule, *, loss_parallel: bool, conv1d: bool = False) -> Parallel
 def _region_style(region: Region) -> ParallelStyle:
     layout, desired = placement(region.input_layouts), placement(region.desired_input_layouts)
     if region.input == "output":
-        return PrepareModuleOutput(output_layouts=layout, desired_output_layouts=desired, use_local_output=False)
+        return PrepareModuleOutput(output_layouts=layout, desired_output_layouts=desired, use_local_output=region.use_local_output)
     if isinstance(region.input, int):
         layouts = [None] * region.num_inputs
         wanted = [None] * region.num_inputs
@@ -238,9 +238,27 @@ def _region_style(region: Region) -> ParallelStyle:
     )
 
 
+class _Both(ParallelStyle):
+    """Two styles on one module (a block's entry and exit), applied in order."""
+
+    def __init__(self, first: ParallelStyle, second: ParallelStyle) -> None:
+        self.first, self.second = first, second
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return self.second._apply(self.first._apply(module, device_mesh), device_mesh)
+
+
+def _combine(existing: ParallelStyle | None, new: ParallelStyle) -> ParallelStyle:
+    return new if existing is None else _Both(existing, new)
+
+
 def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str, ParallelStyle]:
     """The ``parallelize_module`` dict: regions first, then one style per rule."""
-    styles: dict[str, ParallelStyle] = {r.module: _region_style(r) for r in plan.regions if r.input != "output"}
+    styles: dict[str, ParallelStyle] = {}
+    for r in plan.regions:
+        if r.input == "output" and not r.use_local_output:
+            continue  # applied after the module's own style (apply_plan)
+        styles[r.module] = _combine(styles.get(r.module), _region_style(r))
     conv1d = _conv1d_rules(plan, model)
     for rule in plan.rules:
         if rule.style == "replicate" and "container" in rule.why:
@@ -309,7 +327,7 @@ def apply_plan(model: nn.Module, device_mesh, plan: Plan, *, check: bool = True)
     tied = _tied_groups(model)
     parallelize_module(model, mesh, to_parallelize_plan(plan, model))
     # output regions hook in after the module's own style has turned its output local
-    outputs = {r.module: _region_style(r) for r in plan.regions if r.input == "output"}
+    outputs = {r.module: _region_style(r) for r in plan.regions if r.input == "output" and not r.use_local_output}
     if outputs:
         parallelize_module(model, mesh, outputs)
     for group in tied:

@@ -18,7 +18,7 @@ from collections import Counter
 from . import cost
 from .graph import OpGraph
 from .plan import Collectives, Estimate
-from .regions import Entry
+from .regions import Entry, PartialBlock
 from .solve import Solution, SolveContext, _model_dtype_bytes, _tied_second_owners, strategy_time
 
 __all__ = ["estimate", "collective_list"]
@@ -26,12 +26,17 @@ __all__ = ["estimate", "collective_list"]
 Event = tuple[str, str, int]  # (phase, kind, logical bytes)
 
 
-def collective_list(graph: OpGraph, solution: Solution, entries: list[Entry]) -> list[tuple[Event, int]]:
+def collective_list(
+    graph: OpGraph, solution: Solution, entries: list[Entry], blocks: list[PartialBlock] = ()
+) -> list[tuple[Event, int]]:
     """Every collective of one forward + backward with its repeat count."""
     events: Counter = Counter()
+    partial = {r for b in blocks for r in b.rowwise}
+    for b in blocks:  # one all-reduce at the block's exit instead of one per branch
+        events[("forward", "all_reduce", graph.values[b.output].nbytes)] += graph.ops[b.rowwise[0]].multiplicity
     for op in graph.ops:
         s = solution.strategies[op.index]
-        for kind, n in s.fwd:
+        for kind, n in s.fwd if op.index not in partial else ():
             events[("forward", kind, n)] += op.multiplicity
         for kind, n in s.bwd:
             events[("backward", kind, n)] += op.multiplicity
@@ -48,11 +53,13 @@ def collective_list(graph: OpGraph, solution: Solution, entries: list[Entry]) ->
     return sorted(events.items())
 
 
-def estimate(graph: OpGraph, solution: Solution, entries: list[Entry], ctx: SolveContext) -> Estimate:
+def estimate(
+    graph: OpGraph, solution: Solution, entries: list[Entry], ctx: SolveContext, *, blocks: list[PartialBlock] = ()
+) -> Estimate:
     counts = {"forward": Counter(), "backward": Counter()}
     comm_bytes = comm_time = 0.0
     logical = {"forward": 0.0, "backward": 0.0}
-    for (phase, kind, n), times in collective_list(graph, solution, entries):
+    for (phase, kind, n), times in collective_list(graph, solution, entries, blocks):
         counts[phase][kind] += times
         logical[phase] += n * times
         comm_bytes += cost.collective_bytes(kind, n, group_size=ctx.tp) * times

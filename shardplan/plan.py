@@ -73,6 +73,7 @@ class Region(_Strict):
     num_inputs: int  # positional arguments of the traced call
     input_layouts: Layout = "Replicate"
     desired_input_layouts: Layout = "Replicate"
+    use_local_output: bool = False  # hand plain tensors on (a block's exit) or DTensors (an entry)
     why: str = ""
 
 

@@ -24,7 +24,7 @@ import torch
 from .graph import OpGraph
 from .solve import Solution
 
-__all__ = ["RegionSite", "Entry", "find_regions"]
+__all__ = ["RegionSite", "Entry", "PartialBlock", "find_regions", "find_partial_blocks"]
 
 
 @dataclass(frozen=True)
@@ -121,3 +121,72 @@ def find_regions(graph: OpGraph, solution: Solution) -> list[Entry]:
         )
         entries.append(Entry(value, kind, consumers, sites))
     return entries
+
+
+@dataclass(frozen=True)
+class PartialBlock:
+    """A block whose output is its input plus several row-parallel branches (GPT-J:
+    ``x + attn(ln(x)) + mlp(ln(x))``). The branches stay Partial DTensors, the residual
+    enters as a Replicate DTensor (DTensor adds R + P as P without communication), and one
+    all-reduce at the block's output replaces one per branch."""
+
+    module: str
+    input: int
+    num_inputs: int
+    rowwise: tuple[int, ...]  # op indices whose outputs stay Partial
+    output: int  # value id of the block output
+
+
+_ADD = {"add", "__add__", "iadd", "__radd__"}
+
+
+def _sum_leaves(graph: OpGraph, value: int, fqn: str, root: bool) -> list[int] | None:
+    """Values summed into ``value`` through two-operand adds inside ``fqn`` (each used once)."""
+    op = graph.ops[graph.values[value].producer]
+    single_use = len(graph.consumers.get(value, [])) == 1
+    if op.target in _ADD and len(op.inputs) == 2 and _inside(op.owner, fqn) and (root or single_use):
+        parts = [_sum_leaves(graph, v, fqn, False) for v in op.inputs]
+        return None if any(p is None for p in parts) else parts[0] + parts[1]
+    return [value]
+
+
+def _partial_block(graph: OpGraph, solution: Solution, fqn: str, call) -> PartialBlock | None:
+    if len(call.outputs) != 1 or "shardplan_op" not in call.outputs[0].meta:
+        return None
+    out = call.outputs[0].meta["shardplan_op"]
+    leaves = _sum_leaves(graph, out, fqn, True)
+    if not leaves:
+        return None
+    args = [a.meta["shardplan_op"] if a is not None else None for a in call.args]
+    rowwise = [graph.values[v].producer for v in leaves if _is_rowwise_to_replicate(graph, solution, v)]
+    residual = [v for v in leaves if graph.values[v].producer not in rowwise]
+    if len(rowwise) < 2 or len(residual) != 1 or residual[0] not in args:
+        return None
+    x = residual[0]
+    adds = {graph.values[v].producer for v in _add_values(graph, out, fqn)}
+    if any(c not in adds and graph.ops[c].kind != "module" for c in graph.consumers.get(x, [])):
+        return None  # the residual would reach a plain-tensor op as a DTensor
+    return PartialBlock(fqn, args.index(x), len(call.args), tuple(sorted(rowwise)), out)
+
+
+def _is_rowwise_to_replicate(graph: OpGraph, solution: Solution, value: int) -> bool:
+    op = graph.ops[graph.values[value].producer]
+    s = solution.strategies.get(op.index)
+    return op.kind == "module" and s is not None and s.name == "rowwise" and s.output == "R" and len(graph.consumers.get(value, [])) == 1
+
+
+def _add_values(graph: OpGraph, value: int, fqn: str) -> list[int]:
+    op = graph.ops[graph.values[value].producer]
+    if op.target in _ADD and _inside(op.owner, fqn):
+        return [value] + [w for v in op.inputs for w in _add_values(graph, v, fqn)]
+    return []
+
+
+def find_partial_blocks(graph: OpGraph, solution: Solution) -> list[PartialBlock]:
+    found = []
+    for fqn, calls in sorted(graph.traced.calls.items()):
+        if fqn and fqn not in graph.traced.folded and len(calls) == 1:
+            block = _partial_block(graph, solution, fqn, calls[0])
+            if block is not None:
+                found.append(block)
+    return found

@@ -9,8 +9,11 @@ matches and the shape each device holds under the style; optionally the ``why``.
 table come :func:`plan_summary_lines`: mesh and options, parameter bytes per device, peak
 memory, communication per step, predicted step time (compute + comm), the collectives of a
 forward and a backward, the regions and the warnings. ``decision_table`` renders
-``Plan.explain`` output and ``diff_lines`` compares two plans. Nothing here computes a
-plan; everything reads what the plan recorded (plus weight shapes from ``model``).
+``Plan.explain`` output and ``diff_lines`` compares two plans. ``verify_table`` and
+``verify_lines`` render a :class:`~shardplan.verify.VerifyResult` (one row per compared
+quantity: max difference, tolerance, where, pass/FAIL; then the largest gradient
+differences and any problems). Nothing here computes a plan; everything reads what the plan
+recorded (plus weight shapes from ``model``).
 
 ``console`` defaults to ``rich.console.Console()`` on stdout, which writes plain text when
 stdout is not a terminal. Plan text (module patterns, messages) is never read as rich
@@ -32,7 +35,7 @@ from .plan import Decision, Plan, matches
 
 __all__ = [
     "render_table", "plan_table", "plan_summary_lines", "decision_table", "diff_lines",
-    "sharded_dim", "weight_of", "make_console",
+    "sharded_dim", "weight_of", "make_console", "verify_table", "verify_lines",
 ]
 
 _COLWISE_STYLES = ("colwise", "colwise_gather_output", "packed_colwise")
@@ -298,3 +301,41 @@ def diff_lines(a: Plan, b: Plan) -> list[str]:
     lines += (["rules:"] + rules) if rules else ["rules: no changes"]
     lines += (["regions:"] + regions) if regions else ["regions: no changes"]
     return lines + ["estimate:"] + _estimate_changes(a, b)
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def verify_table(result: Any) -> Table:
+    """One row per compared quantity of a :class:`~shardplan.verify.VerifyResult`."""
+    plan = result.plan
+    title = (f"verify {result.model}: tp={plan.tp} plan ({_mesh_str(plan)}) on {result.nproc} gloo ranks "
+             "vs the unsharded model, float32")
+    table = Table(title=Text(title), title_justify="left")
+    for name, justify in (("quantity", "left"), ("max |tp - ref|", "right"), ("tolerance", "right"),
+                          ("worst at", "left"), ("result", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    for row in result.rows:
+        what = f"{row.quantity} ({row.count})" if row.quantity in ("weights", "grad") else row.quantity
+        table.add_row(Text(what), f"{row.max_abs:.2e}", row.tolerance, Text(row.where or "-"),
+                      Text("pass" if row.passed else "FAIL", style="green" if row.passed else "bold red"))
+    return table
+
+
+def verify_lines(result: Any) -> list[str]:
+    """What the table leaves out: the largest gradient differences, problems, the verdict."""
+    lines = []
+    if result.top_grads:
+        lines.append("largest gradient differences: " + ", ".join(f"{n} {d:.2e}" for n, d in result.top_grads))
+    if result.worst_param:
+        row = result.row("grad")
+        lines.append(f"worst parameter: {result.worst_param} (|diff| {result.worst_param_diff:.2e}; "
+                     f"tolerance {row.tolerance})")
+    shapes = ", ".join("x".join(str(n) for n in s) for s in result.inputs)
+    lines.append(f"{result.sharded_params} of {result.num_params} parameters sharded; inputs {shapes or '-'}; "
+                 f"{result.seconds:.1f} s on the ranks")
+    if result.problems:
+        lines.append(f"problems ({len(result.problems)}):")
+        lines += [f"  {p}" for p in result.problems]
+    lines.append(result.summary())
+    return lines

@@ -250,3 +250,20 @@ def test_405b_plans_on_meta_quickly():
     plan = shardplan.plan_model(model, {"dp": 16, "tp": 8}, explain=False)
     assert time.perf_counter() - start < 10  # generous on a loaded CI core; the benchmark reports the real figure
     assert plan.estimate.param_bytes_per_device == pytest.approx(sum(p.numel() * p.element_size() for p in model.parameters()) / 8, rel=0.01)
+
+
+def test_parallel_branch_block_uses_one_collective_each_way():
+    """GPT-J blocks: both branches' partial sums add up before one all-reduce (1 + 1)."""
+    from shardplan.models import GPT2Config, ParallelBlockModel
+
+    counts = {}
+    for layers in (2, 3):
+        cfg = GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=layers, n_head=4)
+        with torch.device("meta"):
+            model = ParallelBlockModel(cfg)
+        ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+        plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=(ids,), explain=False)
+        counts[layers] = {p: plan.estimate.collectives[p].model_dump() for p in ("forward", "backward")}
+    for phase in ("forward", "backward"):
+        per_block = {k: counts[3][phase][k] - counts[2][phase][k] for k in counts[2][phase]}
+        assert per_block == {"all_reduce": 1, "all_gather": 0, "reduce_scatter": 0, "all_to_all": 0}, phase
