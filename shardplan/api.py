@@ -208,6 +208,7 @@ def _rules(
     # own Partial gradient and defeats the region
     in_region = {c for e in entries for _, inside in e.sites for c in inside}
     partial = {r for b in blocks for r in b.rowwise}
+    returned = {v for op in graph.ops if op.kind == "output" for v in op.inputs}
     rules: list[Rule] = []
     for op in graph.ops:
         if op.kind != "module":
@@ -217,7 +218,7 @@ def _rules(
         for module in _patterned(op.target, graph, pmap):
             rules.append(Rule(
                 module=module, style=s.name,
-                input_layouts=inp, output_layouts="Partial" if op.index in partial else _layout(s.layouts.get("output")),
+                input_layouts=inp, output_layouts=_rule_output(op, s, partial, returned),
                 why=_why(why.get(_patterned(op.target, graph, pmap)[0])),
             ))
     rules += [Rule(module=fqn, style="replicate", why="not called in forward: kept whole") for fqn in _unused_modules(graph)]
@@ -236,6 +237,14 @@ def _containers(graph: OpGraph) -> list[str]:
         fqn for fqn, mod in graph.model.named_modules()
         if owns_params(mod) and not is_weight_leaf(mod) and any(c.startswith(fqn + ".") for c in called)
     ]
+
+
+def _rule_output(op, s, partial: set[int], returned: set[int]) -> str | None:
+    if op.index in partial:
+        return "Partial"
+    if s.name == "colwise" and op.output in returned:
+        return "Shard(-1)"  # vocab-sharded logits handed to the user for loss_parallel()
+    return _layout(s.layouts.get("output"))
 
 
 def _layout(p: str | None) -> str | None:

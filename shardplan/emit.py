@@ -199,15 +199,13 @@ def _experts_leave(module, args, output, *, names, group):
     return _ReduceFromTP.apply(output, group)
 
 
-def _style(rule: Rule, *, loss_parallel: bool, conv1d: bool = False) -> ParallelStyle:
+def _style(rule: Rule, *, conv1d: bool = False) -> ParallelStyle:
     inp = placement(rule.input_layouts)
     out = placement(rule.output_layouts)
     col, row = (_Conv1DColwise, _Conv1DRowwise) if conv1d else (ColwiseParallel, RowwiseParallel)
-    if rule.style == "colwise":
-        return col(input_layouts=inp or Replicate(), output_layouts=out or Shard(-1))
+    if rule.style == "colwise":  # an explicit Shard(-1) output is returned to the user as a DTensor
+        return col(input_layouts=inp or Replicate(), output_layouts=out or Shard(-1), use_local_output=out is None)
     if rule.style == "colwise_gather_output":
-        if loss_parallel:  # logits stay vocab-sharded for loss_parallel()
-            return col(input_layouts=inp or Replicate(), output_layouts=Shard(-1), use_local_output=False)
         return col(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
     if rule.style == "rowwise":  # a Partial output stays a DTensor for the block's exit to sum
         return row(input_layouts=inp or Shard(-1), output_layouts=out or Replicate(), use_local_output=not isinstance(out, Partial))
@@ -263,7 +261,7 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
     for rule in plan.rules:
         if rule.style == "replicate" and "container" in rule.why:
             continue  # its children carry their own styles; its direct parameters stay plain
-        styles[rule.module] = _style(rule, loss_parallel=plan.options.loss_parallel, conv1d=rule.module in conv1d)
+        styles[rule.module] = _style(rule, conv1d=rule.module in conv1d)
     return styles
 
 

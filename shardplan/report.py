@@ -309,15 +309,16 @@ def diff_lines(a: Plan, b: Plan) -> list[str]:
 def verify_table(result: Any) -> Table:
     """One row per compared quantity of a :class:`~shardplan.verify.VerifyResult`."""
     plan = result.plan
-    title = (f"verify {result.model}: tp={plan.tp} plan ({_mesh_str(plan)}) on {result.nproc} gloo ranks "
-             "vs the unsharded model, float32")
+    mesh = f"tp={plan.tp}" if plan.mesh.axes == {plan.mesh.tp_axis: plan.tp} else f"tp={plan.tp} of {_mesh_str(plan)}"
+    title = f"verify {result.model}: {mesh} on {result.nproc} gloo ranks vs unsharded (float32)"
     table = Table(title=Text(title), title_justify="left")
     for name, justify in (("quantity", "left"), ("max |tp - ref|", "right"), ("tolerance", "right"),
                           ("worst at", "left"), ("result", "left")):
         table.add_column(name, justify=justify, overflow="fold")
     for row in result.rows:
-        what = f"{row.quantity} ({row.count})" if row.quantity in ("weights", "grad") else row.quantity
-        table.add_row(Text(what), f"{row.max_abs:.2e}", row.tolerance, Text(row.where or "-"),
+        many = row.quantity in ("weights", "grad")
+        what = f"{row.quantity} ({row.count})" if many else row.quantity
+        table.add_row(Text(what), f"{row.max_abs:.2e}", row.tolerance, Text(row.where if many and row.where else "-"),
                       Text("pass" if row.passed else "FAIL", style="green" if row.passed else "bold red"))
     return table
 

@@ -90,7 +90,24 @@ def _scalar_loss(out: Any) -> torch.Tensor:
         out = out.logits
     if isinstance(out, (tuple, list)):
         out = out[0]
+    if isinstance(out, DTensor):  # vocab-sharded logits: the loss runs under loss_parallel()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            logits = out.flatten(0, -2)
+            target = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+            return torch.nn.functional.cross_entropy(logits, target)
     return out.float().sum()
+
+
+def _backward(loss: torch.Tensor) -> None:
+    if isinstance(loss, DTensor):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            loss.backward()
+    else:
+        loss.backward()
 
 
 def simulate(model: torch.nn.Module, plan: Plan, example_inputs: tuple) -> SimulationResult:
@@ -109,7 +126,7 @@ def simulate(model: torch.nn.Module, plan: Plan, example_inputs: tuple) -> Simul
             out = model(*example_inputs)
         loss = _scalar_loss(out)
         with record_collectives(plan.tp) as bwd:
-            loss.backward()
+            _backward(loss)
     for phase, events in (("forward", fwd), ("backward", bwd)):
         result.counted[phase] = Counter(kind for kind, _ in events)
         result.counted_bytes[phase] = sum(n for _, n in events)

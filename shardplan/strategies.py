@@ -101,7 +101,7 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
     if op.kind in ("input", "const"):
         return [Strategy("", (), "R")]
     if op.kind == "output":
-        return [_all(op, "R", "R")] if op.inputs else [Strategy("", (), None)]
+        return _output_strategies(op, graph, tp, opts)
     if op.kind == "module":
         return module_strategies(op, graph, tp=tp, opts=opts)
     if op.kind == "folded":  # placements are tied to the representative block by the solver
@@ -109,6 +109,19 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
     if op.output is None:
         return [_all(op, "R", "R" if op.output is not None else None)]
     return _function_strategies(op, graph, tp)
+
+
+def _output_strategies(op: Op, graph: OpGraph, tp: int, opts: Any) -> list[Strategy]:
+    """The user gets whole tensors back; with ``loss_parallel`` the logits may stay sharded
+    on the vocabulary (Shard(-1)) for ``torch.distributed.tensor.parallel.loss_parallel``."""
+    if not op.inputs:
+        return [Strategy("", (), None)]
+    out = [_all(op, "R", "R")]
+    if getattr(opts, "loss_parallel", False) and len(op.inputs) == 1:
+        shape = _shape(graph, op.inputs[0])
+        if len(shape) >= 2 and shape[-1] % tp == 0:
+            out.append(Strategy("", (f"S{len(shape) - 1}",), "R"))
+    return out
 
 
 def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:

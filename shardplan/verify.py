@@ -50,9 +50,13 @@ seq_len=None, max_params=MAX_PARAMS, **plan_options) -> VerifyResult``
 from __future__ import annotations
 
 import math
+import os
+import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -242,17 +246,18 @@ def verify(
     inputs = _real_inputs(model_spec, preset, model, meta_inputs, batch_size=batch_size, seq_len=seq)
     del model
     t0 = time.perf_counter()
-    try:
-        ranks = run_on_gloo(_verify_rank, world_size=nproc, args=(model_spec, plan.to_yaml(), inputs, TOLERANCES),
-                            timeout_s=timeout_s)
-    except RankTimeout as exc:
-        raise VerifyError(
-            f"timed out after {timeout_s:g}s with ranks {list(exc.ranks)} still running "
-            "(a rank stuck in a collective, or a model too slow on CPU); raise the timeout or try a smaller model",
-            details=str(exc)) from exc
-    except RankError as exc:
-        raise VerifyError(f"rank {exc.rank} of {nproc} failed: {_last_line(exc.traceback_text)}",
-                          details=exc.traceback_text, rank=exc.rank) from exc
+    with tempfile.TemporaryDirectory(prefix="shardplan-verify-") as logs:
+        try:
+            ranks = run_on_gloo(_verify_rank, world_size=nproc, timeout_s=timeout_s,
+                                args=(model_spec, plan.to_yaml(), inputs, TOLERANCES, logs))
+        except RankTimeout as exc:
+            raise VerifyError(
+                f"timed out after {timeout_s:g}s with ranks {list(exc.ranks)} still running "
+                "(a rank stuck in a collective, or a model too slow on CPU); raise the timeout or try a smaller model",
+                details=str(exc) + _log_tail(logs, exc.ranks[0] if exc.ranks else 0)) from exc
+        except RankError as exc:
+            raise VerifyError(f"rank {exc.rank} of {nproc} failed: {_last_line(exc.traceback_text)}",
+                              details=exc.traceback_text + _log_tail(logs, exc.rank), rank=exc.rank) from exc
     result = _merge(ranks, name=name, plan=plan, nproc=nproc)
     result.seconds = time.perf_counter() - t0
     result.inputs = [tuple(t.shape) for t in inputs]
@@ -297,6 +302,15 @@ def _real_inputs(spec: str, preset: str | None, model: nn.Module, meta_inputs: t
         else:
             out.append(torch.randint(0, vocab, tuple(t.shape), generator=gen, dtype=t.dtype))
     return tuple(out)
+
+
+def _log_tail(logs: str, rank: int, lines: int = 20) -> str:
+    try:
+        text = (Path(logs) / f"rank{rank}.log").read_text(errors="replace")
+    except OSError:
+        return ""
+    tail = [ln for ln in text.splitlines() if ln.strip()][-lines:]
+    return f"\nrank {rank} stderr (last {len(tail)} lines):\n" + "\n".join(tail) if tail else ""
 
 
 def _last_line(text: str) -> str:
@@ -398,13 +412,25 @@ def _packed_names(plan: Plan, model: nn.Module) -> set[str]:
     return out
 
 
+def _quiet_stderr(path: Path) -> None:
+    """Send this rank's stderr (warnings, and launch's traceback echo) to a log file: the
+    parent reports a failure in one line and keeps the traceback in ``VerifyError.details``."""
+    fh = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the rank process
+    sys.stderr.flush()
+    os.dup2(fh.fileno(), 2)
+    sys.stderr = fh
+
+
 def _verify_rank(rank: int, world_size: int, spec: str, plan_yaml: str, inputs: tuple,
-                 tols: dict[str, tuple[float, float]]) -> dict[str, Any]:
+                 tols: dict[str, tuple[float, float]], logs: str | None = None) -> dict[str, Any]:
     """One gloo rank: build twice, shard one copy, compare forward, loss and gradients."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     from .emit import apply_plan, check_fingerprint, unpack_experts
+
+    if logs is not None:
+        _quiet_stderr(Path(logs) / f"rank{rank}.log")
 
     plan = Plan.from_yaml(plan_yaml)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=(plan.mesh.tp_axis,))

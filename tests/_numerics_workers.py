@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor.parallel import loss_parallel
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -119,12 +120,18 @@ def _run_case(case: dict[str, Any], mesh, tols: dict[str, tuple[float, float]]) 
     out_ref = ref(x)
     out_tp = tp(x)
     checks["out_is_dtensor"] = isinstance(out_tp, DTensor)
-    out_tp = _full(out_tp)
     target = _targets(out_ref, x)
     loss_ref = _loss(out_ref, target)
-    loss_tp = _loss(out_tp, target)
     loss_ref.backward()
-    loss_tp.backward()
+    if isinstance(out_tp, DTensor):  # loss_parallel plans hand back vocab-sharded logits
+        with loss_parallel():
+            loss_tp = _loss(out_tp, target)
+            loss_tp.backward()
+        loss_tp = _full(loss_tp)
+    else:
+        loss_tp = _loss(out_tp, target)
+        loss_tp.backward()
+    out_tp = _full(out_tp)
 
     res: dict[str, Any] = {"checks": checks}
     res["out"] = _compare([("output", out_tp, out_ref)], *tols["out"])

@@ -97,6 +97,7 @@ CASES = [
     Case("mlp", 4),
     Case("llama3-debug", 2, {"sequence_parallel": True}),
     Case("parallel-debug", 2),
+    Case("llama3-debug", 2, {"loss_parallel": True}),
 ]
 _BY_ID = {c.id: c for c in CASES}
 assert len(_BY_ID) == len(CASES)

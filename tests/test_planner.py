@@ -89,11 +89,11 @@ CASES = [
     ("llama3-debug", 2, {"sequence_parallel": True}), ("llama3-debug", 4, {"sequence_parallel": True}),
     ("gpt2-debug", 2, {}), ("gpt2-debug", 4, {}), ("mlp", 2, {}), ("mlp", 4, {}),
     ("parallel-debug", 2, {}), ("parallel-debug", 4, {}), ("llama3-small", 8, {}),
-    ("llama3-small", 8, {"sequence_parallel": True}),
+    ("llama3-small", 8, {"sequence_parallel": True}), ("llama3-debug", 4, {"loss_parallel": True}),
 ]
 
 
-@pytest.mark.parametrize("name,tp,opts", CASES, ids=[f"{n}-tp{t}-{'sp' if o else 'tp'}" for n, t, o in CASES])
+@pytest.mark.parametrize("name,tp,opts", CASES, ids=[f"{n}-tp{t}-{'-'.join(o) or 'tp'}" for n, t, o in CASES])
 def test_predicted_collectives_equal_counted(name, tp, opts):
     plan = plan_for(name, tp, explain=False, **opts)
     model = build_preset(name, device="meta")
