@@ -22,6 +22,7 @@ from . import cost
 from .estimate import estimate
 from .explain import explain_decisions
 from .graph import OpGraph, build_graph
+from .localcheck import check_local_shapes
 from .plan import MeshInfo, ModelInfo, Plan, PlanOptions, Region, Rule, fingerprint
 from .regions import Entry, PartialBlock, find_partial_blocks, find_regions
 from .solve import PlanningError, Solution, SolveContext, solve
@@ -30,7 +31,7 @@ from .trace import TraceError, trace_model
 
 __all__ = ["plan_model", "apply_plan", "auto_parallelize", "price_styles", "mesh_axes", "PlanningError", "TraceError"]
 
-_EXTRA_OPTIONS = ("explain", "tp_axis", "fold_repeated", "strict", "_pinned")
+_EXTRA_OPTIONS = ("explain", "tp_axis", "fold_repeated", "strict", "check", "_pinned")
 _OPTION_NAMES = set(PlanOptions.model_fields) | set(_EXTRA_OPTIONS)
 
 
@@ -125,7 +126,7 @@ def plan_model(
     if extra.get("strict") and notes:
         raise PlanningError("strict planning refused the plan:\n  " + "\n  ".join(notes))
     decisions = explain_decisions(graph, solution, ctx) if extra.get("explain", True) else []
-    return Plan(
+    plan = Plan(
         model=ModelInfo(class_name=type(model).__name__, fingerprint=fingerprint(model),
                         num_params=sum(p.numel() for p in model.parameters()), repeats=_repeats(graph)),
         mesh=MeshInfo(axes=axes, tp_axis=tp_axis),
@@ -136,6 +137,9 @@ def plan_model(
         decisions=decisions,
         warnings=notes,
     )
+    if extra.get("check", True):
+        check_local_shapes(graph, plan, solution.placements)
+    return plan
 
 
 def _model_dtype(model: nn.Module) -> str:

@@ -11,11 +11,14 @@ stderr is a terminal.
 Exit status: 0 success; 1 when ``check`` finds problems, ``simulate`` counts collectives (or
 their logical bytes) other than the plan predicts, or ``verify`` finds the sharded model
 differing from the unsharded one; 2 for unusable input, including a ``verify`` whose ranks
-crashed or timed out (one line saying which rank and why). A user error (``ValueError`` and its
-subclasses ``PlanningError``, ``TraceError``, ``PlanFileError``; ``FileExistsError``;
-``FileNotFoundError``) prints ``shardplan: error: <message>`` on stderr (one line, plus one
-more for the details of a multi-line message), never a traceback. argparse's own usage
-errors also exit 2. Every command's ``--help`` ends with examples.
+crashed or timed out (one line saying which rank and why). A user error (``ValueError`` and
+its subclasses ``PlanningError``, ``TraceError``, ``PlanFileError``; ``OSError`` such as
+``FileExistsError``, ``FileNotFoundError``, ``PermissionError``) prints ``shardplan: error:
+<message>`` on stderr (one line, plus one more for the details of a multi-line message),
+never a traceback. Any other exception prints ``shardplan: error: internal error: <type>:
+<message>`` and a hint line (exit 2), or raises with its traceback when the environment
+sets ``SHARDPLAN_TRACEBACK=1``. argparse's own usage errors also exit 2. Every command's
+``--help`` ends with examples.
 
 ``--mesh`` is ``axis=size`` pairs separated by commas (``tp=8``, ``dp=16,tp=8``); tensor
 parallelism runs on ``tp`` (else the last axis). Only the planning options given on the
@@ -43,6 +46,7 @@ __all__ = ["main", "build_parser", "parse_mesh", "check_findings"]
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 _AXIS_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=([1-9][0-9]*)")
 _MESH_EXAMPLE = "e.g. --mesh tp=8 or --mesh dp=16,tp=8"
+_TRACEBACK_ENV = "SHARDPLAN_TRACEBACK"  # set: unexpected errors show their traceback
 _CPU_FALLBACK_PARAMS = 100_000_000  # simulate re-runs models up to this size on CPU if meta fails
 
 
@@ -194,7 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardplan", formatter_class=_formatter,
         description="Tensor-parallel sharding-plan compiler for PyTorch: trace, cost, solve, emit DTensor plans.",
-        epilog="run `shardplan COMMAND --help` for a command's options and examples",
+        epilog=(
+            "examples:\n"
+            "  shardplan plan llama3-8b --mesh tp=8 -o plan.yaml\n"
+            "  shardplan check plan.yaml llama3-8b\n"
+            "  shardplan simulate llama3-8b --plan plan.yaml\n"
+            "  shardplan verify llama3-debug --nproc 2\n"
+            "run `shardplan COMMAND --help` for a command's options and examples"),
     )
     from . import __version__
 
@@ -557,16 +567,23 @@ def _print_error(exc: BaseException) -> None:
 def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     try:
         return func(args)
-    except (ValueError, FileExistsError, FileNotFoundError) as exc:
+    except BrokenPipeError:  # `shardplan schema | head`: stop quietly, as a SIGPIPE'd tool would
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except (ValueError, OSError) as exc:  # FileExistsError, FileNotFoundError, PermissionError, ...
         _print_error(exc)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("shardplan: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `shardplan schema | head`: stop quietly, as a SIGPIPE'd tool would
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+    except Exception as exc:  # a bug, or a model that breaks a step: one line unless asked for more
+        if os.environ.get(_TRACEBACK_ENV):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        print(f"shardplan: error: internal error: {type(exc).__name__}: {first}", file=sys.stderr)
+        print(f"  set {_TRACEBACK_ENV}=1 to see the traceback, and please report it", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def main(argv: list[str] | None = None) -> int:

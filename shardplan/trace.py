@@ -48,6 +48,8 @@ class ModuleCall:
     args: list[torch.fx.Node | None]
     kwargs: dict[str, torch.fx.Node]
     outputs: list[torch.fx.Node]
+    # the call's arguments with tensors as meta tensors, to re-run the module alone
+    example: tuple[tuple, dict] = ((), {})
 
 
 @dataclass
@@ -145,7 +147,8 @@ class _ShardTracer(MetaTracer):
     def _record_call(self, fqn: str, args, kwargs, out) -> None:
         arg_nodes = [a.node if isinstance(a, torch.fx.Proxy) else None for a in args]
         kw_nodes = {k: v.node for k, v in kwargs.items() if isinstance(v, torch.fx.Proxy)}
-        self.calls.setdefault(fqn, []).append(ModuleCall(fqn, arg_nodes, kw_nodes, _flat_nodes(out)))
+        example = torch.fx.node.map_aggregate((tuple(args), dict(kwargs)), _proxy_meta_or_value)
+        self.calls.setdefault(fqn, []).append(ModuleCall(fqn, arg_nodes, kw_nodes, _flat_nodes(out), example))
 
     @staticmethod
     def _meta_key(args, kwargs) -> tuple:
@@ -376,7 +379,7 @@ def _strip_root(graph: torch.fx.Graph, model: nn.Module, tracer: _ShardTracer) -
         return "" if fqn == "m" else fqn[2:]
 
     calls = {
-        user_fqn(k): [ModuleCall(user_fqn(c.fqn), c.args, c.kwargs, c.outputs) for c in v]
+        user_fqn(k): [ModuleCall(user_fqn(c.fqn), c.args, c.kwargs, c.outputs, c.example) for c in v]
         for k, v in tracer.calls.items()
         if k == "m" or k.startswith("m.")
     }

@@ -159,11 +159,84 @@ def test_simulate_counts_match(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "simulate", "llama3-debug", "--mesh", "tp=2")
     assert code == 0, out + err
     assert "all_reduce" in out and "DIFFERS" not in out
+    bytes_rows = [ln for ln in out.splitlines() if "logical bytes" in ln]
+    assert len(bytes_rows) == 2 and all("ok" in ln for ln in bytes_rows), out  # forward and backward
+
+
+def test_simulate_plan_file_counts_and_bytes(plan_files: dict[str, Path], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "simulate", "llama3-debug", "--plan", str(plan_files["tp4"]))
+    assert code == 0, out + err
+    assert "DIFFERS" not in out
+    # a plan whose byte estimate is off by one byte: counts still agree, bytes do not
+    plan = shardplan.load_plan(plan_files["tp4"])
+    forward = plan.estimate.collective_bytes["forward"]
+    plan.estimate.collective_bytes["forward"] = forward + 1
+    off = tmp_path / "off_by_one.yaml"
+    plan.save(off)
+    code, out, err = run(capsys, "simulate", "llama3-debug", "--plan", str(off))
+    assert code == 1, out + err
+    row = next(ln for ln in out.splitlines() if "forward" in ln and "logical bytes" in ln)
+    assert "DIFFERS" in row and f"{forward + 1:,.0f}" in row and f"{forward:,.0f}" in row
+    assert "bytes differ" in err
+    # and one whose collective count is off
+    plan = shardplan.load_plan(plan_files["tp4"])
+    plan.estimate.collectives["backward"].all_reduce += 1
+    plan.save(off)
+    code, out, _ = run(capsys, "simulate", "llama3-debug", "--plan", str(off))
+    assert code == 1
+    assert "DIFFERS" in next(ln for ln in out.splitlines() if "backward" in ln and "all_reduce" in ln)
+
+
+def test_simulate_plan_file_at_other_shapes_is_refused(plan_files: dict[str, Path],
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "simulate", "llama3-debug", "--plan", str(plan_files["tp2"]), "--batch", "8")
+    assert code == 2 and "--batch" in err
+    assert_one_error(err)
+
+
+COMMANDS = ("plan", "explain", "check", "diff", "simulate", "verify", "schema")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_help_has_examples(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, command, "--help")
+    assert code == 0
+    examples = out.split("examples:\n", 1)[1]
+    assert f"shardplan {command}" in examples, out
 
 
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "plan", "--help")
     assert code == 0 and "examples:" in out and "--mesh" in out
+    code, out, _ = run(capsys, "--help")
+    assert code == 0
+    listed = out.split("commands:", 1)[1]
+    assert all(f"    {c} " in listed for c in COMMANDS), out
+    assert "examples:" in out
+
+
+def test_no_command_prints_usage_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys)
+    assert code == 2 and "usage: shardplan" in err and "Traceback" not in err
+
+
+def test_unexpected_error_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import shardplan.cli as cli
+
+    def broken(args):
+        raise RuntimeError("solver exploded\nwith details")
+
+    monkeypatch.delenv("SHARDPLAN_TRACEBACK", raising=False)
+    monkeypatch.setattr(cli, "cmd_schema", broken)
+    code, _, err = run(capsys, "schema")
+    assert code == 2 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and lines[0] == "shardplan: error: internal error: RuntimeError: solver exploded"
+    assert "SHARDPLAN_TRACEBACK=1" in lines[1]
+    monkeypatch.setenv("SHARDPLAN_TRACEBACK", "1")
+    with pytest.raises(RuntimeError, match="solver exploded"):
+        main(["schema"])
 
 
 def test_python_m_help() -> None:
@@ -171,7 +244,7 @@ def test_python_m_help() -> None:
     proc = subprocess.run([sys.executable, "-m", "shardplan", "--help"], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    for command in ("plan", "explain", "check", "diff", "schema", "simulate"):
+    for command in COMMANDS:
         assert command in proc.stdout
 
 

@@ -267,3 +267,26 @@ def test_parallel_branch_block_uses_one_collective_each_way():
     for phase in ("forward", "backward"):
         per_block = {k: counts[3][phase][k] - counts[2][phase][k] for k in counts[2][phase]}
         assert per_block == {"all_reduce": 1, "all_gather": 0, "reduce_scatter": 0, "all_to_all": 0}, phase
+
+
+class _HardCodedHeads(nn.Module):
+    """Attention that reshapes with its stored head count: wrong on a 1/tp shard."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (m(x).view(b, s, self.heads, self.hd).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(b, s, self.heads * self.hd))
+
+
+def test_hard_coded_head_count_is_refused_with_the_source_line():
+    with torch.device("meta"):
+        model = nn.Sequential(_HardCodedHeads(), nn.LayerNorm(32))
+    x = torch.zeros(2, 8, 32, device="meta")
+    with pytest.raises(shardplan.PlanningError, match=r"test_planner\.py:\d+ .*view\(b, s, self\.heads"):
+        shardplan.plan_model(model, {"tp": 2}, example_inputs=(x,), explain=False)

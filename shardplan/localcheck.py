@@ -1,0 +1,104 @@
+"""Local check: run a plan's shards on meta tensors before anyone runs them on GPUs.
+
+Contract
+--------
+``check_local_shapes(graph, plan)`` applies ``plan`` to a meta-device copy of each
+representative block (the whole model when nothing repeats) under a temporary fake process
+group of the plan's tp size, and runs it once on the example shapes the tracer recorded.
+Model code that hard-codes a global size (``view(b, s, self.num_heads, d)`` where the
+local tensor holds ``num_heads / tp`` heads) fails here, and the check raises
+:class:`~shardplan.solve.PlanningError` naming the module and the source line, instead of
+handing the user a plan that crashes on the cluster. It needs no process group of the
+caller's; when one already exists it cannot borrow the default group and skips (apply-time
+errors then surface as usual).
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .graph import OpGraph
+from .plan import Plan, expand_pattern
+from .solve import PlanningError
+
+__all__ = ["check_local_shapes"]
+
+
+def _targets(graph: OpGraph) -> list[str]:
+    reps = sorted(set(graph.traced.folded.values()))
+    return reps or [""]
+
+
+def _sub_plan(plan: Plan, prefix: str) -> Plan:
+    """The plan's rules and regions for the modules under ``prefix``, made relative to it."""
+    def rel(pattern: str) -> list[str]:
+        if not prefix:
+            return [pattern]
+        fqns = expand_pattern(pattern, plan.model.repeats)
+        return sorted({f[len(prefix) + 1:] for f in fqns if f.startswith(prefix + ".")} | ({""} if prefix in fqns else set()))
+
+    rules = [r.model_copy(update={"module": m}) for r in plan.rules for m in rel(r.module)]
+    regions = [r.model_copy(update={"module": m}) for r in plan.regions for m in rel(r.module)]
+    return plan.model_copy(update={"rules": rules, "regions": regions, "model": plan.model.model_copy(update={"repeats": {}})})
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    clone = copy.deepcopy(module) if all(p.is_meta for p in module.parameters()) else copy.deepcopy(module).to("meta")
+    return clone
+
+
+def _user_frame(exc: BaseException) -> str:
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if "/torch/" not in frame.filename and "/shardplan/" not in frame.filename:
+            return f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
+    return "an unknown line"
+
+
+def _local_args(call, placements: dict[int, str], tp: int) -> tuple[tuple, dict]:
+    """The call's example arguments as one rank holds them (a Shard(d) input is 1/tp on d)."""
+    def local(node, value):
+        if node is None or not isinstance(value, torch.Tensor):
+            return value
+        p = placements.get(node.meta.get("shardplan_op"), "R")
+        if not p.startswith("S"):
+            return value
+        shape = list(value.shape)
+        shape[int(p[1:])] //= tp
+        return torch.empty(shape, dtype=value.dtype, device="meta")
+
+    args, kwargs = call.example
+    return (
+        tuple(local(n, v) for n, v in zip(call.args, args)),
+        {k: local(call.kwargs.get(k), v) for k, v in kwargs.items()},
+    )
+
+
+def check_local_shapes(graph: OpGraph, plan: Plan, placements: dict[int, str]) -> None:
+    if plan.tp == 1 or dist.is_initialized() or graph.traced.notes:
+        return  # nothing split / the default group is the caller's / shapes were assumed
+    from .emit import apply_plan
+    from .launch import fake_process_group, make_mesh
+
+    with fake_process_group(plan.tp):
+        mesh = make_mesh({"tp": plan.tp})
+        for target in _targets(graph):
+            call = graph.traced.calls[target][0]
+            block = _meta_copy(graph.model.get_submodule(target))
+            apply_plan(block, mesh, _sub_plan(plan, target), check=False)
+            args, kwargs = _local_args(call, placements, plan.tp)
+            try:
+                with torch.no_grad():
+                    block(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
+                where = target or type(graph.model).__name__
+                raise PlanningError(
+                    f"{where}: running its shards at tp={plan.tp} fails at {_user_frame(exc)}: "
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}. The code likely uses a global size "
+                    "(a head count or width) where the shard holds 1/tp of it: compute it from the tensor "
+                    "(view(b, s, -1, head_dim)), or keep that module whole with price_styles(..., {module: 'replicate'})."
+                ) from None
