@@ -11,6 +11,7 @@ data. It never needs a process group: ``mesh`` may be a ``DeviceMesh`` or axis s
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -223,6 +224,7 @@ def _rules(
             rules.append(Rule(
                 module=module, style=s.name,
                 input_layouts=inp, output_layouts=_rule_output(op, s, partial, returned),
+                copy_output=s.name != "replicate" and _modified_in_place(graph, op),
                 why=_why(why.get(_patterned(op.target, graph, pmap)[0])),
             ))
     rules += [Rule(module=fqn, style="replicate", why="not called in forward: kept whole") for fqn in _unused_modules(graph)]
@@ -241,6 +243,31 @@ def _containers(graph: OpGraph) -> list[str]:
         fqn for fqn, mod in graph.model.named_modules()
         if owns_params(mod) and not is_weight_leaf(mod) and any(c.startswith(fqn + ".") for c in called)
     ]
+
+
+_IN_PLACE = {"iadd", "isub", "imul", "itruediv", "add_", "sub_", "mul_", "div_", "copy_", "masked_fill_", "clamp_"}
+
+
+def _modified_in_place(graph: OpGraph, op) -> bool:
+    """Is the module's output the target of an in-place op (Falcon's ``mlp_output += attn``)?
+    fx records ``a += b`` on a proxy as ``add``, so the source line tells augmented assignment."""
+    for c in graph.consumers.get(op.output, []):
+        user = graph.ops[c]
+        if user.inputs[:1] != [op.output]:
+            continue
+        if user.target in _IN_PLACE or (user.target in ("add", "sub", "mul", "truediv") and _AUGMENTED.search(_code(user.node))):
+            return True
+    return False
+
+
+_AUGMENTED = re.compile(r"^\s*[\w.\[\]]+\s*[-+*/]=[^=]")
+
+
+def _code(node) -> str:
+    from .trace import _user_line
+
+    line = _user_line(node)
+    return line.split("`")[1] if line.count("`") >= 2 else ""
 
 
 def _rule_output(op, s, partial: set[int], returned: set[int]) -> str | None:

@@ -236,6 +236,15 @@ def _region_style(region: Region) -> ParallelStyle:
     )
 
 
+class _CopyOutput(ParallelStyle):
+    """Hand on a copy of the output: downstream code modifies it in place, which autograd
+    forbids on the local view ``DTensor.to_local`` returns."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        module.register_forward_hook(lambda _m, _i, out: out.clone() if isinstance(out, torch.Tensor) else out)
+        return module
+
+
 class _Both(ParallelStyle):
     """Two styles on one module (a block's entry and exit), applied in order."""
 
@@ -326,6 +335,9 @@ def apply_plan(model: nn.Module, device_mesh, plan: Plan, *, check: bool = True)
     parallelize_module(model, mesh, to_parallelize_plan(plan, model))
     # output regions hook in after the module's own style has turned its output local
     outputs = {r.module: _region_style(r) for r in plan.regions if r.input == "output" and not r.use_local_output}
+    for rule in plan.rules:
+        if rule.copy_output:
+            outputs[rule.module] = _combine(outputs.get(rule.module), _CopyOutput())
     if outputs:
         parallelize_module(model, mesh, outputs)
     for group in tied:

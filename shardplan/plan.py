@@ -60,6 +60,9 @@ class Rule(_Strict):
     style: Style
     input_layouts: Layout | None = None
     output_layouts: Layout | None = None
+    # the output is modified in place downstream (``x += y``): hand on a copy, since the
+    # local view of a DTensor cannot be modified in place
+    copy_output: bool = False
     why: str = ""
 
 

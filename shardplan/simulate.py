@@ -88,6 +88,8 @@ class SimulationResult:
 def _scalar_loss(out: Any) -> torch.Tensor:
     if hasattr(out, "logits"):
         out = out.logits
+    elif hasattr(out, "to_tuple"):  # a Hugging Face ModelOutput without logits
+        out = out.to_tuple()[0]
     if isinstance(out, (tuple, list)):
         out = out[0]
     if isinstance(out, DTensor):  # vocab-sharded logits: the loss runs under loss_parallel()
@@ -110,7 +112,9 @@ def _backward(loss: torch.Tensor) -> None:
         loss.backward()
 
 
-def simulate(model: torch.nn.Module, plan: Plan, example_inputs: tuple) -> SimulationResult:
+def simulate(
+    model: torch.nn.Module, plan: Plan, example_inputs: tuple, example_kwargs: dict | None = None
+) -> SimulationResult:
     """Apply ``plan`` on a fake process group and count one forward + backward."""
     from .emit import apply_plan
     from .launch import fake_process_group, make_mesh
@@ -123,7 +127,7 @@ def simulate(model: torch.nn.Module, plan: Plan, example_inputs: tuple) -> Simul
         mesh = make_mesh(plan.mesh.axes)
         apply_plan(model, mesh, plan)
         with record_collectives(plan.tp) as fwd:
-            out = model(*example_inputs)
+            out = model(*example_inputs, **(example_kwargs or {}))
         loss = _scalar_loss(out)
         with record_collectives(plan.tp) as bwd:
             _backward(loss)

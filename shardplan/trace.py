@@ -188,10 +188,14 @@ class _ShardTracer(MetaTracer):
             return getattr(args_m[0], target)(*args_m[1:], **kwargs_m)
         if kind == "call_module":
             return self._leaf_meta(str(target), args_m, kwargs_m)
-        if kind == "get_attr":
-            value = self.root
-            for atom in str(target).split("."):
-                value = getattr(value, atom)
+        if kind == "get_attr":  # read the real attribute, not the tracer's proxy of it
+            self._disable_module_getattr = True
+            try:
+                value = self.root
+                for atom in str(target).split("."):
+                    value = getattr(value, atom)
+            finally:
+                self._disable_module_getattr = False
             return _to_meta(value)
         return None
 
