@@ -174,6 +174,8 @@ class Plan(_Strict):
 
     def to_yaml(self) -> str:
         data = self.model_dump(mode="json", exclude_none=False)
+        for key in ("rules", "regions"):  # a rule states only what it sets: review-friendly diffs
+            data[key] = [{k: v for k, v in item.items() if not (v is None or v is False or v == "")} for item in data[key]]
         return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120)
 
     def to_json(self) -> str:
