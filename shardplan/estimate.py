@@ -72,8 +72,8 @@ def estimate(
     compute_time = total_time - own_comm
     params = _param_bytes(graph, solution)
     elem = _model_dtype_bytes(graph)
-    acts = sum(solution.strategies[op.index].act_bytes * op.multiplicity for op in graph.ops)
-    peak = params / elem * cost.training_bytes_per_param(dtype=ctx.dtype) + acts / elem * cost.dtype_bytes(ctx.dtype)
+    acts = activation_bytes(graph, solution, ctx)
+    peak = params / elem * cost.training_bytes_per_param(dtype=ctx.dtype) + acts
     return Estimate(
         param_bytes_per_device=params,
         peak_memory_bytes=peak,
@@ -84,6 +84,40 @@ def estimate(
         collectives={phase: Collectives(**dict(c)) for phase, c in counts.items()},
         collective_bytes=logical,
     )
+
+
+def activation_bytes(graph: OpGraph, solution: Solution, ctx: SolveContext) -> float:
+    """Saved activations per device. Repeated transformer blocks use Korthikanti et al. 2022
+    (with the block's batch, sequence, hidden size and attention heads read off the graph,
+    and sequence parallel when the block's input is sequence-sharded); everything else sums
+    the op outputs a rank holds."""
+    scale = cost.dtype_bytes(ctx.dtype) / _model_dtype_bytes(graph)
+    blocks = {rep: _block_shape(graph, rep) for rep in set(graph.traced.folded.values())}
+    blocks = {rep: shape for rep, shape in blocks.items() if shape is not None}
+    total = 0.0
+    for op in graph.ops:
+        if not any(op.owner == r or op.owner.startswith(r + ".") or op.target.startswith(r + ".") for r in blocks):
+            total += solution.strategies[op.index].act_bytes * op.multiplicity * scale
+    for rep, (b, s, h, a, x) in blocks.items():
+        layers = graph.module_multiplicity.get(rep, 0) or 1 + sum(1 for r in graph.traced.folded.values() if r == rep)
+        sp = solution.placements.get(x, "R") == "S1"
+        total += layers * cost.activation_bytes_per_layer(
+            seq_len=s, batch_size=b, hidden=h, num_heads=a, tp=ctx.tp, sequence_parallel=sp,
+            dtype_bytes=cost.dtype_bytes(ctx.dtype),
+        )
+    return total
+
+
+def _block_shape(graph: OpGraph, rep: str) -> tuple[int, int, int, int, int] | None:
+    """(batch, seq, hidden, heads, input value) of a transformer block, or None."""
+    call = graph.traced.calls[rep][0]
+    x = next((a for a in call.args if a is not None), None)
+    sdpa = next((op for op in graph.ops if op.target == "scaled_dot_product_attention"
+                 and (op.owner == rep or op.owner.startswith(rep + "."))), None)
+    if x is None or sdpa is None or len(x.meta["val"].shape) != 3:
+        return None
+    b, s, h = x.meta["val"].shape
+    return b, s, h, graph.values[sdpa.inputs[0]].shape[1], x.meta["shardplan_op"]
 
 
 def _param_bytes(graph: OpGraph, solution: Solution) -> float:
