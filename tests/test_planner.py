@@ -290,3 +290,17 @@ def test_hard_coded_head_count_is_refused_with_the_source_line():
     x = torch.zeros(2, 8, 32, device="meta")
     with pytest.raises(shardplan.PlanningError, match=r"test_planner\.py:\d+ .*view\(b, s, self\.heads"):
         shardplan.plan_model(model, {"tp": 2}, example_inputs=(x,), explain=False)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_activation_memory_follows_korthikanti_per_block(sp):
+    from shardplan import cost
+
+    model = build_preset("llama3-8b", device="meta")
+    plan = shardplan.plan_model(model, {"tp": 8}, explain=False, sequence_parallel=sp, batch_size=1, seq_len=2048)
+    params = plan.estimate.param_bytes_per_device / 2 * cost.training_bytes_per_param(dtype="bf16")
+    per_layer = cost.activation_bytes_per_layer(
+        seq_len=2048, batch_size=1, hidden=4096, num_heads=32, tp=8, sequence_parallel=sp, dtype_bytes=2
+    )
+    rest = plan.estimate.peak_memory_bytes - params - 32 * per_layer
+    assert 0 <= rest < 0.05 * 32 * per_layer  # embedding output and logits outside the blocks
