@@ -225,6 +225,7 @@ def _rules(
                 module=module, style=s.name,
                 input_layouts=inp, output_layouts=_rule_output(op, s, partial, returned),
                 copy_output=s.name != "replicate" and _modified_in_place(graph, op),
+                packed=s.layouts.get("packed"),
                 why=_why(why.get(_patterned(op.target, graph, pmap)[0])),
             ))
     rules += [Rule(module=fqn, style="replicate", why="not called in forward: kept whole") for fqn in _unused_modules(graph)]

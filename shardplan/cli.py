@@ -457,7 +457,7 @@ def _simulation_table(result: Any, plan: Any) -> tuple[Any, bool]:
     """Counted vs predicted collectives (per kind) and logical bytes, per phase; and whether all match."""
     from rich.table import Table
 
-    table = Table(title="collectives: counted on a fake process group vs the plan's estimate", title_justify="left")
+    table = Table(title="collectives: counted vs predicted", title_justify="left")
     for col in ("phase", "collective", "counted", "predicted", "match"):
         table.add_column(col, justify="right" if col in ("counted", "predicted") else "left")
     predicted_bytes = plan.estimate.collective_bytes

@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from .plan import Plan, Region, Rule
 
 __all__ = [
-    "ReplicateParallel", "MoEExpertsParallel", "unpack_experts", "to_parallelize_plan", "apply_plan", "tp_mesh",
+    "ReplicateParallel", "MoEExpertsParallel", "unpack_experts", "unpack_packed", "to_parallelize_plan", "apply_plan", "tp_mesh",
     "check_fingerprint",
 ]
 
@@ -162,7 +162,7 @@ class MoEExpertsParallel(ParallelStyle):
         up, down, packed = expert_params(module)
         tp, rank = device_mesh.size(), device_mesh.get_local_rank()
         whole = distribute_tensor(getattr(module, up).detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
-        local = _packed_slice(whole.to_local(), blocks=2 if packed else 1, tp=tp, rank=rank)
+        local = _packed_slice(whole.to_local(), parts=2 if packed else 1, dim=1, tp=tp, rank=rank)
         up_param = DTensor.from_local(local, device_mesh, [Shard(1)], run_check=False)
         module.register_parameter(up, nn.Parameter(up_param, requires_grad=getattr(module, up).requires_grad))
         down_param = distribute_tensor(getattr(module, down).detach(), device_mesh, [Shard(2)], src_data_rank=self.src_data_rank)
@@ -173,15 +173,37 @@ class MoEExpertsParallel(ParallelStyle):
         return module
 
 
-def _packed_slice(full: torch.Tensor, *, blocks: int, tp: int, rank: int) -> torch.Tensor:
-    parts = full.chunk(blocks, dim=1)
-    return torch.cat([p.chunk(tp, dim=1)[rank] for p in parts], dim=1).contiguous()
+def _packed_slice(full: torch.Tensor, *, parts: int, dim: int, tp: int, rank: int) -> torch.Tensor:
+    """This rank's slice of every part, concatenated: [gate_r, up_r]."""
+    return torch.cat([p.chunk(tp, dim=dim)[rank] for p in full.chunk(parts, dim=dim)], dim=dim).contiguous()
+
+
+def unpack_packed(full: torch.Tensor, *, tp: int, parts: int = 2, dim: int = 0) -> torch.Tensor:
+    """The module's own order ([gate; up]) from a packed parameter's ``full_tensor()``, whose
+    global view is [gate_0, up_0, gate_1, up_1, ...]."""
+    shards = full.chunk(tp, dim=dim)
+    return torch.cat([torch.cat([s.chunk(parts, dim=dim)[b] for s in shards], dim=dim) for b in range(parts)], dim=dim)
 
 
 def unpack_experts(full: torch.Tensor, *, tp: int, blocks: int = 2) -> torch.Tensor:
-    """The module's [gate; up] order from a packed experts weight's ``full_tensor()``."""
-    shards = full.chunk(tp, dim=1)
-    return torch.cat([torch.cat([s.chunk(blocks, dim=1)[b] for s in shards], dim=1) for b in range(blocks)], dim=1)
+    """``unpack_packed`` for an experts bank's up projection [E, 2I, H] (packed on dim 1)."""
+    return unpack_packed(full, tp=tp, parts=blocks, dim=1)
+
+
+class _PackedColwise(ColwiseParallel):
+    """ColwiseParallel for a fused projection split by ``chunk(parts, -1)`` downstream."""
+
+    def __init__(self, *, parts: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.parts = parts
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+        for pname, param in list(module.named_parameters(recurse=False)):
+            whole = distribute_tensor(param.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
+            local = _packed_slice(whole.to_local(), parts=self.parts, dim=0, tp=tp, rank=rank)
+            dist = DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False)
+            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
 
 
 def _experts_enter(module, args, kwargs, *, names, group):
@@ -205,6 +227,8 @@ def _style(rule: Rule, *, conv1d: bool = False) -> ParallelStyle:
     col, row = (_Conv1DColwise, _Conv1DRowwise) if conv1d else (ColwiseParallel, RowwiseParallel)
     if rule.style == "colwise":  # an explicit Shard(-1) output is returned to the user as a DTensor
         return col(input_layouts=inp or Replicate(), output_layouts=out or Shard(-1), use_local_output=out is None)
+    if rule.style == "packed_colwise":
+        return _PackedColwise(parts=rule.packed or 2, input_layouts=inp or Replicate(), output_layouts=Shard(-1))
     if rule.style == "colwise_gather_output":
         return col(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
     if rule.style == "rowwise":  # a Partial output stays a DTensor for the block's exit to sum

@@ -444,15 +444,14 @@ def _example_inputs(model: nn.Module, config: Any, *, device: Any, batch_size: i
 
 
 def _forward_params(model: nn.Module) -> list[str]:
+    """Named parameters of the bound ``model.forward`` (through decorators' ``__wrapped__``)."""
     import inspect
 
-    fn = model.forward
-    while hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
     try:
-        return list(inspect.signature(fn).parameters)
+        params = inspect.signature(model.forward).parameters  # follows __wrapped__, drops self
     except (TypeError, ValueError):
         return []
+    return [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 def build_hf_model(

@@ -28,11 +28,11 @@ __all__ = [
 ]
 
 STYLES = (
-    "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
+    "colwise", "rowwise", "colwise_gather_output", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
     "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "replicate",
 )
 Style = Literal[
-    "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
+    "colwise", "rowwise", "colwise_gather_output", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
     "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "replicate",
 ]
 LAYOUT_RE = re.compile(r"^(Replicate|Partial|Shard\((-?\d+)\))$")
@@ -63,6 +63,7 @@ class Rule(_Strict):
     # the output is modified in place downstream (``x += y``): hand on a copy, since the
     # local view of a DTensor cannot be modified in place
     copy_output: bool = False
+    packed: int | None = None  # packed_colwise: how many parts the output dim holds
     why: str = ""
 
 

@@ -56,7 +56,7 @@ class Strategy:
 
 
 def shard_dim(p: str) -> int | None:
-    return int(p[1:]) if p.startswith("S") else None
+    return int(p[1:].split("p")[0]) if p.startswith("S") else None
 
 
 def placement_str(p: str) -> str:
@@ -378,7 +378,25 @@ def _split(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
             continue
         o = d - 1 if op.target == "unbind" and d > min(dims) else d
         result.append(Strategy("", (f"S{d}",), f"S{o}"))
+    k = chunk_count(op)
+    if k is not None:  # packed input: each rank holds its slice of every part, so local chunks
+        (d,) = dims    # are the parts' local slices
+        if src[d] % (k * tp) == 0:
+            result.append(Strategy("", (packed(d, k),), f"S{d}"))
     return result
+
+
+def packed(dim: int, parts: int) -> str:
+    """Placement of a packed_colwise output: ``parts`` blocks along ``dim``, each sharded."""
+    return f"S{dim}p{parts}"
+
+
+def chunk_count(op: Op) -> int | None:
+    """``k`` of ``x.chunk(k, dim)``, or None for any other op."""
+    if op.target != "chunk":
+        return None
+    k = op.node.kwargs.get("chunks", op.node.args[1] if len(op.node.args) > 1 else None)
+    return k if isinstance(k, int) and k > 1 else None
 
 
 def _getitem(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:

@@ -31,8 +31,9 @@ seq_len=None, max_params=MAX_PARAMS, **plan_options) -> VerifyResult``
   ``loss``    cross-entropy against fixed random targets when the input is token ids
               and the output is per-token logits, else the mean of squared outputs
   ``grad``    every parameter's gradient after ``loss.backward()`` (``full_tensor()``;
-              a tied weight once; a ``moe_tp_experts`` packed gate/up projection put
-              back in the module's order with :func:`shardplan.emit.unpack_experts`)
+              a tied weight once; packed parameters -- a ``moe_tp_experts`` gate/up
+              projection, a ``packed_colwise`` Linear -- put back in the module's order
+              with :func:`shardplan.emit.unpack_experts` / ``unpack_packed``)
   ==========  =====================================================================
 
   with float32 tolerances ``|tp - ref| <= atol + rtol * |ref|`` per element
@@ -242,7 +243,8 @@ def verify(
         raise ValueError(
             f"{name} has {num_params / 1e9:.2f}B parameters: verify builds it whole twice in float32 on each of "
             f"{nproc} CPU ranks (~{per_rank / 2**30:.0f} GiB each, limit {max_params / 1e6:.0f}M parameters); "
-            "verify a small model of the same structure (e.g. llama3-debug)")
+            "verify a small model of the same structure: a debug preset such as llama3-debug, or a "
+            "config.json / package.module:callable that builds one")
     inputs = _real_inputs(model_spec, preset, model, meta_inputs, batch_size=batch_size, seq_len=seq)
     del model
     t0 = time.perf_counter()
@@ -395,20 +397,37 @@ def _gathered(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _packed_names(plan: Plan, model: nn.Module) -> set[str]:
-    """Parameter names of ``moe_tp_experts`` packed gate/up projections."""
+def _unpackers(plan: Plan, model: nn.Module, tp: int) -> dict[str, Any]:
+    """Parameter name -> function putting a packed parameter's ``full_tensor()`` back in the
+    module's own order: the gate/up projection of a ``moe_tp_experts`` bank
+    (:func:`shardplan.emit.unpack_experts`) and the parameters of a ``packed_colwise``
+    Linear, whose output dim holds ``rule.packed`` parts (``unpack_packed``, dim 0)."""
+    from functools import partial
+
     from .graph import expert_params
 
-    out = set()
+    out: dict[str, Any] = {}
     for fqn, style in plan.module_styles().items():
-        if style != "moe_tp_experts":
+        if style not in ("moe_tp_experts", "packed_colwise"):
             continue
         try:
-            found = expert_params(model.get_submodule(fqn))
+            module = model.get_submodule(fqn)
         except AttributeError:
             continue
-        if found and found[2]:
-            out.add(f"{fqn}.{found[0]}" if fqn else found[0])
+        prefix = f"{fqn}." if fqn else ""
+        if style == "moe_tp_experts":
+            from .emit import unpack_experts
+
+            found = expert_params(module)
+            if found and found[2]:
+                out[prefix + found[0]] = partial(unpack_experts, tp=tp)
+        else:
+            from .emit import unpack_packed
+
+            rule = plan.rule_for(fqn)
+            parts = getattr(rule, "packed", None) or 2
+            for name, _ in module.named_parameters(recurse=False):
+                out[prefix + name] = partial(unpack_packed, tp=tp, parts=parts, dim=0)
     return out
 
 
@@ -427,7 +446,7 @@ def _verify_rank(rank: int, world_size: int, spec: str, plan_yaml: str, inputs: 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from .emit import apply_plan, check_fingerprint, unpack_experts
+    from .emit import apply_plan, check_fingerprint
 
     if logs is not None:
         _quiet_stderr(Path(logs) / f"rank{rank}.log")
@@ -443,7 +462,7 @@ def _verify_rank(rank: int, world_size: int, spec: str, plan_yaml: str, inputs: 
     apply_plan(tp, mesh, plan, check=False)
 
     ref_params, tp_params = dict(ref.named_parameters()), dict(tp.named_parameters())
-    packed = _packed_names(plan, ref)
+    unpack = _unpackers(plan, ref, world_size)
     problems = []
     if sorted(ref_params) != sorted(tp_params):
         missing, extra = sorted(set(ref_params) - set(tp_params)), sorted(set(tp_params) - set(ref_params))
@@ -452,7 +471,7 @@ def _verify_rank(rank: int, world_size: int, spec: str, plan_yaml: str, inputs: 
 
     def full(n: str, t: torch.Tensor) -> torch.Tensor:
         t = _gathered(t)
-        return unpack_experts(t, tp=world_size) if n in packed else t
+        return unpack[n](t) if n in unpack else t
 
     res: dict[str, Any] = {}
     with torch.no_grad():

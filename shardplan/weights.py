@@ -20,6 +20,9 @@ The matrix math (Linear computes y = x @ W.T, W is [out, in]):
   logits the user needs whole).
 * embedding_rowwise (vocab parallel): the table is sharded on the vocabulary (Shard(0));
   each rank looks up the ids it owns and zeros the rest: a Partial sum, all-reduced.
+* packed_colwise: a fused projection later split by ``chunk(k, -1)`` (gate and up in one
+  Linear): each rank keeps its slice of every part, so the local chunks are the parts'
+  local slices. A contiguous split would hand rank 0 the whole gate and rank 1 the up.
 * rowwise_split_input: rowwise on an input that arrives whole; each rank slices its
   features locally, and backward all-gathers the sliced input gradient.
 * sequence_parallel (norms): the activation is sharded on the sequence; the norm is
@@ -38,7 +41,7 @@ from torch import nn
 
 from .graph import Op, OpGraph
 from .graph import module_kind as module_kind_of
-from .strategies import Strategy
+from .strategies import Strategy, chunk_count, packed
 
 __all__ = ["module_strategies", "STYLE_NAMES"]
 
@@ -46,6 +49,7 @@ STYLE_NAMES = (
     "colwise",
     "rowwise",
     "colwise_gather_output",
+    "packed_colwise",
     "rowwise_split_input",
     "embedding_rowwise",
     "sequence_parallel",
@@ -140,9 +144,25 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
             out.append(Strategy(
                 "colwise", (f"S{d}",), f"S{last}", entry=(f"S{d}",), layouts={"weight": col_w, "input": f"S{d}"}, **col,
             ))
+    k = _chunked_into(op, graph)
+    if k and n_out % (k * tp) == 0 and module_kind_of(module) == "linear":
+        out.append(Strategy(
+            "packed_colwise", ("R",), packed(last, k), entry=("R",), layouts={"weight": f"S0p{k}", "packed": k}, **col,
+        ))
     if n_in % tp == 0:
         out += _rowwise(x, y, module, pbytes, flops, tp, sp, row_w)
     return out
+
+
+def _chunked_into(op: Op, graph: OpGraph) -> int | None:
+    """k when every consumer splits the output into k parts on the last dim (fused gate/up)."""
+    users = [graph.ops[c] for c in graph.consumers.get(op.output, [])]
+    counts = {chunk_count(u) for u in users}
+    last = len(graph.values[op.output].shape) - 1
+    if len(counts) != 1 or None in counts:
+        return None
+    dims = {int(u.node.kwargs.get("dim", u.node.args[2] if len(u.node.args) > 2 else 0)) % (last + 1) for u in users}
+    return counts.pop() if dims == {last} else None
 
 
 def _ceil_div_bytes(total: int, dim: int, tp: int) -> float:
