@@ -105,6 +105,20 @@ def _cause(plan, fqn: str, hf_style: str, reason: str) -> str:
             if abs(dt) <= 1e-6 * max(d.step_time_s, 1e-12):
                 return "cost tie: HF's style predicted equally fast (tie broken the other way)"
             return "cost model: HF's style slower" if dt > 0 else "HF's style faster at equal memory (solver suboptimal?)"
+    rule = plan.rule_for(fqn)
+    if d is None and rule is not None and rule.why:
+        # a folded instance whose rule has no decision of its own: the rule's ``why`` lists
+        # the alternatives as "style: 1.2 ms slower" / "+2 MiB/device" / "tie" / the reason
+        alts = dict(part.split(": ", 1) for part in rule.why.split("; ") if ": " in part)
+        text = alts.get(want) or next((t for st, t in alts.items() if hf.style_family(st) == hf.style_family(hf_style)), None)
+        if text is not None:
+            if "/device" in text:
+                return "HF's style keeps more parameter bytes per device (objective: least parameter bytes first)"
+            if text == "tie":
+                return "cost tie: HF's style predicted equally fast (tie broken the other way)"
+            if text.endswith("slower"):
+                return "cost model: HF's style slower"
+            return f"HF's style infeasible in shardplan: {text}"
     if "no tensor-parallel style" in reason:
         return "module kind has no tensor-parallel style in shardplan (replicated)"
     if "no dimension of it divides" in reason:
@@ -286,7 +300,10 @@ FAILURES = [  # (needle in the message, category); first match wins
     ("Proxy object cannot be iterated", "trace [core]: a plain tensor attribute indexed by a proxy"),
     ("does not support item assignment", "trace [core]: in-place setitem on a proxy"),
     ("'str' object has no attribute 'type'", "trace [core]: device attribute traced as the string 'meta'"),
-    ("KVSharingDict", "trace [core]: custom container argument fx cannot represent"),
+    ("NotImplementedError: argument of type", "trace [core]: a non-tensor argument fx cannot represent (custom container, a class)"),
+    ("Expected inputs of BF16", "trace: an op that needs bf16 inputs (the model is built in float32)"),
+    ("KeyError", "plan [core]: KeyError on traced.calls of a module that never ran (nested fold / unused module)"),
+    ("reshape() takes 1 positional argument", "trace [core]: x.size(0) traced as the whole size (torch MetaProxy.size `if dim`)"),
     ("nonzero", "trace: data-dependent indexing (boolean mask / nonzero)"),
     ("missing 1 required positional argument", "inputs: forward needs more than token ids / pixels (harness)"),
     ("running its shards", "plan [core]: local-shard check of a sharded op failed"),
@@ -346,6 +363,13 @@ def summarize(results: list[dict[str, Any]], wall: float) -> None:
         p_all, p_same = sum(row[6] for row in sel), sum(row[6] for row in same)
         print(f"  agreement, {label}: by parameters {_pct(p_same, p_all)} ({p_same:,} / {p_all:,}); "
               f"by modules {_pct(len(same), len(sel))} ({len(same)} / {len(sel)})")
+    from shardplan.hf import HF_TO_SHARDPLAN
+
+    sel = [row for row in rows if row[5] in ("linear", "embedding", "experts")]
+    exact = [row for row in sel if HF_TO_SHARDPLAN.get(row[1]) == row[2]]
+    print(f"  exact style (HF's name mapped to shardplan's, not just the family), Linear + embeddings + experts: "
+          f"by parameters {_pct(sum(r[6] for r in exact), sum(r[6] for r in sel))}; "
+          f"by modules {_pct(len(exact), len(sel))}")
     diffs = [row for row in rows if not row[3]]
     if diffs:
         by_params: dict[str, int] = defaultdict(int)

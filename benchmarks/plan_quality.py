@@ -138,6 +138,9 @@ def main() -> None:
           "params = parameter bytes per device;")
     print("# peak mem = predicted peak per device (params + grads + AdamW state + saved activations)")
     print("# colls = collectives per step (fwd+bwd): ar all-reduce, ag all-gather, rs reduce-scatter")
+    from _machine import speed_note
+
+    print(f"# machine at start: {speed_note()}")
     started = time.perf_counter()
     failures: list[str] = []
     decisions: list[tuple] = []
@@ -197,6 +200,7 @@ def main() -> None:
     else:
         print("all targets met")
     print(f"# elapsed {time.perf_counter() - started:.1f} s (three plans per row group)")
+    print(f"# machine at end: {speed_note()}")
 
 
 if __name__ == "__main__":

@@ -148,6 +148,9 @@ def main() -> None:
 
     print(f"# planning_time: {datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
+    from _machine import speed_note
+
+    print(f"# machine at start: {speed_note()}")
     started = time.perf_counter()
     rows, how = end_to_end(args.runs)
     print(f"# (a) end to end, fresh process each run, median of {args.runs}: {how}")
@@ -196,6 +199,7 @@ def main() -> None:
     for label, r in ratios.items():
         print(f"{label:<28} {r:>6.2f}  {'ok' if r < 2 else 'MISS'}")
     print(f"# elapsed {time.perf_counter() - started:.1f} s")
+    print(f"# machine at end: {speed_note()}")
 
 
 if __name__ == "__main__":

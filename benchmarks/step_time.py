@@ -296,6 +296,9 @@ def main() -> None:
     print(f"# Llama dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} "
           f"ffn={cfg.ffn_hidden_dim} vocab={cfg.vocab_size} ({n_params / 1e6:.1f}M params); "
           f"batch {args.batch} x seq {args.seq}; AdamW(foreach=True)")
+    from _machine import speed_note
+
+    print(f"# machine at start: {speed_note()}")
     started = time.perf_counter()
     results = run_on_gloo(worker, world_size=2, args=(args_dict,), timeout_s=args.timeout, num_threads=1)
     wall = time.perf_counter() - started
@@ -346,6 +349,7 @@ def main() -> None:
     print(f"max |loss A - loss B| = {diffs['B']:.2e}, max |loss A - loss C| = {diffs['C']:.2e} "
           f"over {len(losses['A'])} steps (first untimed)")
     print(f"# wall time of the gloo run: {wall:.1f} s")
+    print(f"# machine at end: {speed_note()}")
 
 
 if __name__ == "__main__":

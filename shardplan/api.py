@@ -84,6 +84,15 @@ def _options(opts: dict[str, Any]) -> tuple[PlanOptions, dict[str, Any]]:
     return PlanOptions(**opts), extra
 
 
+def _state_shards(axes: dict[str, int], tp_axis: str, data_parallel: str) -> int:
+    if data_parallel == "ddp":
+        return 1
+    n = 1
+    for name, size in axes.items():
+        n *= size if name != tp_axis else 1
+    return n
+
+
 def _trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None, fold: bool):
     """Hugging Face models build a KV cache unless told not to; planning traces training."""
     config = getattr(model, "config", None)
@@ -117,6 +126,7 @@ def plan_model(
     ctx = SolveContext(
         tp=axes[tp_axis], hardware=hardware, link=cost.axis_links(hardware, axes)[tp_axis],
         dtype=opts.dtype, memory_budget=opts.memory_budget, opts=opts,
+        state_shards=_state_shards(axes, tp_axis, opts.data_parallel),
         forced=_pin(graph, extra.get("_pinned") or {}),
     )
     solution = solve(graph, ctx)
@@ -138,6 +148,13 @@ def plan_model(
         decisions=decisions,
         warnings=notes,
     )
+    device = hardware.memory_bytes
+    if opts.memory_budget is None and plan.estimate.peak_memory_bytes > device:
+        plan.warnings.append(
+            f"predicted peak memory {cost.format_bytes(plan.estimate.peak_memory_bytes)} per device exceeds "
+            f"{hardware.name}'s {cost.format_bytes(device)}: raise tp, add a data-parallel axis with "
+            "data_parallel='fsdp' (e.g. --mesh dp=8,tp=8), or lower batch/sequence"
+        )
     if extra.get("check", True):
         check_local_shapes(graph, plan, solution.placements)
     return plan
@@ -300,11 +317,12 @@ def _why(decision) -> str:
 
 def _unused_modules(graph: OpGraph) -> list[str]:
     called = set(graph.module_multiplicity) | set(graph.traced.folded)
+    above = {c.rsplit(".", k)[0] for c in called for k in range(1, c.count(".") + 1)} | ({""} if called else set())
     out = []
     for fqn, mod in graph.model.named_modules():
-        inside_called = any(fqn == c or fqn.startswith(c + ".") for c in called)
-        container = any(c.startswith(fqn + ".") for c in called)
-        if any(True for _ in mod.parameters(recurse=False)) and not inside_called and not container:
+        parts = fqn.split(".")
+        inside_called = any(".".join(parts[:k]) in called for k in range(1, len(parts) + 1))
+        if any(True for _ in mod.parameters(recurse=False)) and not inside_called and fqn not in above:
             out.append(fqn)
     return out
 

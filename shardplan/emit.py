@@ -208,16 +208,13 @@ class _PackedColwise(ColwiseParallel):
 
 def _experts_enter(module, args, kwargs, *, names, group):
     # run on local shards; to_local is differentiable, so gradients reach the DTensor params
-    module._shardplan_params = {n: module._parameters[n] for n in names}
-    for n in names:
-        module._parameters[n] = module._parameters[n].to_local()
+    _swap_to_local(module, args, names=names)
     wrap = lambda x: _CopyToTP.apply(x, group) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad else x  # noqa: E731
     return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
 
 
 def _experts_leave(module, args, output, *, names, group):
-    module._parameters.update(module._shardplan_params)
-    del module._shardplan_params
+    _restore_params(module, args, output, names=names)
     return _ReduceFromTP.apply(output, group)
 
 
@@ -260,6 +257,35 @@ def _region_style(region: Region) -> ParallelStyle:
     )
 
 
+class _ContainerParams(ParallelStyle):
+    """A module that owns parameters and also has weight-bearing children (ViT's embeddings
+    own ``cls_token``): its own parameters become Replicate DTensors (so foreach optimizers
+    see one kind of tensor) and its forward sees their local tensors, since its other inputs
+    are plain. ``to_local`` is differentiable: gradients reach the DTensor parameters."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        for n in names:
+            p = module._parameters[n]
+            if not isinstance(p, DTensor):
+                dist = distribute_tensor(p.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
+                module.register_parameter(n, nn.Parameter(dist, requires_grad=p.requires_grad))
+        module.register_forward_pre_hook(partial(_swap_to_local, names=names))
+        module.register_forward_hook(partial(_restore_params, names=names))
+        return module
+
+
+def _swap_to_local(module, args, *, names):
+    module._shardplan_params = {n: module._parameters[n] for n in names}
+    for n in names:
+        module._parameters[n] = module._parameters[n].to_local()
+
+
+def _restore_params(module, args, output, *, names):
+    module._parameters.update(module._shardplan_params)
+    del module._shardplan_params
+
+
 class _CopyOutput(ParallelStyle):
     """Hand on a copy of the output: downstream code modifies it in place, which autograd
     forbids on the local view ``DTensor.to_local`` returns."""
@@ -293,7 +319,8 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
     conv1d = _conv1d_rules(plan, model)
     for rule in plan.rules:
         if rule.style == "replicate" and "container" in rule.why:
-            continue  # its children carry their own styles; its direct parameters stay plain
+            styles[rule.module] = _ContainerParams()  # its children carry their own styles
+            continue
         styles[rule.module] = _style(rule, conv1d=rule.module in conv1d)
     return styles
 

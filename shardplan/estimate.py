@@ -73,7 +73,7 @@ def estimate(
     params = _param_bytes(graph, solution)
     elem = _model_dtype_bytes(graph)
     acts = activation_bytes(graph, solution, ctx)
-    peak = params / elem * cost.training_bytes_per_param(dtype=ctx.dtype) + acts
+    peak = params / elem * cost.training_bytes_per_param(dtype=ctx.dtype) / ctx.state_shards + acts
     return Estimate(
         param_bytes_per_device=params,
         peak_memory_bytes=peak,
@@ -92,7 +92,7 @@ def activation_bytes(graph: OpGraph, solution: Solution, ctx: SolveContext) -> f
     and sequence parallel when the block's input is sequence-sharded); everything else sums
     the op outputs a rank holds."""
     scale = cost.dtype_bytes(ctx.dtype) / _model_dtype_bytes(graph)
-    blocks = {rep: _block_shape(graph, rep) for rep in set(graph.traced.folded.values())}
+    blocks = {rep: _block_shape(graph, rep) for rep in set(graph.traced.folded.values()) if rep in graph.traced.calls}
     blocks = {rep: shape for rep, shape in blocks.items() if shape is not None}
     total = 0.0
     for op in graph.ops:

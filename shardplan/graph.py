@@ -63,6 +63,8 @@ class OpGraph:
     module_multiplicity: dict[str, int] = field(default_factory=dict)
     # values whose gradient autograd computes (downstream of a trainable weight)
     requires_grad: set[int] = field(default_factory=set)
+    # (tp, options) -> op index -> strategies: explain re-solves the same graph many times
+    strategy_cache: dict = field(default_factory=dict)
 
     def op_of(self, node: torch.fx.Node) -> Op:
         return self.ops[node.meta["shardplan_op"]]

@@ -23,8 +23,10 @@ ever downloaded; models are built from configs only.
   pinned to the corresponding shardplan style with :func:`shardplan.price_styles` and, as
   Hugging Face does, every weight module the mapping does not name is pinned to
   ``replicate`` (``fill=None`` lets the planner choose those instead). Styles shardplan
-  cannot express (``packed_colwise``, ``moe_tp_experts``, ...) and keys naming parameters
-  rather than modules raise ``ValueError`` saying which keys and what to do, unless
+  cannot express (:data:`UNSUPPORTED_HF_STYLES`, e.g. ``mla_kv_a_proj``, ``embedding_colwise``,
+  ``all_reduce``; every HF name that is also in ``shardplan.plan.STYLES`` maps to itself) and
+  keys naming parameters rather than modules (except HF's per-parameter halves of a module
+  it also styles, such as an expert bank's ``gate_up_proj``/``down_proj``) raise ``ValueError`` saying which keys and what to do, unless
   ``skip_unsupported=True`` (then they are left to ``fill`` and listed in the plan's
   warnings). Keys matching no module are listed in the plan's warnings, as Hugging Face
   logs unused rules.
@@ -42,8 +44,9 @@ ever downloaded; models are built from configs only.
   512, head_dim 16, 128 positions, 4 experts (2 per token), 32x32 images of 8x8 patches,
   dropout 0, token ids inside the vocabulary, per-layer lists resized. Inputs: token ids
   ``(batch_size, seq_len)`` (default 2 x 16), ``pixel_values`` for vision models,
-  ``decoder_input_ids`` as a keyword for encoder-decoders. On a real device with a ``seed``
-  the weights and inputs are deterministic.
+  ``decoder_input_ids`` as a keyword for encoder-decoders. With a ``seed`` (which seeds
+  torch's global RNG before the build) the weights and inputs are deterministic; off the meta
+  device the model is float32.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ __all__ = ["check_local_shapes"]
 
 
 def _targets(graph: OpGraph) -> list[str]:
-    reps = sorted(set(graph.traced.folded.values()))
+    reps = sorted(r for r in set(graph.traced.folded.values()) if r in graph.traced.calls)  # ran in forward
     return reps or [""]
 
 

@@ -136,6 +136,9 @@ class PlanOptions(_Strict):
     sequence_parallel: bool | None = None  # None: let the optimizer decide
     loss_parallel: bool = False
     optimizer: str = "adamw"
+    # the other mesh axes: "fsdp" shards parameters, gradients and optimizer state over them
+    # (torchtitan's default), "ddp" replicates them
+    data_parallel: Literal["fsdp", "ddp"] = "fsdp"
 
 
 class Plan(_Strict):

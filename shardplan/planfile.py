@@ -101,6 +101,9 @@ def atomic_write(path: Path, text: str, *, force: bool = False) -> None:
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only; a plan file is for the team
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

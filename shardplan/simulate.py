@@ -88,8 +88,8 @@ class SimulationResult:
 def _scalar_loss(out: Any) -> torch.Tensor:
     if hasattr(out, "logits"):
         out = out.logits
-    elif hasattr(out, "to_tuple"):  # a Hugging Face ModelOutput without logits
-        out = out.to_tuple()[0]
+    elif hasattr(out, "to_tuple"):  # a Hugging Face ModelOutput: every tensor it returns
+        return sum(t.float().sum() for t in out.to_tuple() if isinstance(t, torch.Tensor) and t.is_floating_point())
     if isinstance(out, (tuple, list)):
         out = out[0]
     if isinstance(out, DTensor):  # vocab-sharded logits: the loss runs under loss_parallel()

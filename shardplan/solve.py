@@ -51,6 +51,9 @@ class SolveContext:
     dtype: str = "bf16"
     memory_budget: int | None = None
     opts: Any = None
+    # ranks that share the parameter, gradient and optimizer bytes beyond tp: the other mesh
+    # axes under FSDP (each holds 1/dp of them), 1 under DDP
+    state_shards: int = 1
     # op index -> style name, or (style name, layouts that must match, e.g. {"input": "S1"})
     forced: dict[int, str | tuple[str, dict[str, str]]] = field(default_factory=dict)
 
@@ -110,8 +113,11 @@ def _producer(graph: OpGraph, value: int, alias: dict[int, int]) -> int:
 
 def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
     strategies: dict[int, list[Strategy]] = {}
+    cache = graph.strategy_cache.setdefault((ctx.tp, repr(ctx.opts)), {})
     for op in graph.ops:
-        options = op_strategies(op, graph, tp=ctx.tp, opts=ctx.opts)
+        if op.index not in cache:
+            cache[op.index] = op_strategies(op, graph, tp=ctx.tp, opts=ctx.opts)
+        options = cache[op.index]
         if op.index in ctx.forced:
             options = [s for s in options if _forced_match(s, ctx.forced[op.index])]
         strategies[op.index] = options
@@ -270,10 +276,10 @@ def _tiebreak(prog: _Program) -> np.ndarray:
 
 
 def _milp(prog: _Program, c: np.ndarray, rows, lo, hi) -> np.ndarray | None:
-    matrix = sparse.lil_matrix((len(rows), prog.num_vars))
-    for r, row in enumerate(rows):
-        for col, v in row.items():
-            matrix[r, col] = v
+    r_idx = [r for r, row in enumerate(rows) for _ in row]
+    c_idx = [col for row in rows for col in row]
+    vals = [v for row in rows for v in row.values()]
+    matrix = sparse.coo_matrix((vals, (r_idx, c_idx)), shape=(len(rows), prog.num_vars))
     integrality = np.zeros(prog.num_vars)
     for col in prog.var_of.values():
         integrality[col] = 1
@@ -292,12 +298,12 @@ def solve(graph: OpGraph, ctx: SolveContext) -> Solution:
     rows, lo, hi = _rows(prog)
     _tied_rows(prog, rows, lo, hi)
     time, params, acts, weights = _vectors(prog)
-    train_factor = cost.training_bytes_per_param(dtype=ctx.dtype) / _model_dtype_bytes(graph)
+    train_factor = cost.training_bytes_per_param(dtype=ctx.dtype) / _model_dtype_bytes(graph) / ctx.state_shards
     act_factor = cost.dtype_bytes(ctx.dtype) / _model_dtype_bytes(graph)
     memory = params * train_factor + acts * act_factor
     tie = _tiebreak(prog)
     if ctx.memory_budget is None:
-        x = _lexicographic(prog, weights, time, tie, rows, lo, hi)
+        x = _lexicographic(prog, weights, time, tie, rows, lo, hi, memory, ctx.hardware.memory_bytes)
     else:
         x = _milp(prog, _scaled(time) + 1e-9 * tie, rows + [_dense_row(memory)], lo + [0.0], hi + [float(ctx.memory_budget)])
         if x is None:
@@ -307,13 +313,16 @@ def solve(graph: OpGraph, ctx: SolveContext) -> Solution:
     return _solution(prog, x, time, params, memory)
 
 
-def _lexicographic(prog: _Program, params, time, tie, rows, lo, hi) -> np.ndarray | None:
+def _lexicographic(prog: _Program, params, time, tie, rows, lo, hi, memory, device_bytes) -> np.ndarray | None:
+    """Least weight bytes first; then, among those plans, the fastest that fits the device
+    (sequence parallel, say, when activations would not fit), else the fastest."""
     first = _milp(prog, _scaled(params) + 1e-9 * tie, rows, lo, hi)
     if first is None:
         return None
     best = float(params @ np.round(first))
-    cap = best * (1 + 1e-9) + 1.0
-    return _milp(prog, _scaled(time) + 1e-9 * tie, rows + [_dense_row(params)], lo + [0.0], hi + [cap])
+    rows, lo, hi = rows + [_dense_row(params)], lo + [0.0], hi + [best * (1 + 1e-9) + 1.0]
+    fitting = _milp(prog, _scaled(time) + 1e-9 * tie, rows + [_dense_row(memory)], lo + [0.0], hi + [float(device_bytes)])
+    return fitting if fitting is not None else _milp(prog, _scaled(time) + 1e-9 * tie, rows, lo, hi)
 
 
 def _scaled(v: np.ndarray) -> np.ndarray:

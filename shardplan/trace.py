@@ -99,7 +99,13 @@ def _repeated_groups(model: nn.Module) -> dict[str, str]:
                 folded[child_fqn] = first_of[sig]
             else:
                 first_of.setdefault(sig, child_fqn)
-    return folded
+    # a container inside a folded block never runs: its own repeats are not representatives
+    return {k: v for k, v in folded.items() if not _under_any(k, folded) and not _under_any(v, folded)}
+
+
+def _under_any(fqn: str, prefixes: dict[str, str]) -> bool:
+    parts = fqn.split(".")
+    return any(".".join(parts[:k]) in prefixes for k in range(1, len(parts)))
 
 
 def _flat_nodes(value: Any) -> list[torch.fx.Node]:
@@ -122,10 +128,26 @@ class _ShardTracer(MetaTracer):
         self._fold_cache: dict[str, tuple[tuple, Any]] = {}
         self._computing_meta = False
         self.notes: list[str] = []
+        self._constants: dict[int, str] = {}
+        self._keep: list[torch.Tensor] = []
         self._module_paths = {id(m): n for n, m in model.named_modules()}
 
     def _fqn(self, m: nn.Module) -> str:
         return self._module_paths.get(id(m), "")
+
+    def create_arg(self, a: Any) -> Any:
+        """Constant tensors (a rope table passed to every block) are looked up once: fx
+        would scan every buffer of the model per use, quadratic in depth."""
+        if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter):
+            name = self._constants.get(id(a))
+            if name is not None:
+                return self.create_node("get_attr", name, (), {})
+            node = super().create_arg(a)
+            if isinstance(node, torch.fx.Node) and node.op == "get_attr":
+                self._constants[id(a)] = node.target
+                self._keep.append(a)  # ids stay unique while the tensor lives
+            return node
+        return super().create_arg(a)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         fqn = self._fqn(m)
@@ -250,6 +272,12 @@ class _ShardTracer(MetaTracer):
 class _IterableMetaProxy(MetaProxy):
     """Tuple outputs (``q, k = x.chunk(2)``, blocks returning tuples) unpack by their meta."""
 
+    def size(self, dim: int | None = None) -> Any:
+        meta = getattr(self, "_tensor_meta", None)
+        if isinstance(meta, torch.Tensor):  # torch's MetaProxy tests `if dim`: size(0) gave the shape
+            return meta.size() if dim is None else meta.size(dim)
+        return super().size(dim)
+
     def __iter__(self):
         meta = getattr(self, "_tensor_meta", None)
         if isinstance(meta, (tuple, list)):
@@ -292,6 +320,8 @@ def _meta_of(v: Any) -> Any:
         return "meta"
     if isinstance(v, torch.fx.Proxy):
         meta = getattr(v, "_tensor_meta", None)
+        if meta is None:  # an attribute read (``x.ndim``) carries its value on its node
+            meta = v.node.meta.get("val")
         if meta is None:
             raise TraceError(f"no shape is known for {v.node.name}; the tracer lost track of it")
         return meta

@@ -118,7 +118,9 @@ class Row:
 
     @property
     def tolerance(self) -> str:
-        return f"{self.atol:.0e}" + (f" + {self.rtol:.0e}*|ref|" if self.rtol else "") if self.atol or self.rtol else "exact"
+        if not (self.atol or self.rtol):
+            return "exact"
+        return f"{self.atol:.0e}" + (f" + {self.rtol:.0e}*|ref|" if self.rtol else "")
 
 
 @dataclass
@@ -147,7 +149,8 @@ class VerifyResult:
         """One line: PASS/FAIL, the plan and the worst quantity."""
         head = f"{self.model} with its tp={self.plan.tp} plan on {self.nproc} gloo ranks"
         if self.passed:
-            return f"PASS: {head} matches the unsharded model (worst gradient {self.worst_param}: {self.worst_param_diff:.1e})"
+            worst = f" (worst gradient {self.worst_param}: {self.worst_param_diff:.1e})" if self.worst_param else ""
+            return f"PASS: {head} matches the unsharded model{worst}"
         failed = [r.quantity for r in self.rows if not r.passed]
         what = ", ".join(failed) + (" and " if failed and self.problems else "") + (
             f"{len(self.problems)} problem(s)" if self.problems else "")
@@ -189,8 +192,8 @@ def compare(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], atol: float, rt
     where = where if per[where][0] > 0 else ""
     ratio = max(r for _, r in per.values())
     return {
-        "max_abs": per[where][0] if where else 0.0, "where": where, "ratio": ratio, "passed": ratio <= 1.0 and not problems,
-        "per": per, "problems": problems, "count": len(per),
+        "max_abs": per[where][0] if where else 0.0, "where": where, "ratio": ratio,
+        "passed": ratio <= 1.0 and not problems, "per": per, "problems": problems, "count": len(per),
     }
 
 
@@ -245,7 +248,7 @@ def verify(
             f"{nproc} CPU ranks (~{per_rank / 2**30:.0f} GiB each, limit {max_params / 1e6:.0f}M parameters); "
             "verify a small model of the same structure: a debug preset such as llama3-debug, or a "
             "config.json / package.module:callable that builds one")
-    inputs = _real_inputs(model_spec, preset, model, meta_inputs, batch_size=batch_size, seq_len=seq)
+    inputs = _real_inputs(preset, model, meta_inputs, batch_size=batch_size, seq_len=seq)
     del model
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shardplan-verify-") as logs:
@@ -281,7 +284,7 @@ def _plan(model: nn.Module, inputs: tuple, name: str, *, nproc: int, mesh: Mappi
     return plan_model(model, axes, example_inputs=inputs, **options)
 
 
-def _real_inputs(spec: str, preset: str | None, model: nn.Module, meta_inputs: tuple, *, batch_size: int,
+def _real_inputs(preset: str | None, model: nn.Module, meta_inputs: tuple, *, batch_size: int,
                  seq_len: int | None) -> tuple:
     """CPU inputs, identical on every rank: the preset's fixed batch, else seeded random
     tensors shaped as the meta inputs (token ids below the first Embedding's vocabulary)."""

@@ -6,7 +6,7 @@ the tiny float32 model twice from the same seed (``shardplan.hf.build_hf_model(.
 device="cpu", seed=0)``: a reference and a copy, checked identical), applies the plan to the
 copy on a 1-D ``("tp",)`` mesh, runs forward, a scalar loss and backward on both in eval mode
 (dropout off) and returns the worst differences per category (``out``, ``loss``, ``grad``)
-plus structural checks. Kept apart from the test module so the children never import pytest.
+plus structural checks, and whether one ``AdamW(foreach=True)`` step runs on the TP model. Kept apart from the test module so the children never import pytest.
 """
 
 from __future__ import annotations
@@ -80,18 +80,28 @@ def _tied_groups(model: nn.Module) -> list[list[str]]:
 
 def _global_order(ref: nn.Module, plan: shardplan.Plan, tp: int) -> dict[str, Any]:
     """Parameter name -> function turning its ``full_tensor()`` into the module's own layout.
-    ``moe_tp_experts`` keeps a packed gate/up expert weight as per-rank [gate_r, up_r] blocks,
-    so its global DTensor view is [gate_0, up_0, gate_1, up_1] (see ``shardplan.emit``)."""
-    fix: dict[str, Any] = {}
-    for fqn, style in plan.module_styles().items():
-        if style != "moe_tp_experts":
-            continue
-        from shardplan.emit import unpack_experts
-        from shardplan.graph import expert_params
+    A packed weight (``packed_colwise``: a fused [gate; up] Linear; ``moe_tp_experts``: an
+    expert bank's packed gate/up) keeps per-rank [gate_r, up_r] blocks, so its global DTensor
+    view is [gate_0, up_0, gate_1, up_1] (see ``shardplan.emit.unpack_packed``)."""
+    from shardplan.plan import expand_pattern
 
-        up, _down, packed = expert_params(ref.get_submodule(fqn))
-        if packed:
-            fix[f"{fqn}.{up}"] = lambda t: unpack_experts(t, tp=tp)
+    fix: dict[str, Any] = {}
+    for rule in plan.rules:
+        if rule.style == "packed_colwise":
+            from shardplan.emit import unpack_packed
+
+            parts = getattr(rule, "packed", None) or 2
+            for fqn in expand_pattern(rule.module, plan.model.repeats):
+                for pname, _ in ref.get_submodule(fqn).named_parameters(recurse=False):
+                    fix[f"{fqn}.{pname}"] = lambda t, parts=parts: unpack_packed(t, tp=tp, parts=parts, dim=0)
+        elif rule.style == "moe_tp_experts":
+            from shardplan.emit import unpack_experts
+            from shardplan.graph import expert_params
+
+            for fqn in expand_pattern(rule.module, plan.model.repeats):
+                up, _down, packed = expert_params(ref.get_submodule(fqn))
+                if packed:
+                    fix[f"{fqn}.{up}"] = lambda t: unpack_experts(t, tp=tp)
     return fix
 
 
@@ -156,6 +166,12 @@ def _run_case(case: dict[str, Any], mesh, tols: dict[str, tuple[float, float]]) 
     res["grad"] = _compare(
         [(n, order.get(n, lambda t: t)(_full(tp_params[n].grad)), ref_params[n].grad) for n in common], *tols["grad"]
     )
+    # the TP model must train with a stock foreach optimizer (it cannot mix DTensor and plain tensors)
+    try:
+        torch.optim.AdamW(tp.parameters(), lr=1e-2, foreach=True).step()
+        checks["adamw_foreach_error"] = ""
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        checks["adamw_foreach_error"] = f"{type(exc).__name__}: {exc}"[:300]
     res["seconds"] = time.perf_counter() - t0
     return res
 

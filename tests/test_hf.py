@@ -45,8 +45,8 @@ LAUNCH_TIMEOUT_S = 240.0
 
 # float32, (atol, rtol): |tp - ref| <= atol + rtol * |ref| per element. Measured on this
 # machine (2-core x86, torch 2.13 CPU, 1 thread per rank), worst over every family and both
-# ranks: out 3.3e-7 (gemma2 logits), loss 4.8e-7 (llama, 1 ulp of a loss ~6.2), grad 1.8e-7
-# (gemma2 embed_tokens.weight). Each tolerance is ~10-30x that. The differences are float32
+# ranks: out 9.4e-7 (t5 last_hidden_state), loss 4.8e-7 (llama, 1 ulp of a loss ~6.2), grad
+# 1.8e-7 (gemma2 embed_tokens.weight). Each tolerance is ~10-20x that. The differences are float32
 # reduction order: a row-parallel Linear sums tp partial dot products and all-reduces them
 # where the reference does one matmul over the whole inner dimension (and likewise in the
 # backward matmuls and gradient all-reduces), a few ulps per layer. A wrong shard, a missing
@@ -55,31 +55,17 @@ TOLS: dict[str, tuple[float, float]] = {"out": (1e-5, 0.0), "loss": (1e-5, 0.0),
 
 # --------------------------------------------------------------------------- known core defects
 
-_TRACE_PARAM_GETATTR = (
-    "core defect (shardplan/trace.py _ShardTracer._compute_meta, get_attr branch): reading a "
-    "parameter attribute in forward ({where}) makes fx emit a get_attr node; _compute_meta "
-    "resolves it with getattr(self.root, ...) while the tracer's module __getattr__ patch is "
-    "still active, so the lookup creates another get_attr proxy -> infinite recursion -> "
-    "TraceError 'could not compute the shape of get_attr ... RecursionError'. Fix: resolve "
-    "the target with the patch disabled (self._disable_module_getattr = True) or via "
-    "root.get_parameter/get_buffer."
-)
-PLAN_DEFECTS = {
-    "t5": _TRACE_PARAM_GETATTR.format(where="T5DenseActDense: `isinstance(self.wo.weight, torch.Tensor)`, "
-                                            "modeling_t5.py:89"),
-    "vit": _TRACE_PARAM_GETATTR.format(where="ViTModel: `self.embeddings.patch_embeddings.projection.weight.dtype`, "
-                                             "modeling_vit.py:368"),
-}
-FALCON_INPLACE = (
-    "core defect (shardplan/emit.py, rowwise style with use_local_output=True): FalconDecoderLayer "
-    "(parallel_attn=True) does `mlp_output += attention_output` (modeling_falcon.py:619) on the "
-    "output of the rowwise mlp.dense_4h_to_h; that output is DTensor.to_local(), a view made "
-    "inside the custom autograd Function _ToTorchTensor, and autograd forbids modifying it in "
-    "place: RuntimeError 'Output 0 of _ToTorchTensor is a view and is being modified inplace'. "
-    "The plan is right (simulate/numerics fail at apply time); the emitted style must hand "
-    "back a non-view local tensor (e.g. clone in an output hook)"
-)
-APPLY_DEFECTS = {"falcon": FALCON_INPLACE}
+# Fixed in the core since this file was written (keep as a record; a regression fails the tests):
+# * trace: reading a parameter attribute in forward (T5 `isinstance(self.wo.weight, torch.Tensor)`,
+#   ViT `...projection.weight.dtype`) recursed in _compute_meta's get_attr branch -> TraceError;
+# * emit: Falcon's `mlp_output += attention_output` modified a rowwise output that was a view
+#   made by DTensor.to_local() inside a custom autograd Function -> RuntimeError.
+# * simulate: the loss took only the first output (ViT's last_hidden_state), not the pooler's;
+# * emit: ViTEmbeddings' own cls_token/position_embeddings stayed plain tensors beside DTensors,
+#   so AdamW(foreach=True) raised "got mixed torch.Tensor and DTensor".
+PLAN_DEFECTS: dict[str, str] = {}
+SIMULATE_DEFECTS: dict[str, str] = {}
+APPLY_DEFECTS: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -235,16 +221,19 @@ def test_from_hf_tp_plan_round_trips_llama() -> None:
 
 def test_from_hf_tp_plan_rejects_what_shardplan_cannot_express() -> None:
     model, inputs, _ = hf.build_hf_model("phi3", tiny=True)
-    mapping = {"model.layers.*.mlp.gate_up_proj": "packed_colwise", "model.layers.*.self_attn.qkv_proj": "mla_kv_a_proj"}
-    with pytest.raises(ValueError, match=r"packed_colwise.*\n.*mla_kv_a_proj"):
+    first, second = sorted(hf.UNSUPPORTED_HF_STYLES)[:2]  # whatever this shardplan cannot express
+    mapping = {"model.layers.*.mlp.gate_up_proj": first, "model.layers.*.self_attn.qkv_proj": second}
+    with pytest.raises(ValueError, match=f"{first}.*\\n.*{second}"):
         hf.from_hf_tp_plan(mapping, model=model, mesh=MESH, example_inputs=inputs)
     with pytest.raises(ValueError, match="names a parameter"):
         hf.from_hf_tp_plan({"model.layers.*.mlp.gate_up_proj.weight": "colwise"}, model=model, mesh=MESH,
                            example_inputs=inputs)
     plan = hf.from_hf_tp_plan({**mapping, "model.nothing": "colwise"}, model=model, mesh=MESH,
                               example_inputs=inputs, skip_unsupported=True)
-    assert any("packed_colwise" in w for w in plan.warnings)
+    assert any(first in w for w in plan.warnings)
     assert any("'model.nothing' matches no module" in w for w in plan.warnings)
+    # the unsupported entries were left to fill="replicate"
+    assert plan.module_styles()["model.layers.0.mlp.gate_up_proj"] == "replicate"
 
 
 # --------------------------------------------------------------------------- (a) full-size plans
@@ -287,12 +276,12 @@ def test_agrees_with_hf_plan_or_says_why(family: Family) -> None:
 # --------------------------------------------------------------------------- (c) simulated collectives
 
 
-@pytest.mark.parametrize("family", _params({**PLAN_DEFECTS, **APPLY_DEFECTS}, raises=(TraceError, RuntimeError)))
+@pytest.mark.parametrize("family", _params({**PLAN_DEFECTS, **SIMULATE_DEFECTS}, raises=(TraceError, AssertionError)))
 def test_tiny_simulated_collectives_match_prediction(family: Family) -> None:
     plan = tiny_plan(family.model_type)
     model, inputs, kwargs = hf.build_hf_model(family.model_type, tiny=True, device="cpu", seed=0)
     model.eval()
-    res = simulate(model, plan, hf.positional(model, inputs, kwargs))
+    res = simulate(model, plan, inputs, kwargs or None)
     assert res.predicted, "the plan predicts no collectives"
     assert res.matches, f"counted {dict(res.counted)} != predicted {res.predicted}"
 
@@ -335,6 +324,7 @@ def test_tiny_tp_matches_unsharded_on_gloo(family: Family, gloo_results) -> None
         assert not ck["extra_grads"], f"{where}: gradients the reference does not have: {ck['extra_grads']}"
         assert not ck["partial_grads"], f"{where}: gradients left Partial: {ck['partial_grads']}"
         assert ck["num_grads"] > 0
+        assert not ck["adamw_foreach_error"], f"{where}: AdamW(foreach=True) step failed: {ck['adamw_foreach_error']}"
         bad = {
             c: f"max |tp - ref| = {res[c]['max_abs']:.3e} at {res[c]['worst']} ({res[c]['ratio']:.2f}x tolerance "
                f"{TOLS[c]} at {res[c]['ratio_worst']}; top {res[c]['top']})"

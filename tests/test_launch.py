@@ -85,14 +85,22 @@ def test_run_on_gloo_timeout_kills_ranks() -> None:
 
 
 def test_run_on_gloo_retries_when_port_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
-        taken.bind(("0.0.0.0", 0))
-        taken.listen()
-        ports = [taken.getsockname()[1]]
-        real_free_port = launch._free_port
-        monkeypatch.setattr(launch, "_free_port", lambda: ports.pop() if ports else real_free_port())
-        results = run_on_gloo(_all_reduce_worker, world_size=2, timeout_s=120.0)
-    assert not ports, "the taken port was never tried"
+    """A rendezvous port found in use starts a fresh attempt on a new port.
+
+    (Holding a real listening socket to provoke this was flaky: TCPStore may share the port
+    with SO_REUSEADDR and rank 1 then connects to the wrong listener.)"""
+    real_attempt = launch._run_attempt
+    calls: list[int] = []
+
+    def first_port_taken(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise launch._AddressInUse()
+        return real_attempt(*a, **kw)
+
+    monkeypatch.setattr(launch, "_run_attempt", first_port_taken)
+    results = run_on_gloo(_all_reduce_worker, world_size=2, timeout_s=120.0)
+    assert len(calls) == 2
     for result in results:
         torch.testing.assert_close(result, torch.tensor([3.0]))
 

@@ -57,7 +57,9 @@ def user_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
                 self.down = torch.nn.Linear(64, 16)
 
             def forward(self, x):
-                rank = dist.get_rank() if dist.is_initialized() else None
+                # only on the gloo ranks: planning may run blocks under a fake process group
+                gloo = dist.is_initialized() and dist.get_backend() == "gloo"
+                rank = dist.get_rank() if gloo else None
                 if rank == 1 and self.crash:
                     raise RuntimeError("boom on rank 1")
                 if rank == 0 and self.hang:
@@ -75,6 +77,23 @@ def user_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
             model = Small()
             model.crash, model.hang = False, True
             return model
+
+
+        class Fused(torch.nn.Module):
+            # gate and up projections in one Linear, split by chunk(2, -1)
+
+            def __init__(self):
+                super().__init__()
+                self.gate_up = torch.nn.Linear(16, 128)
+                self.down = torch.nn.Linear(64, 16)
+
+            def forward(self, x):
+                gate, up = self.gate_up(x).chunk(2, -1)
+                return self.down(torch.nn.functional.silu(gate) * up)
+
+
+        def fused():
+            return Fused()
 
 
         def tiny_mixtral():
@@ -112,6 +131,26 @@ def test_compare_exact_shape_and_nonfinite() -> None:
 def test_tolerances_are_test_numerics_float32_numbers() -> None:
     assert TOLERANCES["output"][0] == 1e-5 and TOLERANCES["loss"][0] == 1e-5 and TOLERANCES["grad"][0] == 2e-6
     assert TOLERANCES["weights"] == (0.0, 0.0)
+
+
+def test_packed_colwise_parameters_are_unpacked(user_models: str) -> None:
+    """A packed Linear's gathered parameter is [gate_0, up_0, gate_1, up_1]; verify compares
+    it with the module's [gate; up] only after putting it back in order."""
+    from shardplan.plan import STYLES
+    from shardplan.sources import resolve_model
+    from shardplan.verify import _unpackers
+
+    if "packed_colwise" not in STYLES:
+        pytest.skip("this planner has no packed_colwise style")
+    model, _, _ = resolve_model(f"{user_models}:fused", device="cpu")
+    plan = shardplan.plan_model(resolve_model(f"{user_models}:fused")[0], {"tp": 2}, explain=False, seq_len=16)
+    assert plan.rule_for("gate_up").style == "packed_colwise"
+    unpack = _unpackers(plan, model, tp=2)
+    assert sorted(unpack) == ["gate_up.bias", "gate_up.weight"]
+    for name, p in model.gate_up.named_parameters():
+        gate, up = p.detach().chunk(2, 0)
+        gathered = torch.cat([torch.cat([gate.chunk(2, 0)[r], up.chunk(2, 0)[r]]) for r in range(2)])
+        assert not torch.equal(gathered, p) and torch.equal(unpack[f"gate_up.{name}"](gathered), p)
 
 
 # --------------------------------------------------------------------------- refused before launch
@@ -199,11 +238,12 @@ def test_verify_finds_a_wrong_plan(tp2_plan: Path, tmp_path: Path, capsys: pytes
     """The final norm declared sequence-parallel on a replicated input: the forward is the
     same on every rank, but its weight gradient is summed over both ranks' (identical)
     tokens: doubled. Only a gradient check catches it."""
-    text = tp2_plan.read_text()
-    old = "- module: norm\n  style: replicate\n  input_layouts: null\n"
-    assert old in text
+    plan = shardplan.load_plan(tp2_plan)
+    norm = next(r for r in plan.rules if r.module == "norm")
+    assert norm.style == "replicate"
+    norm.style, norm.input_layouts = "sequence_parallel", "Shard(1)"
     wrong = tmp_path / "wrong.yaml"
-    wrong.write_text(text.replace(old, "- module: norm\n  style: sequence_parallel\n  input_layouts: Shard(1)\n"))
+    plan.save(wrong)
     code, out, err = run(capsys, "verify", "llama3-debug", "--plan", str(wrong), "--nproc", "2")
     assert code == 1, out + err
     grad = next(ln for ln in out.splitlines() if ln.lstrip("│ ").startswith("grad"))
