@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from .plan import Plan, Region, Rule
+from .plan import Plan, Region, Rule, expand_pattern
 
 __all__ = [
     "ReplicateParallel", "MoEExpertsParallel", "unpack_experts", "unpack_packed", "to_parallelize_plan", "apply_plan", "tp_mesh",
@@ -259,30 +259,44 @@ def _region_style(region: Region) -> ParallelStyle:
 
 class _ContainerParams(ParallelStyle):
     """A module that owns parameters and also has weight-bearing children (ViT's embeddings
-    own ``cls_token``): its own parameters become Replicate DTensors (so foreach optimizers
-    see one kind of tensor) and its forward sees their local tensors, since its other inputs
-    are plain. ``to_local`` is differentiable: gradients reach the DTensor parameters."""
+    own ``cls_token``; a Mamba mixer reads ``self.conv1d.weight`` without calling conv1d):
+    those parameters (``paths``, relative to the module) become Replicate DTensors, so foreach
+    optimizers see one kind of tensor, and its forward sees their local tensors, since its
+    other inputs are plain. ``to_local`` is differentiable: gradients reach the DTensors."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__()
+        self.paths = paths
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        names = [n for n, _ in module.named_parameters(recurse=False)]
-        for n in names:
-            p = module._parameters[n]
+        for path in self.paths:
+            owner, name = _owner(module, path)
+            p = owner._parameters[name]
             if not isinstance(p, DTensor):
                 dist = distribute_tensor(p.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
-                module.register_parameter(n, nn.Parameter(dist, requires_grad=p.requires_grad))
-        module.register_forward_pre_hook(partial(_swap_to_local, names=names))
-        module.register_forward_hook(partial(_restore_params, names=names))
+                owner.register_parameter(name, nn.Parameter(dist, requires_grad=p.requires_grad))
+        module.register_forward_pre_hook(partial(_swap_to_local, names=self.paths))
+        module.register_forward_hook(partial(_restore_params, names=self.paths))
         return module
 
 
+def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
+    prefix, _, name = path.rpartition(".")
+    return (module.get_submodule(prefix) if prefix else module), name
+
+
 def _swap_to_local(module, args, *, names):
-    module._shardplan_params = {n: module._parameters[n] for n in names}
-    for n in names:
-        module._parameters[n] = module._parameters[n].to_local()
+    module._shardplan_params = {}
+    for path in names:
+        owner, name = _owner(module, path)
+        module._shardplan_params[path] = owner._parameters[name]
+        owner._parameters[name] = owner._parameters[name].to_local()
 
 
 def _restore_params(module, args, output, *, names):
-    module._parameters.update(module._shardplan_params)
+    for path, param in module._shardplan_params.items():
+        owner, name = _owner(module, path)
+        owner._parameters[name] = param
     del module._shardplan_params
 
 
@@ -317,12 +331,36 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
             continue  # applied after the module's own style (apply_plan)
         styles[r.module] = _combine(styles.get(r.module), _region_style(r))
     conv1d = _conv1d_rules(plan, model)
+    adopted = _adopted_params(plan, model)
     for rule in plan.rules:
-        if rule.style == "replicate" and "container" in rule.why:
-            styles[rule.module] = _ContainerParams()  # its children carry their own styles
-            continue
-        styles[rule.module] = _style(rule, conv1d=rule.module in conv1d)
+        if rule.module in adopted:
+            styles[rule.module] = _ContainerParams(adopted[rule.module])  # its children carry their own styles
+        elif not any(rule.module.startswith(c + ".") for c in adopted) or not _never_called(rule):
+            styles[rule.module] = _style(rule, conv1d=rule.module in conv1d)
     return styles
+
+
+def _never_called(rule: Rule) -> bool:
+    return rule.style == "replicate" and rule.why.startswith("not called in forward")
+
+
+def _adopted_params(plan: Plan, model: nn.Module | None) -> dict[str, list[str]]:
+    """Container rule -> the parameter paths its forward uses directly: its own, and those of
+    descendants it never calls (their weights are read as attributes)."""
+    if model is None:
+        return {}
+    containers = [r.module for r in plan.rules if r.style == "replicate" and "container" in r.why]
+    out = {}
+    for c in containers:
+        mod = model.get_submodule(expand_pattern(c, plan.model.repeats)[0]) if "*" in c else model.get_submodule(c)
+        paths = [n for n, _ in mod.named_parameters(recurse=False)]
+        for r in plan.rules:
+            if r.module.startswith(c + ".") and _never_called(r):
+                rel = r.module[len(c) + 1:]
+                paths += [f"{rel}.{n}" for n, _ in mod.get_submodule(rel).named_parameters(recurse=False)]
+        out[c] = paths
+    return out
+
 
 
 def _conv1d_rules(plan: Plan, model: nn.Module | None) -> set[str]:

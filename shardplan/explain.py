@@ -46,6 +46,6 @@ def _alternative(graph: OpGraph, ctx: SolveContext, op_index: int, name: str) ->
 
 
 def _rule_name(graph: OpGraph, fqn: str) -> str:
-    from .api import _pattern_map, _patterned  # the plan's rule names
+    from .assemble import pattern_map, patterned  # the plan's rule names
 
-    return _patterned(fqn, graph, _pattern_map(graph))[0]
+    return patterned(fqn, graph, pattern_map(graph))[0]

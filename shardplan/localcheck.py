@@ -26,7 +26,15 @@ from .graph import OpGraph
 from .plan import Plan, expand_pattern
 from .solve import PlanningError
 
-__all__ = ["check_local_shapes"]
+__all__ = ["check_local_shapes", "LocalShapeError"]
+
+
+class LocalShapeError(PlanningError):
+    """A block's shards fail to run; ``module`` is the innermost module that was running."""
+
+    def __init__(self, message: str, module: str | None) -> None:
+        super().__init__(message)
+        self.module = module
 
 
 def _targets(graph: OpGraph) -> list[str]:
@@ -78,6 +86,26 @@ def _local_args(call, placements: dict[int, str], tp: int) -> tuple[tuple, dict]
     )
 
 
+def _track_modules(block: nn.Module) -> list[str]:
+    """A live stack of the submodules running inside ``block`` (names relative to it)."""
+    stack: list[str] = []
+    for name, sub in block.named_modules():
+        sub.register_forward_pre_hook(lambda _m, _a, n=name: stack.append(n))
+        sub.register_forward_hook(lambda _m, _a, _o: stack.pop() and None)  # None keeps the output
+    return stack
+
+
+def _culprit(block: nn.Module, stack: list[str], target: str) -> str | None:
+    """The innermost running module that holds weights below it, as an absolute FQN."""
+    from .trace import is_weight_leaf
+
+    for name in reversed(stack):
+        sub = block.get_submodule(name)
+        if name and not is_weight_leaf(sub) and any(True for _ in sub.parameters()):
+            return f"{target}.{name}" if target else name
+    return target or None  # the whole model: no submodule to run whole
+
+
 def check_local_shapes(graph: OpGraph, plan: Plan, placements: dict[int, str]) -> None:
     if plan.tp == 1 or dist.is_initialized() or graph.traced.notes:
         return  # nothing split / the default group is the caller's / shapes were assumed
@@ -91,14 +119,16 @@ def check_local_shapes(graph: OpGraph, plan: Plan, placements: dict[int, str]) -
             block = _meta_copy(graph.model.get_submodule(target))
             apply_plan(block, mesh, _sub_plan(plan, target), check=False)
             args, kwargs = _local_args(call, placements, plan.tp)
+            stack = _track_modules(block)
             try:
                 with torch.no_grad():
                     block(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
-                where = target or type(graph.model).__name__
-                raise PlanningError(
-                    f"{where}: running its shards at tp={plan.tp} fails at {_user_frame(exc)}: "
-                    f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}. The code likely uses a global size "
-                    "(a head count or width) where the shard holds 1/tp of it: compute it from the tensor "
-                    "(view(b, s, -1, head_dim)), or keep that module whole with price_styles(..., {module: 'replicate'})."
+                culprit = _culprit(block, stack, target)
+                raise LocalShapeError(
+                    f"{culprit or type(graph.model).__name__}: running its shards at tp={plan.tp} fails at "
+                    f"{_user_frame(exc)}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}. The code uses a "
+                    "global size (a head count or width) where a shard holds 1/tp of it: compute it from the "
+                    "tensor (view(b, s, -1, head_dim)), or let that module run whole (the default without strict)",
+                    culprit,
                 ) from None

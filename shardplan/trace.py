@@ -23,6 +23,7 @@ with depth beyond this cheap walk.
 from __future__ import annotations
 
 import hashlib
+import operator
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,7 +148,12 @@ class _ShardTracer(MetaTracer):
                 self._constants[id(a)] = node.target
                 self._keep.append(a)  # ids stay unique while the tensor lives
             return node
-        return super().create_arg(a)
+        try:
+            return super().create_arg(a)
+        except NotImplementedError:
+            # an object fx cannot spell in code (a cache dict, a class): the graph is only
+            # analysed, never turned back into code, so keep the object itself
+            return a
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         fqn = self._fqn(m)
@@ -282,7 +288,13 @@ class _IterableMetaProxy(MetaProxy):
         meta = getattr(self, "_tensor_meta", None)
         if isinstance(meta, (tuple, list)):
             return iter([self[i] for i in range(len(meta))])
+        if isinstance(meta, torch.Tensor) and meta.dim() > 0:  # iterating a tensor walks dim 0
+            return iter([self[i] for i in range(meta.shape[0])])
         return super().__iter__()
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        # ``t[..., i] = v``: record it; the solver keeps operands of ops without outputs whole
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 
     def __len__(self) -> int:
         meta = getattr(self, "_tensor_meta", None)
@@ -317,7 +329,7 @@ def _shape_key(metas: Any) -> tuple:
 
 def _meta_of(v: Any) -> Any:
     if isinstance(v, MetaDeviceAttribute):
-        return "meta"
+        return torch.device("meta")
     if isinstance(v, torch.fx.Proxy):
         meta = getattr(v, "_tensor_meta", None)
         if meta is None:  # an attribute read (``x.ndim``) carries its value on its node

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -284,12 +285,16 @@ class _HardCodedHeads(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, s, self.heads * self.hd))
 
 
-def test_hard_coded_head_count_is_refused_with_the_source_line():
+def test_hard_coded_head_count_runs_whole_or_is_refused_with_the_source_line():
     with torch.device("meta"):
         model = nn.Sequential(_HardCodedHeads(), nn.LayerNorm(32))
     x = torch.zeros(2, 8, 32, device="meta")
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(x,), explain=False)
+    styles = plan.module_styles()
+    assert {styles[f"0.{n}"] for n in "qkvo"} == {"colwise_gather_output"}  # weights sharded, code sees whole
+    assert any(re.search(r"^0: runs on whole activations.*test_planner\.py:\d+ .*view\(b, s, self\.heads", w) for w in plan.warnings)
     with pytest.raises(shardplan.PlanningError, match=r"test_planner\.py:\d+ .*view\(b, s, self\.heads"):
-        shardplan.plan_model(model, {"tp": 2}, example_inputs=(x,), explain=False)
+        shardplan.plan_model(model, {"tp": 2}, example_inputs=(x,), explain=False, strict=True)
 
 
 @pytest.mark.parametrize("sp", [False, True])

@@ -1,0 +1,225 @@
+"""Assemble: a solved graph -> the plan's rules, regions and warnings.
+
+Contract
+--------
+Pure functions from (graph, solution, regions) to the pydantic pieces of a
+:class:`~shardplan.plan.Plan`. Repeated blocks are written once as ``container.*``
+patterns when the representative stands for every sibling, per instance otherwise. Every
+weight-owning module gets exactly one rule (modules never called and containers that own
+parameters included), so ``Plan.module_styles()`` covers the whole model.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from . import cost
+from .graph import OpGraph
+from .plan import Region, Rule
+from .regions import Entry, PartialBlock
+from .solve import Solution
+from .strategies import placement_str
+
+__all__ = ["pattern_map", "patterned", "rules", "regions", "block_regions", "plan_warnings", "repeats"]
+
+
+def pattern_map(graph: OpGraph) -> dict[str, str]:
+    """Representative block prefix -> ``container.*`` when it stands for every sibling."""
+    reps: dict[str, list[str]] = {}
+    for inst, rep in graph.traced.folded.items():
+        reps.setdefault(rep, []).append(inst)
+    out = {}
+    for rep, insts in reps.items():
+        container, _, _ = rep.rpartition(".")
+        siblings = {n for n, _ in graph.model.get_submodule(container).named_children()} if container else set()
+        covered = {rep.rpartition(".")[2]} | {i.rpartition(".")[2] for i in insts}
+        out[rep] = f"{container}.*" if siblings == covered else ""
+    return out
+
+
+def patterned(fqn: str, graph: OpGraph, pmap: dict[str, str]) -> list[str]:
+    for rep, pattern in pmap.items():
+        if fqn == rep or fqn.startswith(rep + "."):
+            if pattern:
+                return [pattern + fqn[len(rep):]]
+            insts = [i for i, r in graph.traced.folded.items() if r == rep]
+            return [fqn] + [i + fqn[len(rep):] for i in insts]
+    return [fqn]
+
+
+def rules(
+    graph: OpGraph, solution: Solution, decisions: list, entries: list[Entry], blocks: list[PartialBlock]
+) -> list[Rule]:
+    pmap = pattern_map(graph)
+    why = {d.module: d for d in decisions}
+    # inside a region the input is already a Replicate DTensor: a Linear that re-declared
+    # Shard(seq) would redistribute Replicate -> Replicate, whose backward all-reduces its
+    # own Partial gradient and defeats the region
+    in_region = {c for e in entries for _, inside in e.sites for c in inside}
+    partial = {r for b in blocks for r in b.rowwise}
+    returned = {v for op in graph.ops if op.kind == "output" for v in op.inputs}
+    rules: list[Rule] = []
+    for op in graph.ops:
+        if op.kind != "module":
+            continue
+        s = solution.strategies[op.index]
+        inp = None if op.index in in_region else _layout(s.layouts.get("input"))
+        for module in patterned(op.target, graph, pmap):
+            rules.append(Rule(
+                module=module, style=s.name,
+                input_layouts=inp, output_layouts=_rule_output(op, s, partial, returned),
+                copy_output=s.name != "replicate" and _modified_in_place(graph, op),
+                packed=s.layouts.get("packed"),
+                why=_why(why.get(patterned(op.target, graph, pmap)[0])),
+            ))
+    rules += [
+        Rule(module=m, style="replicate", why="not called in forward: kept whole")
+        for fqn in _unused_modules(graph) for m in patterned(fqn, graph, pmap)
+    ]
+    rules += [
+        Rule(module=m, style="replicate", why="container that owns parameters directly: Replicate, seen whole by its forward")
+        for fqn in _containers(graph) for m in patterned(fqn, graph, pmap)
+    ]
+    return rules
+
+
+def _containers(graph: OpGraph) -> list[str]:
+    from .trace import is_weight_leaf, owns_params
+
+    called = set(graph.module_multiplicity)
+    return [
+        fqn for fqn, mod in graph.model.named_modules()
+        if owns_params(mod) and not is_weight_leaf(mod) and any(c.startswith(fqn + ".") for c in called)
+    ]
+
+
+_IN_PLACE = {"iadd", "isub", "imul", "itruediv", "add_", "sub_", "mul_", "div_", "copy_", "masked_fill_", "clamp_"}
+
+
+def _modified_in_place(graph: OpGraph, op) -> bool:
+    """Is the module's output the target of an in-place op (Falcon's ``mlp_output += attn``)?
+    fx records ``a += b`` on a proxy as ``add``, so the source line tells augmented assignment."""
+    for c in graph.consumers.get(op.output, []):
+        user = graph.ops[c]
+        if user.inputs[:1] != [op.output]:
+            continue
+        if user.target in _IN_PLACE or (user.target in ("add", "sub", "mul", "truediv") and _AUGMENTED.search(_code(user.node))):
+            return True
+    return False
+
+
+_AUGMENTED = re.compile(r"^\s*[\w.\[\]]+\s*[-+*/]=[^=]")
+
+
+def _code(node) -> str:
+    from .trace import _user_line
+
+    line = _user_line(node)
+    return line.split("`")[1] if line.count("`") >= 2 else ""
+
+
+def _rule_output(op, s, partial: set[int], returned: set[int]) -> str | None:
+    if op.index in partial:
+        return "Partial"
+    if s.name == "colwise" and op.output in returned:
+        return "Shard(-1)"  # vocab-sharded logits handed to the user for loss_parallel()
+    return _layout(s.layouts.get("output"))
+
+
+def _layout(p: str | None) -> str | None:
+    return None if p is None else placement_str(p).replace("()", "")
+
+
+def _why(decision) -> str:
+    if decision is None:
+        return ""
+    parts = []
+    for alt in decision.alternatives:
+        if alt.step_time_s is None:
+            parts.append(f"{alt.style}: {alt.reason or 'infeasible'}")
+        else:
+            delta = alt.step_time_s - decision.step_time_s
+            mem = (alt.param_bytes_per_device or 0) - decision.param_bytes_per_device
+            parts.append(f"{alt.style}: {cost.format_seconds(delta)} slower" if delta > 0 and mem <= 0
+                         else f"{alt.style}: +{cost.format_bytes(mem)}/device" if mem > 0 else f"{alt.style}: tie")
+    return "; ".join(parts)
+
+
+def _unused_modules(graph: OpGraph) -> list[str]:
+    called = set(graph.module_multiplicity) | set(graph.traced.folded)
+    above = {c.rsplit(".", k)[0] for c in called for k in range(1, c.count(".") + 1)} | ({""} if called else set())
+    out = []
+    for fqn, mod in graph.model.named_modules():
+        parts = fqn.split(".")
+        inside_called = any(".".join(parts[:k]) in called for k in range(1, len(parts) + 1))
+        if any(True for _ in mod.parameters(recurse=False)) and not inside_called and fqn not in above:
+            out.append(fqn)
+    return out
+
+
+def regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
+    pmap = pattern_map(graph)
+    regions = []
+    for e in entries:
+        for site, inside in e.sites:
+            names = ", ".join(graph.ops[c].target.rpartition(".")[2] for c in inside)
+            comm = "all-reduce" if e.kind == "R" else "all-gather/reduce-scatter"
+            for module in patterned(site.module, graph, pmap):
+                regions.append(Region(
+                    module=module, input="output" if site.input is None else site.input,
+                    num_inputs=site.num_inputs, input_layouts=_layout(e.kind),
+                    desired_input_layouts="Replicate",
+                    why=f"{names} share this input: one {comm} instead of {len(inside)}",
+                ))
+    return regions
+
+
+def block_regions(graph: OpGraph, blocks: list[PartialBlock]) -> list[Region]:
+    pmap = pattern_map(graph)
+    out = []
+    for b in blocks:
+        names = ", ".join(graph.ops[r].target.rpartition(".")[2] for r in b.rowwise)
+        for module in patterned(b.module, graph, pmap):
+            out.append(Region(module=module, input=b.input, num_inputs=b.num_inputs,
+                              why=f"residual enters as a Replicate DTensor so {names} can stay Partial"))
+            out.append(Region(module=module, input="output", num_inputs=b.num_inputs, input_layouts="Partial",
+                              use_local_output=True,
+                              why=f"one all-reduce sums {names} and the residual instead of {len(b.rowwise)}"))
+    return out
+
+
+def plan_warnings(graph: OpGraph, solution: Solution, tp: int) -> list[str]:
+    """Where the plan falls short of splitting a weight and its compute tp ways."""
+    out = list(graph.traced.notes)
+    output_values = {v for op in graph.ops if op.kind == "output" for v in op.inputs}
+    pmap = pattern_map(graph)
+    for op in graph.ops:
+        if op.kind != "module":
+            continue
+        style = solution.strategies[op.index].name
+        module = graph.model.get_submodule(op.target)
+        name = patterned(op.target, graph, pmap)[0]
+        if op.module_kind == "other":
+            out.append(f"{name}: {type(module).__name__} has no tensor-parallel style; replicated")
+        elif op.module_kind in ("linear", "conv1d", "embedding", "experts") and style == "replicate":
+            shapes = [list(p.shape) for p in module.parameters(recurse=False) if p.dim() >= 2]
+            out.append(f"{name}: weight {shapes[0] if len(shapes) == 1 else shapes} not sharded: no dimension of it divides by tp={tp}")
+        elif style == "colwise_gather_output" and op.output not in output_values:
+            out.append(
+                f"{name}: output all-gathered: the ops after it cannot run on a 1/{tp} shard "
+                f"(a head count or reshape that does not divide by tp={tp}?); use a tp that divides the head counts"
+            )
+    for fqn in _unused_modules(graph):
+        out.append(f"{fqn}: owns parameters but is not called in forward; replicated")
+    return out
+
+
+def repeats(graph: OpGraph) -> dict[str, int | list[str]]:
+    out: dict[str, int | list[str]] = {}
+    for fqn, mod in graph.model.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and fqn:
+            names = [n for n, _ in mod.named_children()]
+            out[fqn] = len(names) if names == [str(i) for i in range(len(names))] else names
+    return out
