@@ -30,10 +30,11 @@ def explain_decisions(graph: OpGraph, solution: Solution, ctx: SolveContext) -> 
         chosen = solution.strategies[op.index].name
         names = sorted({s.name for s in op_strategies(op, graph, tp=ctx.tp, opts=ctx.opts)} - {chosen})
         alternatives = [_alternative(graph, ctx, op.index, name) for name in names]
-        decisions.append(Decision(
-            module=_rule_name(graph, op.target), style=chosen, step_time_s=solution.time_s,
-            param_bytes_per_device=solution.param_bytes, alternatives=alternatives,
-        ))
+        for module in _rule_names(graph, op.target):  # one per rule the module's choice became
+            decisions.append(Decision(
+                module=module, style=chosen, step_time_s=solution.time_s,
+                param_bytes_per_device=solution.param_bytes, alternatives=alternatives,
+            ))
     return decisions
 
 
@@ -45,7 +46,7 @@ def _alternative(graph: OpGraph, ctx: SolveContext, op_index: int, name: str) ->
     return Alternative(style=name, step_time_s=alt.time_s, param_bytes_per_device=alt.param_bytes)
 
 
-def _rule_name(graph: OpGraph, fqn: str) -> str:
+def _rule_names(graph: OpGraph, fqn: str) -> list[str]:
     from .assemble import pattern_map, patterned  # the plan's rule names
 
-    return patterned(fqn, graph, pattern_map(graph))[0]
+    return patterned(fqn, graph, pattern_map(graph))
