@@ -181,14 +181,8 @@ def _broadcast(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
     result = []
     for p in _candidates(out_shape, tp):
         d = shard_dim(p)
-        if d is None:
-            continue
-        ins = []
-        for v in op.inputs:
-            shape = _shape(graph, v)
-            local = d - (len(out_shape) - len(shape))
-            ins.append("R" if local < 0 or shape[local] == 1 else f"S{local}")
-        result.append(Strategy("", tuple(ins), p))
+        if d is not None:
+            result.append(Strategy("", _aligned(op, graph, out_shape, d), p))
     tensors = len(op.inputs)
     if op.target in ADDITIVE and tensors >= 1 and _only_tensor_operands(op):
         # a sum of partial sums is a partial sum; adding a replicated term is not
@@ -339,17 +333,18 @@ def _matmul(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
 
 def _sdpa(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
     """Attention is independent per batch element and per head (dims 0 and 1)."""
-    result = []
-    for d in (0, 1):
-        if out_shape[d] % tp:
-            continue
-        ins = []
-        for v in op.inputs:
-            shape = _shape(graph, v)
-            local = d - (len(out_shape) - len(shape))
-            ins.append("R" if local < 0 or shape[local] == 1 else f"S{local}")
-        result.append(Strategy("", tuple(ins), f"S{d}"))
-    return result
+    return [Strategy("", _aligned(op, graph, out_shape, d), f"S{d}") for d in (0, 1) if out_shape[d] % tp == 0]
+
+
+def _aligned(op: Op, graph: OpGraph, out_shape, d: int) -> tuple[str, ...]:
+    """Each operand's placement for an output sharded on ``d``, aligning dims from the right:
+    an operand without that dim (or with size 1 there, broadcast) stays Replicate."""
+    ins = []
+    for v in op.inputs:
+        shape = _shape(graph, v)
+        local = d - (len(out_shape) - len(shape))
+        ins.append("R" if local < 0 or shape[local] == 1 else f"S{local}")
+    return tuple(ins)
 
 
 def _cat(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
