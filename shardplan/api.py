@@ -116,7 +116,8 @@ def plan_model(
     tp_axis = _tp_axis(axes, extra.get("tp_axis"))
     hardware = cost.get_hardware(opts.hardware)
     if example_inputs is None:
-        example_inputs = infer_example_inputs(model, batch_size=opts.batch_size or 1, seq_len=opts.seq_len or 2048)
+        # the CLI's presets default to batch 2 as well: one model, one default shape
+        example_inputs = infer_example_inputs(model, batch_size=opts.batch_size or 2, seq_len=opts.seq_len or 2048)
     elif not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     graph = build_graph(_trace(model, example_inputs, example_kwargs, extra.get("fold_repeated", True)))
