@@ -148,7 +148,8 @@ def _all_reduce(t: torch.Tensor, group_name: str) -> torch.Tensor:
 class MoEExpertsParallel(ParallelStyle):
     """Tensor parallel inside every expert of a 3-D expert bank (``moe_tp_experts``).
 
-    The up projection [E, X, H] is split on X, the down projection [E, H, I] on I; when X is
+    The up projection [E, X, H] is split on X, the down projection [E, H, I] on I (or the
+    bmm layout [E, H, X] / [E, I, H] on the same features); when X is
     gate and up packed (X = 2I, split by ``chunk(2)``), each rank keeps matching slices of
     both halves (packed). The parameters are DTensors (Shard(1) / Shard(2)); the forward runs
     on their local shards, sums the partial outputs with one all-reduce, and all-reduces the
@@ -159,13 +160,14 @@ class MoEExpertsParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         from .graph import expert_params
 
-        up, down, packed = expert_params(module)
+        ep = expert_params(module)
+        up, down = ep.up, ep.down
         tp, rank = device_mesh.size(), device_mesh.get_local_rank()
         whole = distribute_tensor(getattr(module, up).detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
-        local = _packed_slice(whole.to_local(), parts=2 if packed else 1, dim=1, tp=tp, rank=rank)
-        up_param = DTensor.from_local(local, device_mesh, [Shard(1)], run_check=False)
+        local = _packed_slice(whole.to_local(), parts=2 if ep.packed else 1, dim=ep.up_dim, tp=tp, rank=rank)
+        up_param = DTensor.from_local(local, device_mesh, [Shard(ep.up_dim)], run_check=False)
         module.register_parameter(up, nn.Parameter(up_param, requires_grad=getattr(module, up).requires_grad))
-        down_param = distribute_tensor(getattr(module, down).detach(), device_mesh, [Shard(2)], src_data_rank=self.src_data_rank)
+        down_param = distribute_tensor(getattr(module, down).detach(), device_mesh, [Shard(ep.down_dim)], src_data_rank=self.src_data_rank)
         module.register_parameter(down, nn.Parameter(down_param, requires_grad=getattr(module, down).requires_grad))
         group = device_mesh.get_group().group_name
         module.register_forward_pre_hook(partial(_experts_enter, names=(up, down), group=group), with_kwargs=True)
@@ -185,9 +187,9 @@ def unpack_packed(full: torch.Tensor, *, tp: int, parts: int = 2, dim: int = 0) 
     return torch.cat([torch.cat([s.chunk(parts, dim=dim)[b] for s in shards], dim=dim) for b in range(parts)], dim=dim)
 
 
-def unpack_experts(full: torch.Tensor, *, tp: int, blocks: int = 2) -> torch.Tensor:
-    """``unpack_packed`` for an experts bank's up projection [E, 2I, H] (packed on dim 1)."""
-    return unpack_packed(full, tp=tp, parts=blocks, dim=1)
+def unpack_experts(full: torch.Tensor, *, tp: int, blocks: int = 2, dim: int = 1) -> torch.Tensor:
+    """``unpack_packed`` for an experts bank's up projection ([E, 2I, H]: dim 1; bmm layout: 2)."""
+    return unpack_packed(full, tp=tp, parts=blocks, dim=dim)
 
 
 class _PackedColwise(ColwiseParallel):

@@ -95,19 +95,33 @@ def module_kind(module: nn.Module) -> str:
     return "other"
 
 
-def expert_params(module: nn.Module) -> tuple[str, str, bool] | None:
-    """(up name, down name, packed) for a bank of expert MLPs stored as 3-D weights.
+@dataclass(frozen=True)
+class ExpertParams:
+    """A bank of expert MLPs stored as 3-D weights: which parameter is which, and the dim of
+    each that holds the inner (intermediate) features, the one tensor parallelism splits."""
 
-    Recognized by shapes alone: an up projection [E, X, H] and a down projection [E, H, I]
-    over the same E experts, with X == I or X == 2*I (gate and up packed, split by chunk)."""
+    up: str
+    down: str
+    packed: bool  # gate and up in one weight, split by chunk(2)
+    up_dim: int
+    down_dim: int
+
+
+def expert_params(module: nn.Module) -> ExpertParams | None:
+    """Recognized by shapes alone, over the same E experts: up [E, X, H] with down [E, H, I]
+    (F.linear layout), or up [E, H, X] with down [E, I, H] (bmm layout, Llama 4), where
+    X == I, or X == 2*I for gate and up packed."""
     params = {n: p for n, p in module.named_parameters(recurse=False)}
     if len(params) != 2 or any(p.dim() != 3 for p in params.values()):
         return None
     (a, pa), (b, pb) = params.items()
     for up, pu, down, pd in ((a, pa, b, pb), (b, pb, a, pa)):
-        e, x, h = pu.shape
-        if pd.shape[0] == e and pd.shape[1] == h and x in (pd.shape[2], 2 * pd.shape[2]):
-            return up, down, x == 2 * pd.shape[2]
+        if pu.shape[0] != pd.shape[0]:
+            continue
+        if pd.shape[1] == pu.shape[2] and pu.shape[1] in (pd.shape[2], 2 * pd.shape[2]):
+            return ExpertParams(up, down, pu.shape[1] == 2 * pd.shape[2], 1, 2)
+        if pd.shape[2] == pu.shape[1] and pu.shape[2] in (pd.shape[1], 2 * pd.shape[1]):
+            return ExpertParams(up, down, pu.shape[2] == 2 * pd.shape[1], 2, 1)
     return None
 
 

@@ -422,8 +422,8 @@ def _unpackers(plan: Plan, model: nn.Module, tp: int) -> dict[str, Any]:
             from .emit import unpack_experts
 
             found = expert_params(module)
-            if found and found[2]:
-                out[prefix + found[0]] = partial(unpack_experts, tp=tp)
+            if found and found.packed:
+                out[prefix + found.up] = partial(unpack_experts, tp=tp, dim=found.up_dim)
         else:
             from .emit import unpack_packed
 

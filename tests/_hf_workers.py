@@ -99,9 +99,9 @@ def _global_order(ref: nn.Module, plan: shardplan.Plan, tp: int) -> dict[str, An
             from shardplan.graph import expert_params
 
             for fqn in expand_pattern(rule.module, plan.model.repeats):
-                up, _down, packed = expert_params(ref.get_submodule(fqn))
-                if packed:
-                    fix[f"{fqn}.{up}"] = lambda t: unpack_experts(t, tp=tp)
+                found = expert_params(ref.get_submodule(fqn))
+                if found.packed:
+                    fix[f"{fqn}.{found.up}"] = lambda t, d=found.up_dim: unpack_experts(t, tp=tp, dim=d)
     return fix
 
 
