@@ -172,11 +172,9 @@ def _run_whole(graph: OpGraph, module: str, ctx: SolveContext) -> dict[int, str]
 def _assemble(model, graph, solution, ctx, *, opts, axes, tp_axis, strict: bool, whole: dict[str, str]) -> Plan:
     entries = find_regions(graph, solution)
     blocks = find_partial_blocks(graph, solution)
-    notes = assemble.plan_warnings(graph, solution, ctx.tp) + [
-        f"{module}: runs on whole activations, its weights still sharded: {why[:240]}" for module, why in whole.items()
+    notes = assemble.plan_warnings(graph, solution, ctx.tp, budget=opts.memory_budget is not None) + [
+        f"{module}: runs on whole activations, its weights still sharded: {why.splitlines()[0]}" for module, why in whole.items()
     ]
-    if strict and notes:
-        raise PlanningError("strict planning refused the plan:\n  " + "\n  ".join(notes))
     plan = Plan(
         model=ModelInfo(class_name=type(model).__name__, fingerprint=fingerprint(model),
                         num_params=sum(p.numel() for p in model.parameters()), repeats=assemble.repeats(graph)),
@@ -194,6 +192,8 @@ def _assemble(model, graph, solution, ctx, *, opts, axes, tp_axis, strict: bool,
             f"{ctx.hardware.name}'s {cost.format_bytes(device)}: raise tp, add a data-parallel axis with "
             "data_parallel='fsdp' (e.g. --mesh dp=8,tp=8), or lower batch/sequence"
         )
+    if strict and plan.warnings:
+        raise PlanningError("strict planning refused the plan:\n  " + "\n  ".join(plan.warnings))
     return plan
 
 

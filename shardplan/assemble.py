@@ -91,7 +91,7 @@ def _containers(graph: OpGraph) -> list[str]:
     called = set(graph.module_multiplicity)
     return [
         fqn for fqn, mod in graph.model.named_modules()
-        if owns_params(mod) and not is_weight_leaf(mod) and any(c.startswith(fqn + ".") for c in called)
+        if owns_params(mod) and not is_weight_leaf(mod) and any(not fqn or c.startswith(fqn + ".") for c in called)
     ]
 
 
@@ -190,7 +190,7 @@ def block_regions(graph: OpGraph, blocks: list[PartialBlock]) -> list[Region]:
     return out
 
 
-def plan_warnings(graph: OpGraph, solution: Solution, tp: int) -> list[str]:
+def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool = False) -> list[str]:
     """Where the plan falls short of splitting a weight and its compute tp ways."""
     out = list(graph.traced.notes)
     output_values = {v for op in graph.ops if op.kind == "output" for v in op.inputs}
@@ -205,11 +205,13 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int) -> list[str]:
             out.append(f"{name}: {type(module).__name__} has no tensor-parallel style; replicated")
         elif op.module_kind in ("linear", "conv1d", "embedding", "experts") and style == "replicate":
             shapes = [list(p.shape) for p in module.parameters(recurse=False) if p.dim() >= 2]
-            out.append(f"{name}: weight {shapes[0] if len(shapes) == 1 else shapes} not sharded: no dimension of it divides by tp={tp}")
+            why = ("replicated for speed within the memory budget" if budget
+                   else f"no style splits it evenly at tp={tp}")
+            out.append(f"{name}: weight {shapes[0] if len(shapes) == 1 else shapes} not sharded: {why}")
         elif style == "colwise_gather_output" and op.output not in output_values:
             out.append(
-                f"{name}: output all-gathered: the ops after it cannot run on a 1/{tp} shard "
-                f"(a head count or reshape that does not divide by tp={tp}?); use a tp that divides the head counts"
+                f"{name}: output all-gathered: the ops after it cannot run on a 1/{tp} shard, or gathering "
+                f"here costs no more (a norm over the features, or a head count or reshape that does not divide by tp={tp})"
             )
     for fqn in _unused_modules(graph):
         out.append(f"{fqn}: owns parameters but is not called in forward; replicated")

@@ -103,7 +103,7 @@ def _add_model_options(p: argparse.ArgumentParser, *, mesh_default: str | None =
     g.add_argument("--mesh", default=mesh_default, help=f"device mesh axes ({default}); {_MESH_EXAMPLE}")
     g.add_argument("--batch", type=_positive_int, metavar="N", help="batch size per data-parallel rank")
     g.add_argument("--seq", type=_positive_int, metavar="N", help="sequence length")
-    g.add_argument("--dtype", help="training dtype: bf16 (default), fp16, fp32, fp8")
+    g.add_argument("--dtype", help="training dtype: bf16, fp16, fp32, fp8 (default: the model's parameter dtype)")
     g.add_argument("--hardware", help=f"hardware profile: {', '.join(sorted(HARDWARE))} (default: h100-nvlink)")
     g.add_argument("--memory-budget", metavar="BYTES", help="per-device memory limit, e.g. 80GB or 80GiB")
     g.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
@@ -119,7 +119,7 @@ def _subparser(sub: Any, name: str, *, help: str, epilog: str) -> argparse.Argum
 def _add_plan(sub: Any) -> None:
     p = _subparser(sub, "plan", help="decide a tensor-parallel plan for a model", epilog=(
         "  shardplan plan llama3-8b --mesh tp=8\n"
-        "  shardplan plan llama3-70b --mesh dp=16,tp=8 --seq 4096 --memory-budget 80GB -o plan.yaml\n"
+        "  shardplan plan llama3-70b --mesh dp=16,tp=8 --seq 2048 --memory-budget 80GB -o plan.yaml\n"
         "  shardplan plan mypkg.models:build_model --mesh tp=4 --format json\n"
         "  shardplan plan hf:llama --mesh tp=8 --why"))
     _add_model_options(p)
@@ -420,7 +420,9 @@ def _simulate_model(args: argparse.Namespace, plan: Any, *, device: str) -> Any:
 
     model, inputs, _ = _resolve(args, device=device)
     if inputs is None:
-        inputs = infer_example_inputs(model, batch_size=args.batch or 1, seq_len=args.seq or 2048)
+        # the shape the plan was made for (plan_model's own default is batch 2)
+        batch = args.batch or plan.options.batch_size or 2
+        inputs = infer_example_inputs(model, batch_size=batch, seq_len=args.seq or plan.options.seq_len or 2048)
         inputs = tuple(torch.zeros(t.shape, dtype=t.dtype, device=device) for t in inputs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -337,7 +337,7 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
     for rule in plan.rules:
         if rule.module in adopted:
             styles[rule.module] = _ContainerParams(adopted[rule.module])  # its children carry their own styles
-        elif not any(rule.module.startswith(c + ".") for c in adopted) or not _never_called(rule):
+        elif not _never_called(rule) or not any(c == "" or rule.module.startswith(c + ".") for c in adopted):
             styles[rule.module] = _style(rule, conv1d=rule.module in conv1d)
     return styles
 
@@ -351,14 +351,20 @@ def _adopted_params(plan: Plan, model: nn.Module | None) -> dict[str, list[str]]
     descendants it never calls (their weights are read as attributes)."""
     if model is None:
         return {}
-    containers = [r.module for r in plan.rules if r.style == "replicate" and "container" in r.why]
+    from .trace import is_weight_leaf, owns_params
+
     out = {}
-    for c in containers:
-        mod = model.get_submodule(expand_pattern(c, plan.model.repeats)[0]) if "*" in c else model.get_submodule(c)
+    for rule in plan.rules:
+        fqns = expand_pattern(rule.module, plan.model.repeats)
+        mod = model.get_submodule(fqns[0]) if fqns else None
+        if mod is None or rule.style != "replicate" or not owns_params(mod) or is_weight_leaf(mod):
+            continue  # a container: owns parameters and has weight-bearing descendants
+        c = rule.module
+        prefix = f"{c}." if c else ""
         paths = [n for n, _ in mod.named_parameters(recurse=False)]
         for r in plan.rules:
-            if r.module.startswith(c + ".") and _never_called(r):
-                rel = r.module[len(c) + 1:]
+            if r.module != c and r.module.startswith(prefix) and _never_called(r):
+                rel = r.module[len(prefix):]
                 paths += [f"{rel}.{n}" for n, _ in mod.get_submodule(rel).named_parameters(recurse=False)]
         out[c] = paths
     return out

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from .graph import OpGraph
 from .plan import Alternative, Decision
-from .solve import PlanningError, Solution, SolveContext, solve
+from .solve import Solution, SolveContext, solve
 from .strategies import op_strategies
 
 __all__ = ["explain_decisions"]
@@ -41,7 +41,7 @@ def explain_decisions(graph: OpGraph, solution: Solution, ctx: SolveContext) -> 
 def _alternative(graph: OpGraph, ctx: SolveContext, op_index: int, name: str) -> Alternative:
     try:
         alt = solve(graph, replace(ctx, forced={**ctx.forced, op_index: name}))
-    except PlanningError as exc:
+    except ValueError as exc:  # PlanningError, or a budget no plan with this style meets
         return Alternative(style=name, reason=str(exc).split(";")[0])
     return Alternative(style=name, step_time_s=alt.time_s, param_bytes_per_device=alt.param_bytes)
 

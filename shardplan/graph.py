@@ -210,14 +210,22 @@ def build_graph(traced: Traced) -> OpGraph:
     return graph
 
 
+def _trainable_attribute(model: nn.Module, target: str) -> bool:
+    """A parameter read directly in forward (``x * self.scale``) is a const op that needs grad."""
+    try:
+        return model.get_parameter(target).requires_grad
+    except (AttributeError, ValueError):
+        return False
+
+
 def _set_requires_grad(graph: OpGraph) -> None:
     """Inputs and constants need no gradient; anything computed from a trainable weight does."""
     for op in graph.ops:
         if op.output is None:
             continue
-        trainable = op.kind in ("module", "folded") and any(
+        trainable = (op.kind in ("module", "folded") and any(
             p.requires_grad for p in graph.model.get_submodule(op.target).parameters()
-        )
+        )) or (op.kind == "const" and _trainable_attribute(graph.model, op.target))
         if trainable or any(v in graph.requires_grad for v in op.inputs):
             graph.requires_grad.add(op.output)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "STYLES", "Rule", "Region", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
@@ -125,6 +125,12 @@ class ModelInfo(_Strict):
 class MeshInfo(_Strict):
     axes: dict[str, int]
     tp_axis: str
+
+    @model_validator(mode="after")
+    def _tp_axis_is_an_axis(self) -> "MeshInfo":
+        if self.tp_axis not in self.axes:
+            raise ValueError(f"tp_axis {self.tp_axis!r} is not one of the mesh axes {list(self.axes)}")
+        return self
 
 
 class PlanOptions(_Strict):

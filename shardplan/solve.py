@@ -362,7 +362,9 @@ def _budget_message(prog: _Program, memory: np.ndarray, ctx: SolveContext) -> st
     rows, lo, hi = _rows(prog)
     _tied_rows(prog, rows, lo, hi)
     least = _milp(prog, _scaled(memory), rows, lo, hi)
-    reach = float(memory @ np.round(least)) if least is not None else float("nan")
+    if least is None:  # nothing is valid at all (a pinned style that cannot be placed)
+        return f"no valid tensor-parallel plan at tp={ctx.tp} with the styles pinned; unpin them or change tp"
+    reach = float(memory @ np.round(least))
     fit = _fitting_tp(reach, ctx)
     return (
         f"memory budget {cost.format_bytes(ctx.memory_budget)} per device cannot be met at tp={ctx.tp}: "

@@ -17,7 +17,7 @@ should let :func:`shardplan.plan_model` infer them. ``spec`` is one of
 
 Hugging Face models are built on ``device`` (meta by default: nothing is allocated) with
 ``use_cache=False`` so they trace, and fed token ids of shape
-``(batch_size or 1, seq_len or min(2048, max_position_embeddings))``. ``transformers`` is
+``(batch_size or 2, seq_len or min(2048, max_position_embeddings))``. ``transformers`` is
 optional and imported only here, lazily, with ``HF_HUB_OFFLINE=1`` set first: nothing is
 ever downloaded. Every problem with the spec raises ``ValueError`` saying what was given,
 what was expected and what to try.
@@ -178,7 +178,7 @@ def _hf_model(
         cfg.use_cache = False  # a KV cache object in the outputs cannot be traced
     model = _hf_build(tf, cfg, spec, device=device)
     max_pos = getattr(cfg, "max_position_embeddings", None) or _HF_SEQ_LEN
-    shape = (batch_size or 1, seq_len or min(_HF_SEQ_LEN, max_pos))
+    shape = (batch_size or 2, seq_len or min(_HF_SEQ_LEN, max_pos))  # batch 2, as presets and plan_model
     return model, (torch.zeros(shape, dtype=torch.long, device=device),), spec
 
 

@@ -309,3 +309,23 @@ def test_activation_memory_follows_korthikanti_per_block(sp):
     )
     rest = plan.estimate.peak_memory_bytes - params - 32 * per_layer
     assert 0 <= rest < 0.05 * 32 * per_layer  # embedding output and logits outside the blocks
+
+
+class _RootOwnsAParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(16))
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x * self.scale)))
+
+
+def test_a_model_that_owns_parameters_itself_is_covered_and_counted():
+    x = torch.zeros(4, 16)
+    plan = shardplan.plan_model(_RootOwnsAParameter(), {"tp": 2}, example_inputs=(x,), explain=False)
+    assert plan.module_styles() == {"": "replicate", "a": "colwise", "b": "rowwise"}
+    model = _RootOwnsAParameter()
+    result = simulate(model, plan, (x,))
+    assert result.matches  # the gradient reaching `a` through `scale` needs its all-reduce
+    assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
