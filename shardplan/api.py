@@ -130,10 +130,18 @@ def plan_model(
         forced=_pin(graph, extra.get("_pinned") or {}),
     )
     whole: dict[str, str] = {}  # module -> why it runs on whole activations
+    squeezed = 0
     while True:
         solution = solve(graph, ctx)
         plan = _assemble(model, graph, solution, ctx, opts=_record_shapes(opts, example_inputs), axes=axes,
                          tp_axis=tp_axis, strict=extra.get("strict", False), whole=whole)
+        over = plan.estimate.peak_memory_bytes - opts.memory_budget if opts.memory_budget else 0
+        if over > 0 and squeezed < 3 and _fits(graph, ctx, ctx.memory_budget - 1.01 * over):
+            # the program prices activations per op, the estimate per transformer block
+            # (Korthikanti): tighten the program's budget until the estimate holds too
+            squeezed += 1
+            ctx.memory_budget = int(ctx.memory_budget - 1.01 * over)
+            continue
         try:
             if extra.get("check", True):
                 check_local_shapes(graph, plan, solution.placements)
@@ -154,6 +162,16 @@ def plan_model(
         plan = plan.model_copy(update={"decisions": decisions, "rules": assemble.rules(
             graph, solution, decisions, find_regions(graph, solution), find_partial_blocks(graph, solution))})
     return plan
+
+
+def _fits(graph: OpGraph, ctx: SolveContext, budget: float) -> bool:
+    from dataclasses import replace
+
+    try:
+        solve(graph, replace(ctx, memory_budget=int(budget)))
+        return budget > 0
+    except PlanningError:
+        return False
 
 
 def _run_whole(graph: OpGraph, module: str, ctx: SolveContext) -> dict[int, str]:

@@ -329,3 +329,11 @@ def test_a_model_that_owns_parameters_itself_is_covered_and_counted():
     result = simulate(model, plan, (x,))
     assert result.matches  # the gradient reaching `a` through `scale` needs its all-reduce
     assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+
+
+@pytest.mark.parametrize("budget", ["28GB", "30GB", "40GB"])
+def test_reported_peak_memory_stays_within_the_budget(budget):
+    from shardplan import cost
+
+    plan = plan_for("llama3-8b", 8, explain=False, memory_budget=budget)
+    assert plan.estimate.peak_memory_bytes <= cost.parse_bytes(budget)
