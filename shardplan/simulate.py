@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .plan import Plan
@@ -76,6 +77,8 @@ class SimulationResult:
     counted: dict[str, Counter] = field(default_factory=dict)
     counted_bytes: dict[str, int] = field(default_factory=dict)
     predicted: dict[str, dict[str, int]] = field(default_factory=dict)
+    # the same run as DTensor's own CommDebugMode counts it, as a second witness
+    comm_debug_mode: dict[str, Counter] = field(default_factory=dict)
 
     @property
     def matches(self) -> bool:
@@ -126,12 +129,20 @@ def simulate(
     with fake_process_group(world):
         mesh = make_mesh(plan.mesh.axes)
         apply_plan(model, mesh, plan)
-        with record_collectives(plan.tp) as fwd:
+        with CommDebugMode() as fwd_cdm, record_collectives(plan.tp) as fwd:
             out = model(*example_inputs, **(example_kwargs or {}))
         loss = _scalar_loss(out)
-        with record_collectives(plan.tp) as bwd:
+        with CommDebugMode() as bwd_cdm, record_collectives(plan.tp) as bwd:
             _backward(loss)
-    for phase, events in (("forward", fwd), ("backward", bwd)):
+    for phase, events, cdm in (("forward", fwd, fwd_cdm), ("backward", bwd, bwd_cdm)):
         result.counted[phase] = Counter(kind for kind, _ in events)
         result.counted_bytes[phase] = sum(n for _, n in events)
+        result.comm_debug_mode[phase] = Counter(
+            {_CDM_NAMES.get(str(op).split(".")[-1], str(op)): n for op, n in cdm.get_comm_counts().items() if n}
+        )
     return result
+
+
+# CommDebugMode reports the legacy functional-collective names
+_CDM_NAMES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+              "all_to_all_single": "all_to_all"}

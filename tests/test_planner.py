@@ -103,6 +103,7 @@ def test_predicted_collectives_equal_counted(name, tp, opts):
         counted = {k: v for k, v in result.counted[phase].items() if v}
         predicted = {k: v for k, v in plan.estimate.collectives[phase].model_dump().items() if v}
         assert counted == predicted, phase
+        assert dict(result.comm_debug_mode[phase]) == predicted, phase  # DTensor's own count agrees
         want = plan.estimate.collective_bytes[phase]
         assert abs(result.counted_bytes[phase] - want) <= 0.01 * max(want, 1), phase
     local = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
