@@ -116,7 +116,8 @@ def _backward(loss: torch.Tensor) -> None:
 
 
 def simulate(
-    model: torch.nn.Module, plan: Plan, example_inputs: tuple, example_kwargs: dict | None = None
+    model: torch.nn.Module, plan: Plan, example_inputs: tuple, example_kwargs: dict | None = None, *,
+    comm_debug_mode: bool = False,
 ) -> SimulationResult:
     """Apply ``plan`` on a fake process group and count one forward + backward."""
     from .emit import apply_plan
@@ -129,17 +130,21 @@ def simulate(
     with fake_process_group(world):
         mesh = make_mesh(plan.mesh.axes)
         apply_plan(model, mesh, plan)
-        with CommDebugMode() as fwd_cdm, record_collectives(plan.tp) as fwd:
+        # CommDebugMode's module tracker wraps module outputs in backward hooks, which some
+        # models' in-place code rejects: it is an opt-in second witness
+        witness = CommDebugMode if comm_debug_mode else contextlib.nullcontext
+        with witness() as fwd_cdm, record_collectives(plan.tp) as fwd:
             out = model(*example_inputs, **(example_kwargs or {}))
         loss = _scalar_loss(out)
-        with CommDebugMode() as bwd_cdm, record_collectives(plan.tp) as bwd:
+        with witness() as bwd_cdm, record_collectives(plan.tp) as bwd:
             _backward(loss)
     for phase, events, cdm in (("forward", fwd, fwd_cdm), ("backward", bwd, bwd_cdm)):
         result.counted[phase] = Counter(kind for kind, _ in events)
         result.counted_bytes[phase] = sum(n for _, n in events)
-        result.comm_debug_mode[phase] = Counter(
-            {_CDM_NAMES.get(str(op).split(".")[-1], str(op)): n for op, n in cdm.get_comm_counts().items() if n}
-        )
+        if cdm is not None:
+            result.comm_debug_mode[phase] = Counter(
+                {_CDM_NAMES.get(str(op).split(".")[-1], str(op)): n for op, n in cdm.get_comm_counts().items() if n}
+            )
     return result
 
 

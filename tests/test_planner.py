@@ -98,7 +98,7 @@ CASES = [
 def test_predicted_collectives_equal_counted(name, tp, opts):
     plan = plan_for(name, tp, explain=False, **opts)
     model = build_preset(name, device="meta")
-    result = simulate(model, plan, get_preset(name).example_inputs(device="meta"))
+    result = simulate(model, plan, get_preset(name).example_inputs(device="meta"), comm_debug_mode=True)
     for phase in ("forward", "backward"):
         counted = {k: v for k, v in result.counted[phase].items() if v}
         predicted = {k: v for k, v in plan.estimate.collectives[phase].model_dump().items() if v}
