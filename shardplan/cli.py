@@ -109,6 +109,12 @@ def _add_model_options(p: argparse.ArgumentParser, *, mesh_default: str | None =
     g.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
                    help="shard norms and activations along the sequence (default: auto, the optimizer decides)")
     g.add_argument("--loss-parallel", action="store_true", default=None, help="keep logits vocab-sharded for loss_parallel()")
+    g.add_argument("--data-parallel", choices=("fsdp", "ddp"), default=None,
+                   help="what the non-tp mesh axes do to parameter/gradient/optimizer memory (default fsdp)")
+    g.add_argument("--optimizer", choices=("adamw", "sgd-momentum", "sgd", "none"), default=None,
+                   help="optimizer state in the memory model (default adamw: 16 bytes per parameter)")
+    g.add_argument("--strict", action="store_true", default=None,
+                   help="refuse a plan that leaves a weight unsharded, gathers mid-model or may not fit")
 
 
 def _subparser(sub: Any, name: str, *, help: str, epilog: str) -> argparse.ArgumentParser:
@@ -234,6 +240,7 @@ def _plan_options(args: argparse.Namespace, *, explain: bool) -> dict[str, Any]:
     given = {
         "batch_size": args.batch, "seq_len": args.seq, "dtype": args.dtype, "hardware": args.hardware,
         "memory_budget": args.memory_budget, "loss_parallel": args.loss_parallel,
+        "data_parallel": args.data_parallel, "optimizer": args.optimizer, "strict": args.strict,
     }
     opts = {k: v for k, v in given.items() if v is not None}
     opts["sequence_parallel"] = {"auto": None, "on": True, "off": False}[args.sequence_parallel]

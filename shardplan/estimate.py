@@ -73,7 +73,7 @@ def estimate(
     params = _param_bytes(graph, solution)
     elem = _model_dtype_bytes(graph)
     acts = activation_bytes(graph, solution, ctx)
-    peak = params / elem * cost.training_bytes_per_param(dtype=ctx.dtype) / ctx.state_shards + acts
+    peak = params / elem * cost.training_bytes_per_param(dtype=ctx.dtype, optimizer=_optimizer(ctx)) / ctx.state_shards + acts
     return Estimate(
         param_bytes_per_device=params,
         peak_memory_bytes=peak,
@@ -84,6 +84,10 @@ def estimate(
         collectives={phase: Collectives(**dict(c)) for phase, c in counts.items()},
         collective_bytes=logical,
     )
+
+
+def _optimizer(ctx: SolveContext) -> str:
+    return getattr(ctx.opts, "optimizer", "adamw")
 
 
 def activation_bytes(graph: OpGraph, solution: Solution, ctx: SolveContext) -> float:

@@ -141,7 +141,7 @@ class PlanOptions(_Strict):
     memory_budget: int | None = None
     sequence_parallel: bool | None = None  # None: let the optimizer decide
     loss_parallel: bool = False
-    optimizer: str = "adamw"
+    optimizer: Literal["adamw", "adamw-mixed", "adam", "sgd-momentum", "sgd", "none"] = "adamw"  # memory model
     # the other mesh axes: "fsdp" shards parameters, gradients and optimizer state over them
     # (torchtitan's default), "ddp" replicates them
     data_parallel: Literal["fsdp", "ddp"] = "fsdp"

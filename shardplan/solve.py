@@ -298,7 +298,7 @@ def solve(graph: OpGraph, ctx: SolveContext) -> Solution:
     rows, lo, hi = _rows(prog)
     _tied_rows(prog, rows, lo, hi)
     time, params, acts, weights = _vectors(prog)
-    train_factor = cost.training_bytes_per_param(dtype=ctx.dtype) / _model_dtype_bytes(graph) / ctx.state_shards
+    train_factor = cost.training_bytes_per_param(dtype=ctx.dtype, optimizer=getattr(ctx.opts, 'optimizer', 'adamw')) / _model_dtype_bytes(graph) / ctx.state_shards
     act_factor = cost.dtype_bytes(ctx.dtype) / _model_dtype_bytes(graph)
     memory = params * train_factor + acts * act_factor
     tie = _tiebreak(prog)
