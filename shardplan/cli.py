@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "build_parser", "parse_mesh", "check_findings"]
+__all__ = ["main", "build_parser", "parse_mesh"]
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 _AXIS_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=([1-9][0-9]*)")
@@ -331,64 +331,19 @@ def _examples(plan: Any) -> str:
 
 
 # styles whose output is whole: torch splits the weight unevenly (a 50257-token vocabulary)
-_UNEVEN_OK = ("colwise_gather_output", "embedding_rowwise")
-
-
-def _owns_params(module: Any) -> bool:
-    return any(True for _ in module.parameters(recurse=False))
-
-
-def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) -> list[str]:
-    """A finding when the dim a style splits does not divide by tp (uneven-tolerant styles aside)."""
-    from .report import sharded_dim, weight_of
-
-    if rule.style in _UNEVEN_OK and not (rule.output_layouts or "").startswith("Shard"):
-        return []
-    bad = []
-    for fqn in hits:
-        mod = modules[fqn]
-        weight, dim = weight_of(mod), sharded_dim(rule.style, mod)
-        if weight is None or dim is None or dim >= weight.dim() or weight.shape[dim] % tp == 0:
-            continue
-        bad.append((fqn, dim, int(weight.shape[dim])))
-    if not bad:
-        return []
-    fqn, dim, size = bad[0]
-    more = f" (and {len(bad) - 1} more of its modules)" if len(bad) > 1 else ""
-    return [f"{fqn}: {rule.style} splits weight dim {dim} of size {size}, which tp={tp} does not divide{more}"]
-
-
-def check_findings(plan: Any, model: Any) -> list[str]:
-    """Problems applying ``plan`` to ``model`` would hit; empty when it fits."""
-    from .plan import fingerprint, matches
-
-    findings = []
-    got = fingerprint(model)
-    if got != plan.model.fingerprint:
-        findings.append(f"fingerprint: the plan is for a {plan.model.class_name} with {plan.model.fingerprint}, "
-                        f"the model is a {type(model).__name__} with {got}; re-plan it with `shardplan plan`")
-    modules = dict(model.named_modules())
-    for rule in plan.rules:
-        hits = [fqn for fqn in modules if matches(rule.module, fqn)]
-        if not hits:
-            findings.append(f"rule {rule.module} ({rule.style}): matches no module of the model")
-        findings += _divisibility(rule, hits, modules, plan.tp) if hits else []
-    for region in plan.regions:
-        if not any(matches(region.module, fqn) for fqn in modules):
-            findings.append(f"region {region.module}: matches no module of the model")
-    for fqn, mod in modules.items():
-        if _owns_params(mod) and not any(matches(r.module, fqn) for r in plan.rules):
-            findings.append(f"{fqn or '<root>'} ({type(mod).__name__}): owns parameters but no rule covers it")
-    return findings
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from .validate import check_findings
     from .plan import load_plan
     from .sources import resolve_model
 
+    from .planfile import key_lines
+
     plan = load_plan(args.plan)
     model, _, name = resolve_model(args.model)
-    findings = check_findings(plan, model)
+    lines = key_lines(Path(args.plan).read_text())
+    findings = check_findings(plan, model, where=lambda key: f"{args.plan}:{lines.get(key, 1)}: ")
     for line in findings:
         print(line)
     if findings:

@@ -15,6 +15,7 @@ Linears add up before one collective.
 from __future__ import annotations
 
 import re
+import warnings
 from functools import partial
 from typing import Any
 
@@ -425,6 +426,10 @@ def apply_plan(model: nn.Module, device_mesh, plan: Plan, *, check: bool = True)
     """Shard ``model`` in place on ``device_mesh`` as ``plan`` says; returns the model."""
     if check:
         check_fingerprint(model, plan)
+        from .validate import check_findings
+
+        for finding in check_findings(plan, model):  # a rule that matches nothing, a weight no rule covers
+            warnings.warn(f"apply_plan: {finding}", stacklevel=2)
     mesh = tp_mesh(device_mesh, plan)
     if mesh.size() != plan.tp:
         raise ValueError(f"the plan was made for tp={plan.tp} but the mesh's tp axis has {mesh.size()} ranks; re-plan for this mesh")

@@ -65,12 +65,15 @@ def parse_plan_text(text: str, *, source: str = "<string>") -> Plan:
 
 def _describe(exc: ValidationError, lines: dict[tuple, int], source: str) -> str:
     msgs = []
-    for err in exc.errors()[:5]:
+    for n, err in enumerate(exc.errors()[:5]):
         loc = tuple(err["loc"])
         line = _nearest_line(loc, lines)
         key = ".".join(str(p) for p in loc) or "<top>"
         hint = _hint(err)
-        msgs.append(f"{source}:{line}: {key}: {err['msg']}" + (f" ({hint})" if hint else ""))
+        msg = err["msg"]
+        if err.get("type") == "literal_error" and n:  # the allowed values were listed once already
+            msg, hint = f"{err.get('input')!r} is not allowed", ""
+        msgs.append(f"{source}:{line}: {key}: {msg}" + (f" ({hint})" if hint else ""))
     more = len(exc.errors()) - 5
     return "\n".join(msgs) + (f"\n... and {more} more" if more > 0 else "")
 
