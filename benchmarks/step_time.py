@@ -344,7 +344,7 @@ def main() -> None:
     print(f"CPU-time medians: A/B {cpu['A'] / cpu['B']:.3f}, A/C {cpu['A'] / cpu['C']:.3f}")
     losses = r0["losses"]
     diffs = {h: max(abs(a - b) for a, b in zip(losses["A"], losses[h])) for h in ("B", "C")}
-    print(f"loss step 1 / last: " + ", ".join(
+    print("loss step 1 / last: " + ", ".join(
         f"{v} {losses[v][0]:.4f}/{losses[v][-1]:.4f}" for v in VARIANTS))
     print(f"max |loss A - loss B| = {diffs['B']:.2e}, max |loss A - loss C| = {diffs['C']:.2e} "
           f"over {len(losses['A'])} steps (first untimed)")

@@ -26,7 +26,7 @@ from . import assemble
 from .localcheck import LocalShapeError, check_local_shapes
 from .plan import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint
 from .regions import find_partial_blocks, find_regions
-from .solve import PlanningError, Solution, SolveContext, solve
+from .solve import PlanningError, SolveContext, solve
 from .trace import TraceError, trace_model
 
 __all__ = ["plan_model", "apply_plan", "auto_parallelize", "price_styles", "mesh_axes", "PlanningError", "TraceError"]
