@@ -79,19 +79,11 @@ def _replicate_norm(module: nn.Module, mesh) -> None:
     no communication: replicated input, replicated weight, replicated gradient) lets every
     parameter be a DTensor, so ``AdamW(foreach=True)`` works for C as for A and B.
     """
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    def inputs_to_dtensor(mod, inputs, device_mesh):
-        return tuple(
-            DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
-            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
-            for x in inputs
-        )
+    from shardplan.emit import ReplicateParallel  # the same generic style shardplan emits
 
-    def output_to_local(mod, output, device_mesh):
-        return output.to_local() if isinstance(output, DTensor) else output
-
-    distribute_module(module, mesh, None, inputs_to_dtensor, output_to_local)
+    parallelize_module(module, mesh, ReplicateParallel())
 
 
 def _reduce_partial_grad(param: torch.Tensor) -> None:

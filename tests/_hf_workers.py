@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import shardplan
+from tests._checks import parameter_checks
 from shardplan.hf import build_hf_model
 
 CATEGORIES = ("out", "loss", "grad")
@@ -71,12 +72,6 @@ def _compare(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], atol: float, r
     }
 
 
-def _tied_groups(model: nn.Module) -> list[list[str]]:
-    owners: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), []).append(name)
-    return sorted(g for g in owners.values() if len(g) > 1)
-
 
 def _global_order(ref: nn.Module, plan: shardplan.Plan, tp: int) -> dict[str, Any]:
     """Parameter name -> function turning its ``full_tensor()`` into the module's own layout.
@@ -118,22 +113,9 @@ def _run_case(case: dict[str, Any], mesh, tols: dict[str, tuple[float, float]]) 
     tp.eval()
     shardplan.apply_plan(tp, mesh, plan)
 
-    checks: dict[str, Any] = {}
+    checks: dict[str, Any] = parameter_checks(ref, tp, mesh.size())
     ref_params = dict(ref.named_parameters())
     tp_params = dict(tp.named_parameters())
-    checks["names_match"] = sorted(ref_params) == sorted(tp_params)
-    checks["missing"] = sorted(set(ref_params) - set(tp_params))
-    checks["extra"] = sorted(set(tp_params) - set(ref_params))
-    checks["non_dtensor_params"] = sorted(n for n, p in tp_params.items() if not isinstance(p, DTensor))
-    checks["sharded_params"] = sorted(
-        n for n, p in tp_params.items() if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
-    )
-    checks["bad_local_shapes"] = sorted(
-        n for n in checks["sharded_params"]
-        if tp_params[n].to_local().numel() * mesh.size() != ref_params[n].numel()
-    )
-    checks["tied_ref"] = _tied_groups(ref)
-    checks["tied_tp"] = _tied_groups(tp)
 
     out_ref = _main_output(ref(*inputs, **kwargs))
     out_tp = _full(_main_output(tp(*inputs, **kwargs)))

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import shardplan
+from tests._checks import parameter_checks
 from shardplan.models.presets import build_preset, get_preset
 
 _TARGET_SEED = 4321  # fixed targets: identical on every rank and in the reference
@@ -77,12 +77,6 @@ def _compare(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], atol: float, r
     }
 
 
-def _tied_groups(model: nn.Module) -> list[list[str]]:
-    owners: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), []).append(name)
-    return sorted(g for g in owners.values() if len(g) > 1)
-
 
 def _run_case(case: dict[str, Any], mesh, tols: dict[str, tuple[float, float]]) -> dict[str, Any]:
     t0 = time.perf_counter()
@@ -98,23 +92,9 @@ def _run_case(case: dict[str, Any], mesh, tols: dict[str, tuple[float, float]]) 
             raise AssertionError(f"{n}: the two builds differ before apply_plan (seeded build is not deterministic)")
     shardplan.apply_plan(tp, mesh, plan)
 
+    checks.update(parameter_checks(ref, tp, mesh.size()))
     ref_params = dict(ref.named_parameters())  # remove_duplicate=True: a tied weight once
     tp_params = dict(tp.named_parameters())
-    checks["names_match"] = sorted(ref_params) == sorted(tp_params)
-    checks["missing"] = sorted(set(ref_params) - set(tp_params))
-    checks["extra"] = sorted(set(tp_params) - set(ref_params))
-    checks["non_dtensor_params"] = sorted(n for n, p in tp_params.items() if not isinstance(p, DTensor))
-    checks["sharded_params"] = sorted(
-        n for n, p in tp_params.items()
-        if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
-    )
-    checks["tied_ref"] = _tied_groups(ref)
-    checks["tied_tp"] = _tied_groups(tp)
-    # a sharded parameter's local piece must really be a 1/tp slice
-    checks["bad_local_shapes"] = sorted(
-        n for n in checks["sharded_params"]
-        if tp_params[n].to_local().numel() * mesh.size() != ref_params[n].numel()
-    )
 
     (x,) = preset.example_inputs(batch_size=case["batch_size"], device="cpu")
     out_ref = ref(x)

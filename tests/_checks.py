@@ -1,0 +1,34 @@
+"""Structural checks shared by the gloo workers: what ``apply_plan`` did to the parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    return sorted(g for g in owners.values() if len(g) > 1)
+
+
+def parameter_checks(ref: nn.Module, tp: nn.Module, tp_size: int) -> dict[str, Any]:
+    """Same names, every parameter a DTensor, sharded ones really 1/tp, ties kept."""
+    ref_params = dict(ref.named_parameters())  # remove_duplicate=True: a tied weight once
+    tp_params = dict(tp.named_parameters())
+    sharded = sorted(n for n, p in tp_params.items() if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))
+    return {
+        "names_match": sorted(ref_params) == sorted(tp_params),
+        "missing": sorted(set(ref_params) - set(tp_params)),
+        "extra": sorted(set(tp_params) - set(ref_params)),
+        "non_dtensor_params": sorted(n for n, p in tp_params.items() if not isinstance(p, DTensor)),
+        "sharded_params": sharded,
+        "bad_local_shapes": sorted(
+            n for n in sharded if tp_params[n].to_local().numel() * tp_size != ref_params[n].numel()
+        ),
+        "tied_ref": tied_groups(ref),
+        "tied_tp": tied_groups(tp),
+    }
