@@ -25,7 +25,6 @@ emitter wraps the consumers in one ``PrepareModuleInput`` region:
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,7 +170,7 @@ def _unary(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
     if _shape(graph, op.inputs[0]) != out_shape:
         return []
     out = [_all(op, p) for p in _candidates(out_shape, tp) if p != "R"]
-    if op.target in LINEAR_UNARY or op.target == "dropout" and False:
+    if op.target in LINEAR_UNARY:  # linear maps keep a partial sum partial (dropout's masks differ per rank)
         out.append(_all(op, "P"))
     return out
 
@@ -446,5 +445,3 @@ def _expand(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
             result.append(Strategy("", (f"S{d}",) + ("R",) * (len(op.inputs) - 1), f"S{d + lead}"))
     return result
 
-
-_ = operator  # operator.getitem is resolved in graph._target_name
