@@ -209,13 +209,42 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
                    else f"no style splits it evenly at tp={tp}")
             out.append(f"{name}: weight {shapes[0] if len(shapes) == 1 else shapes} not sharded: {why}")
         elif style == "colwise_gather_output" and op.output not in output_values:
-            out.append(
-                f"{name}: output all-gathered: the ops after it cannot run on a 1/{tp} shard, or gathering "
-                f"here costs no more (a norm over the features, or a head count or reshape that does not divide by tp={tp})"
+            reason = _blocking_reshape(graph, op, tp) or (
+                f"the ops after it cannot run on a 1/{tp} shard, or gathering here costs no more "
+                f"(a norm over the features, or a head count or reshape that does not divide by tp={tp})"
             )
+            out.append(f"{name}: output all-gathered: {reason}")
     for fqn in _unused_modules(graph):
         out.append(f"{fqn}: owns parameters but is not called in forward; replicated")
     return out
+
+
+def _blocking_reshape(graph: OpGraph, op, tp: int) -> str:
+    """The reshape downstream of ``op`` that splits its features into groups tp does not
+    divide (7 heads at tp=2), named with the numbers and the source line; "" if none."""
+    from .strategies import VIEWS, _map_view_dim
+    from .trace import _user_line
+
+    frontier, seen = [op.output], set()
+    for _ in range(4):  # a few ops deep: activation, view, transpose
+        nxt = []
+        for value in frontier:
+            for c in graph.consumers.get(value, []):
+                user = graph.ops[c]
+                if user.kind != "function" or user.output is None or c in seen:
+                    continue
+                seen.add(c)
+                src, dst = graph.values[value].shape, graph.values[user.output].shape
+                last = len(src) - 1
+                if user.target in VIEWS and src and src[last] % tp == 0 and _map_view_dim(src, dst, last, tp) is None:
+                    groups = next((n for n in dst[last:] if n != 1), dst[-1]) if len(dst) > last else dst[-1]
+                    where = _user_line(user.node)
+                    return (f"reshape {list(src)} -> {list(dst)} makes {groups} groups (heads) of its {src[last]} features, "
+                            f"which tp={tp} does not divide" + (f" ({where})" if where else "") +
+                            f"; use a tp that divides {groups}")
+                nxt.append(user.output)
+        frontier = nxt
+    return ""
 
 
 def repeats(graph: OpGraph) -> dict[str, int | list[str]]:

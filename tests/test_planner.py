@@ -338,3 +338,15 @@ def test_reported_peak_memory_stays_within_the_budget(budget):
 
     plan = plan_for("llama3-8b", 8, explain=False, memory_budget=budget)
     assert plan.estimate.peak_memory_bytes <= cost.parse_bytes(budget)
+
+
+def test_seven_heads_at_tp2_names_the_heads_and_the_line():
+    cfg = LlamaConfig(dim=56, n_layers=2, n_heads=7, n_kv_heads=7, vocab_size=512, multiple_of=32, max_seq_len=64)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(ids,), explain=False)
+    wq = next(w for w in plan.warnings if w.startswith("layers.*.attention.wq"))
+    assert "7 groups (heads)" in wq and "tp=2" in wq and re.search(r"llama\.py:\d+", wq)
+    with pytest.raises(shardplan.PlanningError, match=r"7 groups \(heads\).*tp=2"):
+        shardplan.plan_model(model, {"tp": 2}, example_inputs=(ids,), explain=False, strict=True)
