@@ -63,7 +63,9 @@ def _meta_copy(module: nn.Module) -> nn.Module:
 def _user_frame(exc: BaseException) -> str:
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
         if "/torch/" not in frame.filename and "/shardplan/" not in frame.filename:
-            return f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
+            from .trace import portable_path
+
+            return f"{portable_path(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`"
     return "an unknown line"
 
 

@@ -366,8 +366,24 @@ def _user_line(node: torch.fx.Node) -> str:
         text = lines[i].strip()
         if text.startswith("File ") and "/torch/" not in text and "shardplan/trace.py" not in text and "<shardplan-root>" not in text:
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{text.split(',')[0][5:].strip(chr(34))}:{text.split('line ')[1].split(',')[0]} `{code}`"
+            path = portable_path(text.split(",")[0][5:].strip(chr(34)))
+            return f"{path}:{text.split('line ')[1].split(',')[0]} `{code}`"
     return ""
+
+
+def portable_path(path: str) -> str:
+    """A source path that reads the same on every machine (plan files are compared byte for
+    byte): installed packages from ``site-packages/``, shardplan's own files from the
+    package, others relative to the working directory when under it."""
+    import os
+
+    if "site-packages/" in path:
+        return path.split("site-packages/", 1)[1]
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for root in (own, os.getcwd()):
+        if os.path.abspath(path).startswith(root + os.sep):
+            return os.path.relpath(path, root)
+    return path
 
 
 def _to_meta(value: Any) -> Any:
