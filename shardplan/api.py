@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -130,18 +131,22 @@ def plan_model(
         forced=_pin(graph, extra.get("_pinned") or {}),
     )
     whole: dict[str, str] = {}  # module -> why it runs on whole activations
-    squeezed = 0
+    squeezed, pending = 0, None
     while True:
-        solution = solve(graph, ctx)
-        plan = _assemble(model, graph, solution, ctx, opts=_record_shapes(opts, example_inputs), axes=axes,
-                         tp_axis=tp_axis, strict=extra.get("strict", False), whole=whole)
+        solution, pending = pending or solve(graph, ctx), None
+        entries, blocks = find_regions(graph, solution), find_partial_blocks(graph, solution)
+        plan = _assemble(model, graph, solution, ctx, entries, blocks, opts=_record_shapes(opts, example_inputs),
+                         axes=axes, tp_axis=tp_axis, strict=extra.get("strict", False), whole=whole)
         over = plan.estimate.peak_memory_bytes - opts.memory_budget if opts.memory_budget else 0
-        if over > 0 and squeezed < 3 and _fits(graph, ctx, ctx.memory_budget - 1.01 * over):
+        if over > 0 and squeezed < 3:
             # the program prices activations per op, the estimate per transformer block
             # (Korthikanti): tighten the program's budget until the estimate holds too
-            squeezed += 1
-            ctx.memory_budget = int(ctx.memory_budget - 1.01 * over)
-            continue
+            tighter = int(ctx.memory_budget - 1.01 * over)
+            pending = _solve_or_none(graph, replace(ctx, memory_budget=tighter)) if tighter > 0 else None
+            if pending is not None:
+                squeezed += 1
+                ctx.memory_budget = tighter
+                continue
         try:
             if extra.get("check", True):
                 check_local_shapes(graph, plan, solution.placements)
@@ -160,18 +165,15 @@ def plan_model(
     if extra.get("explain", True):
         decisions = explain_decisions(graph, solution, ctx)
         plan = plan.model_copy(update={"decisions": decisions, "rules": assemble.rules(
-            graph, solution, decisions, find_regions(graph, solution), find_partial_blocks(graph, solution))})
+            graph, solution, decisions, entries, blocks)})
     return plan
 
 
-def _fits(graph: OpGraph, ctx: SolveContext, budget: float) -> bool:
-    from dataclasses import replace
-
+def _solve_or_none(graph: OpGraph, ctx: SolveContext):
     try:
-        solve(graph, replace(ctx, memory_budget=int(budget)))
-        return budget > 0
+        return solve(graph, ctx)
     except PlanningError:
-        return False
+        return None
 
 
 def _run_whole(graph: OpGraph, module: str, ctx: SolveContext) -> dict[int, str]:
@@ -187,9 +189,8 @@ def _run_whole(graph: OpGraph, module: str, ctx: SolveContext) -> dict[int, str]
     return pins
 
 
-def _assemble(model, graph, solution, ctx, *, opts, axes, tp_axis, strict: bool, whole: dict[str, str]) -> Plan:
-    entries = find_regions(graph, solution)
-    blocks = find_partial_blocks(graph, solution)
+def _assemble(model, graph, solution, ctx, entries, blocks, *, opts, axes, tp_axis, strict: bool,
+              whole: dict[str, str]) -> Plan:
     notes = assemble.plan_warnings(graph, solution, ctx.tp, budget=opts.memory_budget is not None) + [
         f"{module}: runs on whole activations, its weights still sharded: {why.splitlines()[0]}" for module, why in whole.items()
     ]

@@ -143,11 +143,7 @@ def simulate(
         result.counted_bytes[phase] = sum(n for _, n in events)
         if cdm is not None:
             result.comm_debug_mode[phase] = Counter(
-                {_CDM_NAMES.get(str(op).split(".")[-1], str(op)): n for op, n in cdm.get_comm_counts().items() if n}
+                {COLLECTIVE_OPS.get(str(op).split(".")[-1], str(op)): n for op, n in cdm.get_comm_counts().items() if n}
             )
     return result
 
-
-# CommDebugMode reports the legacy functional-collective names
-_CDM_NAMES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-              "all_to_all_single": "all_to_all"}

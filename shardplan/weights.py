@@ -241,8 +241,7 @@ def _experts(op: Op, graph: OpGraph, module: nn.Module, tp: int) -> list[Strateg
 def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[Strategy]:
     x = graph.values[op.inputs[0]]
     pbytes = _param_bytes(module)
-    out: list[Strategy] = [_replicate(op, graph, module)]
-    out[0] = Strategy("replicate", ("R",), "R", param_bytes=pbytes, mem_bytes=2 * x.nbytes, act_bytes=x.nbytes, layouts={"weight": "R"})
+    out = [Strategy("replicate", ("R",), "R", param_bytes=pbytes, mem_bytes=2 * x.nbytes, act_bytes=x.nbytes, layouts={"weight": "R"})]
     for d in _seq_dims(x.shape, tp) if sp else []:
         # dim 1 of (batch, seq, hidden) is the sequence; a deeper dim is heads (q_norm/k_norm)
         name = "sequence_parallel" if d == 1 and len(x.shape) == 3 else "replicated_with_grad_allreduce"
