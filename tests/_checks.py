@@ -32,3 +32,12 @@ def parameter_checks(ref: nn.Module, tp: nn.Module, tp_size: int) -> dict[str, A
         "tied_ref": tied_groups(ref),
         "tied_tp": tied_groups(tp),
     }
+
+
+def assert_parameter_checks(ck: dict[str, Any], where: str) -> None:
+    """The assertions every gloo test makes on ``parameter_checks``' result."""
+    assert ck["names_match"], f"{where}: parameter names differ; missing {ck['missing']}, extra {ck['extra']}"
+    assert not ck["non_dtensor_params"], f"{where}: not DTensors after apply_plan: {ck['non_dtensor_params']}"
+    assert ck["sharded_params"], f"{where}: apply_plan sharded no parameter at all"
+    assert not ck["bad_local_shapes"], f"{where}: local shards are not 1/tp: {ck['bad_local_shapes']}"
+    assert ck["tied_tp"] == ck["tied_ref"], f"{where}: tied weights {ck['tied_ref']} became {ck['tied_tp']}"

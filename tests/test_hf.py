@@ -29,6 +29,8 @@ from typing import Any
 
 import pytest
 
+from tests._checks import assert_parameter_checks
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 pytest.importorskip("transformers")
 
@@ -315,11 +317,7 @@ def test_tiny_tp_matches_unsharded_on_gloo(family: Family, gloo_results) -> None
         res = by_id[family.id]
         assert "error" not in res, f"{where} raised:\n{res['error']}"
         ck = res["checks"]
-        assert ck["names_match"], f"{where}: parameter names differ: missing {ck['missing']}, extra {ck['extra']}"
-        assert not ck["non_dtensor_params"], f"{where}: not DTensors after apply_plan: {ck['non_dtensor_params']}"
-        assert ck["sharded_params"], f"{where}: apply_plan sharded nothing"
-        assert not ck["bad_local_shapes"], f"{where}: local shards are not 1/tp: {ck['bad_local_shapes']}"
-        assert ck["tied_tp"] == ck["tied_ref"], f"{where}: tied weights {ck['tied_ref']} became {ck['tied_tp']}"
+        assert_parameter_checks(ck, where)
         assert not ck["missing_grads"], f"{where}: no gradient for {ck['missing_grads']}"
         assert not ck["extra_grads"], f"{where}: gradients the reference does not have: {ck['extra_grads']}"
         assert not ck["partial_grads"], f"{where}: gradients left Partial: {ck['partial_grads']}"
