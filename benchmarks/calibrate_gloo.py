@@ -1,4 +1,4 @@
-"""Calibrate the ``cpu-gloo`` hardware profile of :mod:`shardplan.cost`.
+"""Calibrate the ``cpu-gloo`` hardware profile of :mod:`shardplan.decide.cost`.
 
 Spawns ``--world-size`` (default 2) gloo processes on localhost, times
 ``all_reduce`` and ``all_gather`` over message sizes from 4 KB to 64 MB, and

@@ -6,7 +6,7 @@ For every ``transformers`` model type whose config class has a ``base_model_tp_p
 (``AutoModelForCausalLM``, else ``AutoModel``; nothing is downloaded), this:
 
 1. plans it at tp=2 with ``explain=False`` on token ids of ``--batch`` x ``--seq``;
-2. compares, for every Linear-like weight HF's plan covers (``shardplan.hf.agreement``:
+2. compares, for every Linear-like weight HF's plan covers (``shardplan.interop.hf.agreement``:
    nn.Linear / Conv1D, embeddings and MoE expert banks), the style family of the two plans;
 3. where they differ, re-plans once with ``explain=True`` so every difference has the plan's
    own reason (skipped if the model's time is spent).
@@ -82,7 +82,7 @@ def _short(exc: BaseException, limit: int = 320) -> str:
 
 def _cause(plan, fqn: str, hf_style: str, reason: str) -> str:
     """Why the plan differs from HF here, as a short model-independent category."""
-    from shardplan import hf
+    from shardplan.interop import hf
 
     want = hf.HF_TO_SHARDPLAN.get(hf_style)
     try:
@@ -132,7 +132,7 @@ def _cause(plan, fqn: str, hf_style: str, reason: str) -> str:
 
 def _rows(model, plan) -> list[tuple]:
     """(fqn, hf_style, our_style, same_family, reason, kind, numel, cause) per compared module."""
-    from shardplan import hf
+    from shardplan.interop import hf
 
     rows = []
     for r in hf.agreement(model, plan):
@@ -148,8 +148,8 @@ def _rows(model, plan) -> list[tuple]:
 
 def _one(conn, model_type: str, opts: dict[str, Any]) -> None:
     import shardplan
-    from shardplan import hf
-    from shardplan.trace import TraceError
+    from shardplan.interop import hf
+    from shardplan.analyze.trace import TraceError
 
     res: dict[str, Any] = {"type": model_type, "failed": None, "reason": "", "seconds": {}}
     t0 = time.perf_counter()
@@ -363,7 +363,7 @@ def summarize(results: list[dict[str, Any]], wall: float) -> None:
         p_all, p_same = sum(row[6] for row in sel), sum(row[6] for row in same)
         print(f"  agreement, {label}: by parameters {_pct(p_same, p_all)} ({p_same:,} / {p_all:,}); "
               f"by modules {_pct(len(same), len(sel))} ({len(same)} / {len(sel)})")
-    from shardplan.hf import HF_TO_SHARDPLAN
+    from shardplan.interop.hf import HF_TO_SHARDPLAN
 
     sel = [row for row in rows if row[5] in ("linear", "embedding", "experts")]
     exact = [row for row in sel if HF_TO_SHARDPLAN.get(row[1]) == row[2]]

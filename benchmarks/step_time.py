@@ -1,6 +1,6 @@
 """Real training-step time on 2 gloo ranks: the auto plan vs torchtitan's hand plans.
 
-One run, one pair of gloo ranks (``shardplan.launch.run_on_gloo``, one thread per rank),
+One run, one pair of gloo ranks (``shardplan.tools.launch.run_on_gloo``, one thread per rank),
 three copies of the same Llama (same seed, same weights, same batch) in the same worker
 processes, each tensor-parallel over tp=2 a different way:
 
@@ -81,7 +81,7 @@ def _replicate_norm(module: nn.Module, mesh) -> None:
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from shardplan.emit import ReplicateParallel  # the same generic style shardplan emits
+    from shardplan.apply.emit import ReplicateParallel  # the same generic style shardplan emits
 
     parallelize_module(module, mesh, ReplicateParallel())
 
@@ -168,7 +168,7 @@ def _train_step(model, opt, tokens, labels) -> torch.Tensor:
 
 def worker(rank: int, world: int, args_dict: dict) -> dict:
     import shardplan
-    from shardplan.launch import make_mesh
+    from shardplan.tools.launch import make_mesh
     from torch.distributed.tensor import DTensor
 
     torch.set_num_threads(1)
@@ -279,7 +279,7 @@ def main() -> None:
     args_dict["kv_heads"] = args.kv_heads
     args_dict["multiple_of"] = args.multiple_of
 
-    from shardplan.launch import run_on_gloo
+    from shardplan.tools.launch import run_on_gloo
 
     cfg = make_config(args_dict)
     n_params = sum(p.numel() for p in build_model(cfg, device="meta").parameters())

@@ -19,16 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import cost
-from .estimate import estimate
-from .explain import explain_decisions
-from .graph import OpGraph, build_graph
-from . import assemble
-from .localcheck import LocalShapeError, check_local_shapes
-from .plan import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint
-from .regions import find_partial_blocks, find_regions
-from .solve import PlanningError, SolveContext, solve
-from .trace import TraceError, trace_model
+from .decide import cost
+from .decide.estimate import estimate
+from .decide.explain import explain_decisions
+from .analyze.graph import OpGraph, build_graph
+from .decide import assemble
+from .apply.localcheck import LocalShapeError, check_local_shapes
+from .plan.model import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint
+from .decide.regions import find_partial_blocks, find_regions
+from .decide.solve import PlanningError, SolveContext, solve
+from .analyze.trace import TraceError, trace_model
 
 __all__ = ["plan_model", "apply_plan", "auto_parallelize", "price_styles", "mesh_axes", "PlanningError", "TraceError"]
 
@@ -179,7 +179,7 @@ def _solve_or_none(graph: OpGraph, ctx: SolveContext):
 def _run_whole(graph: OpGraph, module: str, ctx: SolveContext) -> dict[int, str]:
     """Pin the weights under ``module`` so its code sees whole tensors: Linears gather their
     outputs (their weights stay sharded), everything else is replicated."""
-    from .strategies import op_strategies
+    from .decide.strategies import op_strategies
 
     pins = {}
     for op in graph.ops:
@@ -233,7 +233,7 @@ def price_styles(
 
 
 def _pin(graph: OpGraph, styles: dict) -> dict[int, Any]:
-    from .plan import matches
+    from .plan.model import matches
 
     forced = {}
     for op in graph.ops:
@@ -254,7 +254,7 @@ def _record_shapes(opts: PlanOptions, example_inputs: tuple) -> PlanOptions:
 
 def apply_plan(model: nn.Module, device_mesh: Any, plan: Plan) -> nn.Module:
     """Apply ``plan`` with ``parallelize_module``; see :mod:`shardplan.emit`."""
-    from .emit import apply_plan as _apply
+    from .apply.emit import apply_plan as _apply
 
     return _apply(model, device_mesh, plan)
 

@@ -93,11 +93,11 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 
 
 def _add_model_options(p: argparse.ArgumentParser, *, mesh_default: str | None = "tp=8") -> None:
-    from .cost import HARDWARE
-    from .models import PRESETS
+    from .decide.cost import HARDWARE
+    from .models import PRESET_NAMES
 
     p.add_argument("model", metavar="MODEL", help=(
-        f"a preset ({', '.join(PRESETS)}), 'package.module:callable', 'hf:<model_type>' or a path to a config.json"))
+        f"a preset ({', '.join(PRESET_NAMES)}), 'package.module:callable', 'hf:<model_type>' or a path to a config.json"))
     g = p.add_argument_group("planning options")
     default = f"default: {mesh_default}" if mesh_default else "default: tp=NPROC"
     g.add_argument("--mesh", default=mesh_default, help=f"device mesh axes ({default}); {_MESH_EXAMPLE}")
@@ -249,7 +249,7 @@ def _plan_options(args: argparse.Namespace, *, explain: bool) -> dict[str, Any]:
 
 
 def _resolve(args: argparse.Namespace, *, device: str = "meta") -> tuple[Any, tuple | None, str]:
-    from .sources import resolve_model
+    from .tools.sources import resolve_model
 
     return resolve_model(args.model, device=device, batch_size=args.batch, seq_len=args.seq)
 
@@ -283,14 +283,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise FileExistsError(f"{args.output} exists; pass --force to overwrite it")
     plan, model, name = _make_plan(args, explain=not args.no_explain)
     if args.output:
-        from .planfile import atomic_write
+        from .plan.fileio import atomic_write
 
         atomic_write(Path(args.output), plan.to_json() + "\n" if fmt == "json" else plan.to_yaml(), force=args.force)
         step = f", predicted step {_seconds(plan.estimate.step_time_s)}" if plan.estimate else ""
         summary = f"{len(plan.rules)} rules{step}"
         print(f"shardplan: wrote the {name} plan for {args.mesh} to {args.output} ({summary})", file=sys.stderr)
     elif fmt == "table":
-        from .report import render_table
+        from .tools.report import render_table
 
         render_table(plan, model=model, show_why=args.why)
     else:
@@ -299,21 +299,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _seconds(s: float) -> str:
-    from .cost import format_seconds
+    from .decide.cost import format_seconds
 
     return format_seconds(s)
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from .plan import Plan
+    from .plan.model import Plan
 
     print(json.dumps(Plan.model_json_schema(), indent=2))
     return EXIT_OK
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .plan import matches
-    from .report import decision_table, make_console
+    from .plan.model import matches
+    from .tools.report import decision_table, make_console
 
     plan, model, name = _make_plan(args, explain=True)
     names = [fqn for fqn, _ in model.named_modules() if fqn]
@@ -334,11 +334,11 @@ def _examples(plan: Any) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .validate import check_findings
-    from .plan import load_plan
-    from .sources import resolve_model
+    from .plan.validate import check_findings
+    from .plan.model import load_plan
+    from .tools.sources import resolve_model
 
-    from .planfile import key_lines
+    from .plan.fileio import key_lines
 
     plan = load_plan(args.plan)
     model, _, name = resolve_model(args.model)
@@ -357,8 +357,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from .plan import load_plan
-    from .report import diff_lines
+    from .plan.model import load_plan
+    from .tools.report import diff_lines
 
     a, b = load_plan(args.plan_a), load_plan(args.plan_b)
     print(f"--- {args.plan_a}\n+++ {args.plan_b}")
@@ -378,7 +378,7 @@ def _simulate_model(args: argparse.Namespace, plan: Any, *, device: str) -> Any:
     import torch
 
     from .api import infer_example_inputs
-    from .simulate import simulate
+    from .tools.simulate import simulate
 
     model, inputs, _ = _resolve(args, device=device)
     if inputs is None:
@@ -410,7 +410,7 @@ def _bytes_match(counted: float, predicted: float | None) -> bool:
 
 
 def _bytes_cell(n: float | None, other: float | None) -> str:
-    from .cost import format_bytes
+    from .decide.cost import format_bytes
 
     if n is None:
         return "-"
@@ -451,8 +451,8 @@ def _plan_shapes(args: argparse.Namespace, plan: Any) -> None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from .plan import load_plan
-    from .report import make_console
+    from .plan.model import load_plan
+    from .tools.report import make_console
 
     if args.plan:
         plan = load_plan(args.plan)
@@ -483,11 +483,11 @@ def _verify_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .plan import load_plan
+    from .plan.model import load_plan
     from rich.text import Text
 
-    from .report import make_console, verify_lines, verify_table
-    from .verify import VerifyError, verify
+    from .tools.report import make_console, verify_lines, verify_table
+    from .tools.verify import VerifyError, verify
 
     opts = _verify_options(args)
     if args.plan:

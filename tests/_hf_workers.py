@@ -1,8 +1,8 @@
 """Spawn-importable worker for ``tests/test_hf.py``: tiny Hugging Face models on real gloo ranks.
 
-``run_cases(rank, world_size, cases, tols)`` runs on every rank (``shardplan.launch.run_on_gloo``).
+``run_cases(rank, world_size, cases, tols)`` runs on every rank (``shardplan.tools.launch.run_on_gloo``).
 For each case (``{"id", "model_type", "plan_yaml"}``) it rebuilds the plan from YAML, builds
-the tiny float32 model twice from the same seed (``shardplan.hf.build_hf_model(..., tiny=True,
+the tiny float32 model twice from the same seed (``shardplan.interop.hf.build_hf_model(..., tiny=True,
 device="cpu", seed=0)``: a reference and a copy, checked identical), applies the plan to the
 copy on a 1-D ``("tp",)`` mesh, runs forward, a scalar loss and backward on both in eval mode
 (dropout off) and returns the worst differences per category (``out``, ``loss``, ``grad``)
@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 import shardplan
 from tests._checks import parameter_checks
-from shardplan.hf import build_hf_model
+from shardplan.interop.hf import build_hf_model
 
 CATEGORIES = ("out", "loss", "grad")
 _TARGET_SEED = 4321
@@ -77,21 +77,21 @@ def _global_order(ref: nn.Module, plan: shardplan.Plan, tp: int) -> dict[str, An
     """Parameter name -> function turning its ``full_tensor()`` into the module's own layout.
     A packed weight (``packed_colwise``: a fused [gate; up] Linear; ``moe_tp_experts``: an
     expert bank's packed gate/up) keeps per-rank [gate_r, up_r] blocks, so its global DTensor
-    view is [gate_0, up_0, gate_1, up_1] (see ``shardplan.emit.unpack_packed``)."""
-    from shardplan.plan import expand_pattern
+    view is [gate_0, up_0, gate_1, up_1] (see ``shardplan.apply.emit.unpack_packed``)."""
+    from shardplan.plan.model import expand_pattern
 
     fix: dict[str, Any] = {}
     for rule in plan.rules:
         if rule.style == "packed_colwise":
-            from shardplan.emit import unpack_packed
+            from shardplan.apply.emit import unpack_packed
 
             parts = getattr(rule, "packed", None) or 2
             for fqn in expand_pattern(rule.module, plan.model.repeats):
                 for pname, _ in ref.get_submodule(fqn).named_parameters(recurse=False):
                     fix[f"{fqn}.{pname}"] = lambda t, parts=parts: unpack_packed(t, tp=tp, parts=parts, dim=0)
         elif rule.style == "moe_tp_experts":
-            from shardplan.emit import unpack_experts
-            from shardplan.graph import expert_params
+            from shardplan.apply.emit import unpack_experts
+            from shardplan.analyze.graph import expert_params
 
             for fqn in expand_pattern(rule.module, plan.model.repeats):
                 found = expert_params(ref.get_submodule(fqn))

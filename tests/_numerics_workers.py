@@ -1,7 +1,7 @@
 """Spawn-importable worker for ``tests/test_numerics.py``.
 
 ``run_cases(rank, world_size, cases, tols)`` runs on every gloo rank (see
-``shardplan.launch.run_on_gloo``). For each case it rebuilds the plan from its
+``shardplan.tools.launch.run_on_gloo``). For each case it rebuilds the plan from its
 YAML text, builds a float32 reference model and an identical copy on CPU, applies
 the plan to the copy on a 1-D ``("tp",)`` mesh, and runs forward, a scalar loss,
 backward, one AdamW step and a second forward on both. It returns, per case, the

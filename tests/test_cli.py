@@ -266,7 +266,7 @@ def test_callable_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: 
 
 
 def test_hf_without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardplan.sources import resolve_model
+    from shardplan.tools.sources import resolve_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # restored afterwards; resolve_model sets it
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail

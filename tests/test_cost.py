@@ -1,4 +1,4 @@
-"""Tests for shardplan.cost: formulas against hand-computed numbers."""
+"""Tests for shardplan.decide.cost: formulas against hand-computed numbers."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shardplan import cost
-from shardplan.cost import (
+from shardplan.decide import cost
+from shardplan.decide.cost import (
     COLLECTIVES,
     HARDWARE,
     Link,

@@ -9,7 +9,7 @@ downloaded; ``HF_HUB_OFFLINE=1``):
 (b) where transformers ships a ``tp_plan``, every Linear-like weight it covers gets a style
     of the same family as HF's, or is listed as a difference with a non-empty reason (the
     differences are printed; run with ``-s`` to see them);
-(c) on the tiny config (``shardplan.hf.build_hf_model(..., tiny=True)``), one forward and
+(c) on the tiny config (``shardplan.interop.hf.build_hf_model(..., tiny=True)``), one forward and
     backward on the fake process group issues exactly the collectives the plan predicts;
 (d) on 2 real gloo ranks, the tiny model under its plan computes the unsharded model's
     output, loss and every gradient (float32) -- all families in ONE gloo launch.
@@ -35,11 +35,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 pytest.importorskip("transformers")
 
 import shardplan  # noqa: E402
-from shardplan import hf  # noqa: E402
-from shardplan.launch import run_on_gloo  # noqa: E402
-from shardplan.plan import STYLES, expand_pattern, matches  # noqa: E402
-from shardplan.simulate import simulate  # noqa: E402
-from shardplan.trace import TraceError  # noqa: E402
+from shardplan.interop import hf  # noqa: E402
+from shardplan.tools.launch import run_on_gloo  # noqa: E402
+from shardplan.plan.model import STYLES, expand_pattern, matches  # noqa: E402
+from shardplan.tools.simulate import simulate  # noqa: E402
+from shardplan.analyze.trace import TraceError  # noqa: E402
 from tests import _hf_workers as workers  # noqa: E402
 
 MESH = {"tp": 2}
@@ -141,7 +141,7 @@ def tiny_plan(model_type: str) -> shardplan.Plan:
 
 
 def test_import_does_not_load_transformers() -> None:
-    code = "import sys, shardplan, shardplan.hf; assert 'transformers' not in sys.modules, 'loaded'"
+    code = "import sys, shardplan, shardplan.interop.hf; assert 'transformers' not in sys.modules, 'loaded'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

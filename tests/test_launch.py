@@ -1,4 +1,4 @@
-"""Tests for shardplan.launch: real gloo ranks (spawned) and the fake process group."""
+"""Tests for shardplan.tools.launch: real gloo ranks (spawned) and the fake process group."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import shardplan.launch as launch
-from shardplan.launch import RankError, RankTimeout, fake_process_group, make_mesh, run_on_gloo
+import shardplan.tools.launch as launch
+from shardplan.tools.launch import RankError, RankTimeout, fake_process_group, make_mesh, run_on_gloo
 
 # Worker functions must be module-level: spawned children re-import this module by name.
 

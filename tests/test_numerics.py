@@ -1,7 +1,7 @@
 """Numerical proof that shardplan's tensor-parallel plans compute the unsharded model.
 
 Every case is planned here, in the parent (meta device, no process group), written to
-YAML and sent as text to real gloo ranks (``shardplan.launch.run_on_gloo``), which
+YAML and sent as text to real gloo ranks (``shardplan.tools.launch.run_on_gloo``), which
 rebuild it with ``Plan.from_yaml`` -- so the plans are also shown to survive
 serialization. Each rank builds a float32 reference model and an identical copy
 (``build_preset(name, device="cpu", seed=0)``), applies the plan to the copy on a
@@ -38,7 +38,7 @@ import pytest
 from tests._checks import assert_parameter_checks
 
 import shardplan
-from shardplan.launch import run_on_gloo
+from shardplan.tools.launch import run_on_gloo
 from shardplan.models.presets import build_preset, get_preset
 from tests import _numerics_workers as workers
 

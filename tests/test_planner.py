@@ -14,8 +14,8 @@ from torch import nn
 
 import shardplan
 from shardplan.models import LlamaConfig, Transformer, build_preset, get_preset
-from shardplan.plan import Plan
-from shardplan.simulate import simulate
+from shardplan.plan.model import Plan
+from shardplan.tools.simulate import simulate
 
 
 def plan_for(name: str, tp: int, **opts) -> Plan:
@@ -142,8 +142,8 @@ def test_local_shapes_after_apply(tp):
     plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=(ids,), explain=False)
     full = {n: tuple(p.shape) for n, p in model.named_parameters()}
     styles = plan.module_styles()
-    with shardplan.launch.fake_process_group(tp):
-        shardplan.apply_plan(model, shardplan.launch.make_mesh({"tp": tp}), plan)
+    with shardplan.tools.launch.fake_process_group(tp):
+        shardplan.apply_plan(model, shardplan.tools.launch.make_mesh({"tp": tp}), plan)
         for name, p in model.named_parameters():
             module, _, kind = name.rpartition(".")
             expect = list(full[name])
@@ -300,7 +300,7 @@ def test_hard_coded_head_count_runs_whole_or_is_refused_with_the_source_line():
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_activation_memory_follows_korthikanti_per_block(sp):
-    from shardplan import cost
+    from shardplan.decide import cost
 
     model = build_preset("llama3-8b", device="meta")
     plan = shardplan.plan_model(model, {"tp": 8}, explain=False, sequence_parallel=sp, batch_size=1, seq_len=2048)
@@ -334,7 +334,7 @@ def test_a_model_that_owns_parameters_itself_is_covered_and_counted():
 
 @pytest.mark.parametrize("budget", ["28GB", "30GB", "40GB"])
 def test_reported_peak_memory_stays_within_the_budget(budget):
-    from shardplan import cost
+    from shardplan.decide import cost
 
     plan = plan_for("llama3-8b", 8, explain=False, memory_budget=budget)
     assert plan.estimate.peak_memory_bytes <= cost.parse_bytes(budget)

@@ -1,4 +1,4 @@
-"""``shardplan verify`` and :func:`shardplan.verify.verify`.
+"""``shardplan verify`` and :func:`shardplan.tools.verify.verify`.
 
 Input problems are refused before any process starts (cheap). The end-to-end cases each
 start real gloo ranks (a few seconds of spawn + import each on 2 CPU cores), so there are
@@ -17,8 +17,8 @@ import torch
 
 import shardplan
 from shardplan.cli import main
-from shardplan.launch import RankError, RankTimeout
-from shardplan.verify import TOLERANCES, VerifyError, compare, verify
+from shardplan.tools.launch import RankError, RankTimeout
+from shardplan.tools.verify import TOLERANCES, VerifyError, compare, verify
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -97,7 +97,7 @@ def user_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
         def tiny_mixtral():
-            from shardplan.hf import build_hf_model
+            from shardplan.interop.hf import build_hf_model
 
             return build_hf_model("mixtral", tiny=True, device=torch.get_default_device())[0]
     """))
@@ -136,9 +136,9 @@ def test_tolerances_are_test_numerics_float32_numbers() -> None:
 def test_packed_colwise_parameters_are_unpacked(user_models: str) -> None:
     """A packed Linear's gathered parameter is [gate_0, up_0, gate_1, up_1]; verify compares
     it with the module's [gate; up] only after putting it back in order."""
-    from shardplan.plan import STYLES
-    from shardplan.sources import resolve_model
-    from shardplan.verify import _unpackers
+    from shardplan.plan.model import STYLES
+    from shardplan.tools.sources import resolve_model
+    from shardplan.tools.verify import _unpackers
 
     if "packed_colwise" not in STYLES:
         pytest.skip("this planner has no packed_colwise style")
@@ -194,7 +194,7 @@ def test_bad_timeout_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_rank_failures_become_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """RankError / RankTimeout -> VerifyError -> exit 2 in one line (--traceback adds it)."""
-    import shardplan.launch as launch
+    import shardplan.tools.launch as launch
 
     tb = "Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: bad shard\n"
 
@@ -231,7 +231,7 @@ def test_verify_llama3_debug_passes(capsys: pytest.CaptureFixture[str]) -> None:
         assert "pass" in row and "FAIL" not in row, out
     assert "largest gradient differences:" in out and "worst parameter:" in out
     assert "PASS: llama3-debug" in out
-    assert "Traceback" not in err and "[shardplan.launch" not in err
+    assert "Traceback" not in err and "[shardplan.tools.launch" not in err
 
 
 def test_verify_finds_a_wrong_plan(tp2_plan: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,7 +4,7 @@ Contract
 --------
 ``transformers`` is optional: nothing here imports it at module import time (``import
 shardplan`` and ``import shardplan.hf`` never load it). The functions that need it import it
-lazily through :mod:`shardplan.sources`, which sets ``HF_HUB_OFFLINE=1`` first, so nothing is
+lazily through :mod:`shardplan.interop.hf_models`, which sets ``HF_HUB_OFFLINE=1`` first, so nothing is
 ever downloaded; models are built from configs only.
 
 * :data:`STYLE_FAMILY` maps every Hugging Face ``tp_plan`` style name (the
@@ -37,16 +37,8 @@ ever downloaded; models are built from configs only.
   agree, else the plan's own account: the decision's alternatives (``plan.explain``, present
   when planned with ``explain=True``), the rule's ``why`` and the plan's warnings naming the
   module.
-* ``build_hf_model(model_type, *, tiny=False, device="meta", seed=None)`` returns ``(model,
-  example_inputs, example_kwargs)`` built from ``AutoConfig.for_model(model_type)``
-  (``AutoModelForCausalLM``, else ``AutoModel``) with ``use_cache=False``. ``tiny=True``
-  shrinks the config to hidden 64, 2 layers, 4 heads (2 KV heads), intermediate 128, vocab
-  512, head_dim 16, 128 positions, 4 experts (2 per token), 32x32 images of 8x8 patches,
-  dropout 0, token ids inside the vocabulary, per-layer lists resized. Inputs: token ids
-  ``(batch_size, seq_len)`` (default 2 x 16), ``pixel_values`` for vision models,
-  ``decoder_input_ids`` as a keyword for encoder-decoders. With a ``seed`` (which seeds
-  torch's global RNG before the build) the weights and inputs are deterministic; off the meta
-  device the model is float32.
+* ``build_hf_model``, ``shrink_config`` and ``positional`` (building models from configs) live in
+  :mod:`shardplan.interop.hf_models` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -54,10 +46,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-import torch
 from torch import nn
 
-from .plan import STYLES, Plan, matches
+from ..plan.model import STYLES, Plan, matches
+from .hf_models import TINY, build_hf_model, positional, shrink_config
 
 __all__ = [
     "STYLE_FAMILY", "HF_TO_SHARDPLAN", "UNSUPPORTED_HF_STYLES", "style_family", "hf_tp_plan",
@@ -185,7 +177,7 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
 
 
 def _weight_leaves(model: nn.Module) -> list[str]:
-    from .trace import is_weight_leaf
+    from ..analyze.trace import is_weight_leaf
 
     return [fqn for fqn, mod in model.named_modules() if fqn and is_weight_leaf(mod)]
 
@@ -204,7 +196,7 @@ def from_hf_tp_plan(
     **options: Any,
 ) -> Plan:
     """A shardplan :class:`Plan` that applies ``mapping`` (an HF ``tp_plan``), priced by the cost model."""
-    from .api import price_styles
+    from ..api import price_styles
 
     modules = dict(model.named_modules())
     params = _param_names(model)
@@ -256,7 +248,7 @@ class Agreement(NamedTuple):
 def weight_kind(module: nn.Module) -> str:
     """``"linear"`` (nn.Linear or HF Conv1D), ``"embedding"``, ``"experts"`` (a bank of 3-D
     expert weights, as the core recognizes it) or ``"other"``."""
-    from .graph import module_kind
+    from ..analyze.graph import module_kind
 
     kind = module_kind(module)
     return {"linear": "linear", "conv1d": "linear", "embedding": "embedding", "experts": "experts"}.get(kind, "other")
@@ -330,173 +322,6 @@ def agreement(model: nn.Module, plan: Plan, hf_plan: Mapping[str, str] | None = 
         reason = "" if same else (_reason(plan, fqn, hf_style) if our != "(no rule)" else "no rule in the plan covers it")
         rows.append(Agreement(fqn, hf_style, our, same, reason))
     return rows
-
-
-# --------------------------------------------------------------------------- building models
-
-TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 512,
-        "head_dim": 16, "positions": 128, "experts": 4, "experts_per_tok": 2, "image": 32, "patch": 8}
-
-_SIZES: list[tuple[tuple[str, ...], str]] = [
-    (("hidden_size", "n_embd", "d_model", "dim", "n_embed", "embed_dim"), "hidden"),
-    (("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "n_layers", "num_encoder_layers"), "layers"),
-    (("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads", "decoder_attention_heads"), "heads"),
-    (("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), "kv_heads"),
-    (("intermediate_size", "n_inner", "d_ff", "ffn_hidden_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
-      "moe_intermediate_size", "shared_expert_intermediate_size"), "intermediate"),
-    (("vocab_size",), "vocab"),
-    (("head_dim", "d_kv", "kv_channels"), "head_dim"),
-    (("max_position_embeddings", "n_positions", "n_ctx", "original_max_position_embeddings"), "positions"),
-    (("num_local_experts", "num_experts", "n_routed_experts"), "experts"),
-    (("image_size",), "image"),
-    (("patch_size",), "patch"),
-]
-_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id",
-              "cls_token_id", "mask_token_id")
-
-
-def _has(config: Any, name: str) -> bool:
-    try:
-        return name in config.to_dict() or name in getattr(config, "attribute_map", {})
-    except Exception:  # noqa: BLE001 - an exotic config: fall back to attribute lookup
-        return hasattr(config, name)
-
-
-def _set(config: Any, name: str, value: Any) -> None:
-    """setattr only where the attribute exists and takes the value."""
-    if not _has(config, name):
-        return
-    try:
-        setattr(config, name, value)
-    except Exception:  # noqa: BLE001 - read-only property or a validator that refuses it
-        pass
-
-
-def shrink_config(config: Any, sizes: Mapping[str, int] = TINY) -> Any:
-    """Shrink ``config`` (and its sub-configs) in place to the tiny sizes; returns it."""
-    for names, key in _SIZES:
-        for name in names:
-            if not _has(config, name):
-                continue
-            current = getattr(config, name, None)
-            if current is None and key in ("kv_heads", "head_dim", "intermediate"):
-                continue  # derived from the others when unset
-            if isinstance(current, (list, tuple)) and key in ("image", "patch"):
-                _set(config, name, type(current)([sizes[key]] * len(current)))
-            elif not isinstance(current, bool) and (current is None or isinstance(current, int)):
-                _set(config, name, sizes[key])
-    k = getattr(config, "num_experts_per_tok", None)
-    if isinstance(k, int) and _has(config, "num_experts_per_tok"):
-        _set(config, "num_experts_per_tok", min(k, sizes["experts_per_tok"]))
-    if _has(config, "topk_group") and isinstance(getattr(config, "topk_group", None), int):
-        _set(config, "topk_group", 1)
-        _set(config, "n_group", 1)
-    layers = sizes["layers"]
-    for name in ("layer_types", "mlp_only_layers", "max_window_layers", "first_k_dense_replace"):
-        if not _has(config, name):
-            continue
-        value = getattr(config, name, None)
-        if name == "layer_types" and isinstance(value, (list, tuple)) and value:
-            _set(config, name, [value[i % len(value)] for i in range(layers)])
-        elif name == "mlp_only_layers" and isinstance(value, (list, tuple)):
-            _set(config, name, [i for i in value if i < layers])
-        elif isinstance(value, int) and not isinstance(value, bool):
-            _set(config, name, min(value, layers))
-    for name, value in list(config.to_dict().items()):
-        if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
-            _set(config, name, 0.0)
-    vocab = getattr(config, "vocab_size", None)
-    if isinstance(vocab, int):
-        for name in _TOKEN_IDS:
-            value = getattr(config, name, None) if _has(config, name) else None
-            if isinstance(value, int) and value >= vocab:
-                _set(config, name, vocab - 1)
-            elif isinstance(value, list) and any(isinstance(v, int) and v >= vocab for v in value):
-                _set(config, name, [min(v, vocab - 1) for v in value])
-    for key in getattr(config, "sub_configs", None) or {}:
-        sub = getattr(config, key, None)
-        if sub is not None and hasattr(sub, "to_dict"):
-            shrink_config(sub, sizes)
-    return config
-
-
-def _example_inputs(model: nn.Module, config: Any, *, device: Any, batch_size: int, seq_len: int,
-                    seed: int | None) -> tuple[tuple, dict]:
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    meta = torch.device(device).type == "meta"
-    forward_params = _forward_params(model)
-
-    def ids(shape: tuple[int, ...], high: int) -> torch.Tensor:
-        if meta:
-            return torch.zeros(shape, dtype=torch.long, device="meta")
-        return torch.randint(0, high, shape, generator=gen).to(device)
-
-    image = getattr(config, "image_size", None)
-    if "pixel_values" in forward_params and "input_ids" not in forward_params and image is not None:
-        image = image[0] if isinstance(image, (list, tuple)) else image
-        channels = getattr(config, "num_channels", 3)
-        shape = (batch_size, channels, image, image)
-        x = torch.zeros(shape, device="meta") if meta else torch.randn(shape, generator=gen).to(device)
-        return (x,), {}
-    vocab = getattr(config, "vocab_size", None) or 2
-    inputs = (ids((batch_size, seq_len), vocab),)
-    kwargs = {}
-    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in forward_params:
-        kwargs["decoder_input_ids"] = ids((batch_size, seq_len), vocab)
-    return inputs, kwargs
-
-
-def _forward_params(model: nn.Module) -> list[str]:
-    """Named parameters of the bound ``model.forward`` (through decorators' ``__wrapped__``)."""
-    import inspect
-
-    try:
-        params = inspect.signature(model.forward).parameters  # follows __wrapped__, drops self
-    except (TypeError, ValueError):
-        return []
-    return [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-
-
-def build_hf_model(
-    model_type: str, *, tiny: bool = False, device: str | torch.device = "meta", seed: int | None = None,
-    batch_size: int = 2, seq_len: int = 16, config: Any = None,
-) -> tuple[nn.Module, tuple, dict]:
-    """``(model, example_inputs, example_kwargs)`` for a transformers model type; see the module doc."""
-    from .sources import _hf_build, _hf_config, _transformers
-
-    tf = _transformers()
-    cfg = config if config is not None else _hf_config(tf, model_type, None)
-    if tiny:
-        shrink_config(cfg)
-    if _has(cfg, "use_cache"):
-        cfg.use_cache = False  # a KV cache object in the outputs cannot be traced
-    if seed is not None:
-        torch.manual_seed(seed)
-    model = _hf_build(tf, cfg, f"hf:{model_type}", device=device)
-    if torch.device(device).type != "meta":
-        model.float()
-    if tiny:
-        positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-        if isinstance(positions, int):
-            seq_len = min(seq_len, positions)
-    inputs, kwargs = _example_inputs(model, cfg, device=device, batch_size=batch_size, seq_len=seq_len, seed=seed)
-    return model, inputs, kwargs
-
-
-def positional(model: nn.Module, inputs: tuple, kwargs: Mapping[str, Any]) -> tuple:
-    """``inputs`` plus ``kwargs`` placed by ``forward``'s signature (for callers that take
-    positional inputs only, such as :func:`shardplan.simulate.simulate`)."""
-    if not kwargs:
-        return tuple(inputs)
-    names = _forward_params(model)
-    args = list(inputs)
-    for name, value in kwargs.items():
-        if name not in names:
-            raise ValueError(f"{type(model).__name__}.forward has no parameter {name!r}")
-        i = names.index(name)
-        args += [None] * max(0, i + 1 - len(args))
-        args[i] = value
-    return tuple(args)
 
 
 def hf_weight_counts(model: nn.Module, rows: list[Agreement]) -> dict[str, float]:

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..interop.hf_models import hf_build, hf_config, transformers_module
+
 __all__ = ["resolve_model", "SPEC_HELP"]
 
 SPEC_HELP = (
@@ -48,7 +50,7 @@ def resolve_model(
     spec: str, *, device: str | torch.device = "meta", batch_size: int | None = None, seq_len: int | None = None
 ) -> tuple[nn.Module, tuple | None, str]:
     """The model ``spec`` names, its example inputs (or ``None``) and a display name."""
-    from .models import PRESETS
+    from ..models import PRESETS
 
     spec = spec.strip()
     if spec in PRESETS:
@@ -71,7 +73,7 @@ def _unknown_message(spec: str, presets: list[str]) -> str:
 def _preset(
     name: str, *, device: str | torch.device, batch_size: int | None, seq_len: int | None
 ) -> tuple[nn.Module, tuple, str]:
-    from .models import PRESETS, build_preset
+    from ..models import PRESETS, build_preset
 
     sizes: dict[str, int] = {}
     if batch_size is not None:
@@ -141,57 +143,15 @@ def _config_path(spec: str) -> Path:
     return path
 
 
-def _transformers() -> Any:
-    os.environ["HF_HUB_OFFLINE"] = "1"  # never download; must be set before the import
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError(
-            "Hugging Face models need the optional 'transformers' package; install it with "
-            "`pip install shardplan[hf]` (or `pip install transformers`)"
-        ) from None
-    return transformers
-
-
-def _hf_config(tf: Any, model_type: str | None, path: Path | None) -> Any:
-    if path is not None:
-        try:
-            return tf.AutoConfig.from_pretrained(str(path))
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot load Hugging Face config {str(path)!r}: {str(exc).splitlines()[0]}") from None
-    try:
-        return tf.AutoConfig.for_model(model_type)
-    except ValueError:
-        known = list(tf.CONFIG_MAPPING.keys())
-        close = difflib.get_close_matches(model_type or "", known, n=3)
-        hint = f"; did you mean {', '.join('hf:' + c for c in close)}?" if close else "; e.g. hf:llama, hf:gpt2, hf:mistral"
-        raise ValueError(f"unknown Hugging Face model type {model_type!r}: expected a transformers model_type{hint}") from None
-
-
 def _hf_model(
     model_type: str | None, spec: str, *, device: str | torch.device, batch_size: int | None,
     seq_len: int | None, path: Path | None = None,
 ) -> tuple[nn.Module, tuple, str]:
-    tf = _transformers()
-    cfg = _hf_config(tf, model_type, path)
+    tf = transformers_module()
+    cfg = hf_config(tf, model_type, path)
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False  # a KV cache object in the outputs cannot be traced
-    model = _hf_build(tf, cfg, spec, device=device)
+    model = hf_build(tf, cfg, spec, device=device)
     max_pos = getattr(cfg, "max_position_embeddings", None) or _HF_SEQ_LEN
     shape = (batch_size or 2, seq_len or min(_HF_SEQ_LEN, max_pos))  # batch 2, as presets and plan_model
     return model, (torch.zeros(shape, dtype=torch.long, device=device),), spec
-
-
-def _hf_build(tf: Any, cfg: Any, spec: str, *, device: str | torch.device) -> nn.Module:
-    with torch.device(device):
-        try:
-            return tf.AutoModelForCausalLM.from_config(cfg)
-        except ValueError:
-            pass
-        try:
-            return tf.AutoModel.from_config(cfg)
-        except ValueError as exc:
-            raise ValueError(
-                f"{spec}: transformers has no model class for {type(cfg).__name__} "
-                f"({str(exc).splitlines()[0][:200]}); pick a text model type such as hf:llama"
-            ) from None

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import Counter
 
 from . import cost
-from .graph import OpGraph
-from .plan import Collectives, Estimate
+from ..analyze.graph import OpGraph
+from ..plan.model import Collectives, Estimate
 from .regions import Entry, PartialBlock
 from .solve import Solution, SolveContext, _model_dtype_bytes, _tied_second_owners, strategy_time
 

@@ -23,8 +23,9 @@ with depth beyond this cheap walk.
 from __future__ import annotations
 
 import hashlib
-import operator
 import inspect
+import operator
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -364,23 +365,36 @@ def _user_line(node: torch.fx.Node) -> str:
     lines = (node.stack_trace or "").splitlines()
     for i in range(len(lines) - 1, -1, -1):
         text = lines[i].strip()
-        if text.startswith("File ") and "/torch/" not in text and "shardplan/trace.py" not in text and "<shardplan-root>" not in text:
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            path = portable_path(text.split(",")[0][5:].strip(chr(34)))
-            return f"{path}:{text.split('line ')[1].split(',')[0]} `{code}`"
+        if not text.startswith("File ") or "<shardplan-root>" in text:
+            continue
+        path = text.split(",")[0][5:].strip(chr(34))
+        if "/torch/" in path or is_internal(path):
+            continue
+        code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+        return f"{portable_path(path)}:{text.split('line ')[1].split(',')[0]} `{code}`"
     return ""
+
+
+# shardplan's own code, by the installed package's directory rather than by a folder name
+# (a clone of the repository is itself a folder named "shardplan"); its built-in models
+# are model code like any user's
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_MODELS_DIR = os.path.join(_PACKAGE_DIR, "models")
+
+
+def is_internal(path: str) -> bool:
+    """Whether a source file is shardplan's own machinery (not its built-in models)."""
+    full = os.path.abspath(path)
+    return full.startswith(_PACKAGE_DIR + os.sep) and not full.startswith(_MODELS_DIR + os.sep)
 
 
 def portable_path(path: str) -> str:
     """A source path that reads the same on every machine (plan files are compared byte for
     byte): installed packages from ``site-packages/``, shardplan's own files from the
-    package, others relative to the working directory when under it."""
-    import os
-
+    directory holding the package, others relative to the working directory when under it."""
     if "site-packages/" in path:
         return path.split("site-packages/", 1)[1]
-    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for root in (own, os.getcwd()):
+    for root in (os.path.dirname(_PACKAGE_DIR), os.getcwd()):
         if os.path.abspath(path).startswith(root + os.sep):
             return os.path.relpath(path, root)
     return path

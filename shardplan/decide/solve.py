@@ -25,6 +25,7 @@ Objective (lexicographic, as users ask for tensor parallelism to save memory):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,7 @@ from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from . import cost
-from .graph import Op, OpGraph
+from ..analyze.graph import Op, OpGraph
 from .strategies import Strategy, op_strategies
 
 __all__ = ["SolveContext", "Solution", "solve", "PlanningError", "strategy_time"]
@@ -319,10 +320,17 @@ def _lexicographic(prog: _Program, params, time, tie, rows, lo, hi, memory, devi
     first = _milp(prog, _scaled(params) + 1e-9 * tie, rows, lo, hi)
     if first is None:
         return None
-    best = float(params @ np.round(first))
+    best = _total(params, first)
     rows, lo, hi = rows + [_dense_row(params)], lo + [0.0], hi + [best * (1 + 1e-9) + 1.0]
     fitting = _milp(prog, _scaled(time) + 1e-9 * tie, rows + [_dense_row(memory)], lo + [0.0], hi + [float(device_bytes)])
     return fitting if fitting is not None else _milp(prog, _scaled(time) + 1e-9 * tie, rows, lo, hi)
+
+
+def _total(v: np.ndarray, x: np.ndarray) -> float:
+    """``v @ x`` for a 0/1 solution, summed exactly (``math.fsum``): a BLAS dot product adds
+    in an order that depends on the CPU's kernel, so its last bit differs between machines,
+    and plan files and tie-breaks must not."""
+    return math.fsum(float(v[i]) for i in np.flatnonzero(np.round(x) > 0.5))
 
 
 def _scaled(v: np.ndarray) -> np.ndarray:
@@ -348,7 +356,7 @@ def _solution(prog: _Program, x: np.ndarray, time, params, memory) -> Solution:
             chosen[op_index] = prog.strategies[op_index][i]
     placements = {op.output: chosen[op.index].output for op in prog.graph.ops if op.output is not None and chosen[op.index].output}
     entries = {key: bool(x[col] > 0.5) for key, col in prog.entry_of.items()}
-    return Solution(chosen, placements, entries, float(time @ x), float(params @ x), float(memory @ x))
+    return Solution(chosen, placements, entries, _total(time, x), _total(params, x), _total(memory, x))
 
 
 def _no_strategy_message(op: Op, ctx: SolveContext) -> str:
@@ -364,7 +372,7 @@ def _budget_message(prog: _Program, memory: np.ndarray, ctx: SolveContext) -> st
     least = _milp(prog, _scaled(memory), rows, lo, hi)
     if least is None:  # nothing is valid at all (a pinned style that cannot be placed)
         return f"no valid tensor-parallel plan at tp={ctx.tp} with the styles pinned; unpin them or change tp"
-    reach = float(memory @ np.round(least))
+    reach = _total(memory, least)
     fit = _fitting_tp(reach, ctx)
     return (
         f"memory budget {cost.format_bytes(ctx.memory_budget)} per device cannot be met at tp={ctx.tp}: "

@@ -25,44 +25,17 @@ emitter wraps the consumers in one ``PrepareModuleInput`` region:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx
 
-from .graph import Op, OpGraph
+from ..analyze.graph import Op, OpGraph
 
-__all__ = ["Strategy", "op_strategies", "shard_dim", "placement_str"]
+from .placements import Strategy, chunk_count, packed, placement_str, shard_dim
+from .weights import module_strategies
 
-Comm = tuple[str, int]  # (collective kind, logical bytes)
-
-
-@dataclass(frozen=True)
-class Strategy:
-    name: str  # style name for weight modules ("colwise", ...); "" for plain ops
-    inputs: tuple[str, ...]
-    output: str | None
-    fwd: tuple[Comm, ...] = ()
-    bwd: tuple[Comm, ...] = ()
-    entry: tuple[str | None, ...] = ()
-    param_bytes: float = 0.0  # per device
-    weight_bytes: float = 0.0  # per device, 2-D+ weights only: what "shard everything" counts
-    flops: float = 0.0  # per device, forward + backward
-    mem_bytes: float = 0.0  # bytes touched per device (memory-bound ops)
-    act_bytes: float = 0.0  # output bytes kept per device
-    layouts: dict[str, Any] = field(default_factory=dict, compare=False)
-
-
-def shard_dim(p: str) -> int | None:
-    return int(p[1:].split("p")[0]) if p.startswith("S") else None
-
-
-def placement_str(p: str) -> str:
-    """Upstream spelling: R -> Replicate(), S2 -> Shard(2), P -> Partial()."""
-    d = shard_dim(p)
-    return f"Shard({d})" if d is not None else {"R": "Replicate()", "P": "Partial()"}[p]
-
+__all__ = ["Strategy", "op_strategies", "shard_dim", "placement_str", "packed", "chunk_count"]
 
 def _candidates(shape: tuple[int, ...], tp: int) -> list[str]:
     return ["R"] + [f"S{d}" for d, n in enumerate(shape) if n % tp == 0 and n >= tp]
@@ -95,7 +68,6 @@ MATMUL = {"matmul", "bmm", "mm", "__matmul__"}
 
 def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[Strategy]:
     """All strategies of ``op``; see the module docstring."""
-    from .weights import module_strategies  # weight styles live beside their emitters' names
 
     if op.kind in ("input", "const"):
         return [Strategy("", (), "R")]
@@ -378,19 +350,6 @@ def _split(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
         if src[d] % (k * tp) == 0:
             result.append(Strategy("", (packed(d, k),), f"S{d}"))
     return result
-
-
-def packed(dim: int, parts: int) -> str:
-    """Placement of a packed_colwise output: ``parts`` blocks along ``dim``, each sharded."""
-    return f"S{dim}p{parts}"
-
-
-def chunk_count(op: Op) -> int | None:
-    """``k`` of ``x.chunk(k, dim)``, or None for any other op."""
-    if op.target != "chunk":
-        return None
-    k = op.node.kwargs.get("chunks", op.node.args[1] if len(op.node.args) > 1 else None)
-    return k if isinstance(k, int) and k > 1 else None
 
 
 def _getitem(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:

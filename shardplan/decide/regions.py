@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .graph import OpGraph
+from ..analyze.graph import OpGraph
 from .solve import Solution
 
 __all__ = ["RegionSite", "Entry", "PartialBlock", "find_regions", "find_partial_blocks"]

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .graph import OpGraph
-from .plan import Alternative, Decision
+from ..analyze.graph import OpGraph
+from ..plan.model import Alternative, Decision
 from .solve import Solution, SolveContext, solve
 from .strategies import op_strategies
 

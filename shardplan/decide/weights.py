@@ -39,9 +39,9 @@ from typing import Any
 
 from torch import nn
 
-from .graph import Op, OpGraph
-from .graph import module_kind as module_kind_of
-from .strategies import Strategy, chunk_count, packed
+from ..analyze.graph import Op, OpGraph
+from ..analyze.graph import module_kind as module_kind_of
+from .placements import Strategy, chunk_count, packed
 
 __all__ = ["module_strategies", "STYLE_NAMES"]
 
@@ -215,7 +215,7 @@ def _experts(op: Op, graph: OpGraph, module: nn.Module, tp: int) -> list[Strateg
     output features, the down projection on its input features, as Megatron's MLP. Each
     rank's experts produce partial sums: one all-reduce forward; backward all-reduces the
     gradients of the inputs (hidden states and routing weights) the experts consumed whole."""
-    from .graph import expert_params
+    from ..analyze.graph import expert_params
 
     ep = expert_params(module)
     up, packed = ep.up, ep.packed

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .graph import OpGraph
-from .plan import Plan, expand_pattern
-from .solve import PlanningError
+from ..analyze.graph import OpGraph
+from ..analyze.trace import is_internal, portable_path
+from ..plan.model import Plan, expand_pattern
+from ..decide.solve import PlanningError
 
 __all__ = ["check_local_shapes", "LocalShapeError"]
 
@@ -62,9 +63,7 @@ def _meta_copy(module: nn.Module) -> nn.Module:
 
 def _user_frame(exc: BaseException) -> str:
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if "/torch/" not in frame.filename and "/shardplan/" not in frame.filename:
-            from .trace import portable_path
-
+        if "/torch/" not in frame.filename and not is_internal(frame.filename):
             return f"{portable_path(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`"
     return "an unknown line"
 
@@ -99,7 +98,7 @@ def _track_modules(block: nn.Module) -> list[str]:
 
 def _culprit(block: nn.Module, stack: list[str], target: str) -> str | None:
     """The innermost running module that holds weights below it, as an absolute FQN."""
-    from .trace import is_weight_leaf
+    from ..analyze.trace import is_weight_leaf
 
     for name in reversed(stack):
         sub = block.get_submodule(name)
@@ -112,7 +111,7 @@ def check_local_shapes(graph: OpGraph, plan: Plan, placements: dict[int, str]) -
     if plan.tp == 1 or dist.is_initialized() or graph.traced.notes:
         return  # nothing split / the default group is the caller's / shapes were assumed
     from .emit import apply_plan
-    from .launch import fake_process_group, make_mesh
+    from .mesh import fake_process_group, make_mesh
 
     with fake_process_group(plan.tp):
         mesh = make_mesh({"tp": plan.tp})

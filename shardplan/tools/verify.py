@@ -63,7 +63,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .plan import Plan
+from ..plan.model import Plan
 
 __all__ = ["verify", "VerifyResult", "Row", "VerifyError", "TOLERANCES", "MAX_PARAMS", "compare"]
 
@@ -214,7 +214,7 @@ def verify(
 ) -> VerifyResult:
     """Apply the plan on ``nproc`` gloo ranks and compare with the unsharded model; see the module doc."""
     from .launch import RankError, RankTimeout, run_on_gloo
-    from .plan import fingerprint
+    from ..plan.model import fingerprint
     from .sources import resolve_model
 
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
@@ -223,7 +223,7 @@ def verify(
     seq = seq_len if seq_len is not None or preset else _DEFAULT_SEQ_LEN
     model, meta_inputs, name = resolve_model(model_spec, device="meta", batch_size=batch_size, seq_len=seq)
     if meta_inputs is None:
-        from .api import infer_example_inputs
+        from ..api import infer_example_inputs
 
         meta_inputs = infer_example_inputs(model, batch_size=batch_size, seq_len=seq or _DEFAULT_SEQ_LEN)
     if plan is None:
@@ -270,14 +270,14 @@ def verify(
 
 
 def _preset_name(spec: str) -> str | None:
-    from .models import PRESETS
+    from ..models import PRESETS
 
     return spec.strip() if spec.strip() in PRESETS else None
 
 
 def _plan(model: nn.Module, inputs: tuple, name: str, *, nproc: int, mesh: Mapping[str, int] | None,
           options: dict[str, Any]) -> Plan:
-    from .api import mesh_axes, plan_model
+    from ..api import mesh_axes, plan_model
 
     axes = {"tp": nproc} if mesh is None else mesh_axes(mesh)
     options = {"explain": False, **options}
@@ -289,7 +289,7 @@ def _real_inputs(preset: str | None, model: nn.Module, meta_inputs: tuple, *, ba
     """CPU inputs, identical on every rank: the preset's fixed batch, else seeded random
     tensors shaped as the meta inputs (token ids below the first Embedding's vocabulary)."""
     if preset is not None:
-        from .models import PRESETS
+        from ..models import PRESETS
 
         sizes = {"batch_size": batch_size} | ({"seq_len": seq_len} if seq_len is not None else {})
         return tuple(PRESETS[preset].example_inputs(device="cpu", **sizes))
@@ -407,7 +407,7 @@ def _unpackers(plan: Plan, model: nn.Module, tp: int) -> dict[str, Any]:
     Linear, whose output dim holds ``rule.packed`` parts (``unpack_packed``, dim 0)."""
     from functools import partial
 
-    from .graph import expert_params
+    from ..analyze.graph import expert_params
 
     out: dict[str, Any] = {}
     for fqn, style in plan.module_styles().items():
@@ -419,13 +419,13 @@ def _unpackers(plan: Plan, model: nn.Module, tp: int) -> dict[str, Any]:
             continue
         prefix = f"{fqn}." if fqn else ""
         if style == "moe_tp_experts":
-            from .emit import unpack_experts
+            from ..apply.emit import unpack_experts
 
             found = expert_params(module)
             if found and found.packed:
                 out[prefix + found.up] = partial(unpack_experts, tp=tp, dim=found.up_dim)
         else:
-            from .emit import unpack_packed
+            from ..apply.emit import unpack_packed
 
             rule = plan.rule_for(fqn)
             parts = getattr(rule, "packed", None) or 2
@@ -449,7 +449,7 @@ def _verify_rank(rank: int, world_size: int, spec: str, plan_yaml: str, inputs: 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from .emit import apply_plan, check_fingerprint
+    from ..apply.emit import apply_plan, check_fingerprint
 
     if logs is not None:
         _quiet_stderr(Path(logs) / f"rank{rank}.log")

@@ -1,42 +1,41 @@
-"""Emit: turn a :class:`~shardplan.plan.Plan` into torch tensor-parallel styles and apply them.
+"""Styles: the ``ParallelStyle`` subclasses shardplan adds to torch's.
 
 Contract
 --------
-``to_parallelize_plan(plan)`` returns the ``{pattern: ParallelStyle}`` dict that
-``torch.distributed.tensor.parallel.parallelize_module`` takes; ``apply_plan(model,
-device_mesh, plan)`` applies it on the plan's tensor-parallel axis, re-ties shared weights,
-and installs the gradient hooks sequence parallel needs. This is the only module that
-imports the TP styles. Between modules activations stay plain local tensors
-(``use_local_output=True``), except inside a region, where the input enters DTensor once
-(``PrepareModuleInput(..., use_local_output=False)``) so the Partial gradients of its
-Linears add up before one collective.
+Each class here is a ``torch.distributed.tensor.parallel.style.ParallelStyle`` that
+``parallelize_module`` applies like torch's own (``ColwiseParallel``, ``RowwiseParallel``,
+``SequenceParallel``, ``PrepareModuleInput``), for what torch's set lacks:
+
+* ``ReplicateParallel``: parameters become ``Replicate`` DTensors, activations stay plain,
+  so optimizers' foreach kernels never mix DTensor and plain parameters;
+* ``PackedColwise``: a fused projection (``[gate; up]``) split so each rank keeps its slice
+  of every part; ``unpack_packed`` restores the module's own row order;
+* ``Conv1DColwise``/``Conv1DRowwise``: Hugging Face's ``Conv1D``, which stores ``W`` as
+  ``[in, out]`` (the transpose of ``nn.Linear``'s), so each split is on the other dim;
+* ``MoEExpertsParallel``: tensor parallel inside every expert of a 3-D expert bank (up and
+  gate on their output features, down on its input features) with one all-reduce of the
+  output forward; ``unpack_experts`` restores a packed up projection's order;
+* ``ContainerParams``, ``CopyOutput``, ``Both``: a module's own parameters beside styled
+  children, a copy of an output that is modified in place downstream, two styles on one module.
+
+``placement("Shard(1)")`` turns the plan's layout strings into upstream placements.
 """
 
 from __future__ import annotations
 
 import re
-import warnings
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from .plan import Plan, Region, Rule, expand_pattern
-
 __all__ = [
-    "ReplicateParallel", "MoEExpertsParallel", "unpack_experts", "unpack_packed", "to_parallelize_plan", "apply_plan", "tp_mesh",
-    "check_fingerprint",
+    "placement", "ReplicateParallel", "PackedColwise", "Conv1DColwise", "Conv1DRowwise", "MoEExpertsParallel",
+    "unpack_packed", "unpack_experts", "ContainerParams", "CopyOutput", "Both", "combine",
 ]
 
 
@@ -82,7 +81,7 @@ def _outputs_to_local(module, outputs, device_mesh):
     return outputs
 
 
-class _Conv1DColwise(ColwiseParallel):
+class Conv1DColwise(ColwiseParallel):
     """ColwiseParallel for Hugging Face's Conv1D, whose weight is [in, out]: split dim 1."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
@@ -93,7 +92,7 @@ class _Conv1DColwise(ColwiseParallel):
         )
 
 
-class _Conv1DRowwise(RowwiseParallel):
+class Conv1DRowwise(RowwiseParallel):
     """RowwiseParallel for Conv1D: the weight's input rows are dim 0; the bias stays whole."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
@@ -159,7 +158,7 @@ class MoEExpertsParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        from .graph import expert_params
+        from ..analyze.graph import expert_params
 
         ep = expert_params(module)
         up, down = ep.up, ep.down
@@ -193,7 +192,7 @@ def unpack_experts(full: torch.Tensor, *, tp: int, blocks: int = 2, dim: int = 1
     return unpack_packed(full, tp=tp, parts=blocks, dim=dim)
 
 
-class _PackedColwise(ColwiseParallel):
+class PackedColwise(ColwiseParallel):
     """ColwiseParallel for a fused projection split by ``chunk(parts, -1)`` downstream."""
 
     def __init__(self, *, parts: int, **kwargs: Any) -> None:
@@ -221,46 +220,7 @@ def _experts_leave(module, args, output, *, names, group):
     return _ReduceFromTP.apply(output, group)
 
 
-def _style(rule: Rule, *, conv1d: bool = False) -> ParallelStyle:
-    inp = placement(rule.input_layouts)
-    out = placement(rule.output_layouts)
-    col, row = (_Conv1DColwise, _Conv1DRowwise) if conv1d else (ColwiseParallel, RowwiseParallel)
-    if rule.style == "colwise":  # an explicit Shard(-1) output is returned to the user as a DTensor
-        return col(input_layouts=inp or Replicate(), output_layouts=out or Shard(-1), use_local_output=out is None)
-    if rule.style == "packed_colwise":
-        return _PackedColwise(parts=rule.packed or 2, input_layouts=inp or Replicate(), output_layouts=Shard(-1))
-    if rule.style == "colwise_gather_output":
-        return col(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
-    if rule.style == "rowwise":  # a Partial output stays a DTensor for the block's exit to sum
-        return row(input_layouts=inp or Shard(-1), output_layouts=out or Replicate(), use_local_output=not isinstance(out, Partial))
-    if rule.style == "rowwise_split_input":  # Replicate -> Shard(-1) is a local slice
-        return row(input_layouts=Replicate(), output_layouts=out or Replicate())
-    if rule.style == "embedding_rowwise":
-        return RowwiseParallel(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
-    if rule.style in ("sequence_parallel", "replicated_with_grad_allreduce"):
-        return SequenceParallel(sequence_dim=(inp or Shard(1)).dim, use_local_output=True)
-    if rule.style == "moe_tp_experts":
-        return MoEExpertsParallel()
-    if rule.style == "replicate":
-        return ReplicateParallel()
-    raise ValueError(f"style {rule.style!r} of {rule.module!r} has no emitter; expected one of colwise, rowwise, ...")
-
-
-def _region_style(region: Region) -> ParallelStyle:
-    layout, desired = placement(region.input_layouts), placement(region.desired_input_layouts)
-    if region.input == "output":
-        return PrepareModuleOutput(output_layouts=layout, desired_output_layouts=desired, use_local_output=region.use_local_output)
-    if isinstance(region.input, int):
-        layouts = [None] * region.num_inputs
-        wanted = [None] * region.num_inputs
-        layouts[region.input], wanted[region.input] = layout, desired
-        return PrepareModuleInput(input_layouts=tuple(layouts), desired_input_layouts=tuple(wanted), use_local_output=False)
-    return PrepareModuleInput(
-        input_kwarg_layouts={region.input: layout}, desired_input_kwarg_layouts={region.input: desired}, use_local_output=False,
-    )
-
-
-class _ContainerParams(ParallelStyle):
+class ContainerParams(ParallelStyle):
     """A module that owns parameters and also has weight-bearing children (ViT's embeddings
     own ``cls_token``; a Mamba mixer reads ``self.conv1d.weight`` without calling conv1d):
     those parameters (``paths``, relative to the module) become Replicate DTensors, so foreach
@@ -303,7 +263,7 @@ def _restore_params(module, args, output, *, names):
     del module._shardplan_params
 
 
-class _CopyOutput(ParallelStyle):
+class CopyOutput(ParallelStyle):
     """Hand on a copy of the output: downstream code modifies it in place, which autograd
     forbids on the local view ``DTensor.to_local`` returns."""
 
@@ -312,7 +272,7 @@ class _CopyOutput(ParallelStyle):
         return module
 
 
-class _Both(ParallelStyle):
+class Both(ParallelStyle):
     """Two styles on one module (a block's entry and exit), applied in order."""
 
     def __init__(self, first: ParallelStyle, second: ParallelStyle) -> None:
@@ -322,135 +282,5 @@ class _Both(ParallelStyle):
         return self.second._apply(self.first._apply(module, device_mesh), device_mesh)
 
 
-def _combine(existing: ParallelStyle | None, new: ParallelStyle) -> ParallelStyle:
-    return new if existing is None else _Both(existing, new)
-
-
-def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str, ParallelStyle]:
-    """The ``parallelize_module`` dict: regions first, then one style per rule."""
-    styles: dict[str, ParallelStyle] = {}
-    for r in plan.regions:
-        if r.input == "output" and not r.use_local_output:
-            continue  # applied after the module's own style (apply_plan)
-        styles[r.module] = _combine(styles.get(r.module), _region_style(r))
-    conv1d = _conv1d_rules(plan, model)
-    adopted = _adopted_params(plan, model)
-    for rule in plan.rules:
-        if rule.module in adopted:
-            styles[rule.module] = _ContainerParams(adopted[rule.module])  # its children carry their own styles
-        elif not _never_called(rule) or not any(c == "" or rule.module.startswith(c + ".") for c in adopted):
-            styles[rule.module] = _style(rule, conv1d=rule.module in conv1d)
-    return styles
-
-
-def _never_called(rule: Rule) -> bool:
-    return rule.style == "replicate" and rule.why.startswith("not called in forward")
-
-
-def _adopted_params(plan: Plan, model: nn.Module | None) -> dict[str, list[str]]:
-    """Container rule -> the parameter paths its forward uses directly: its own, and those of
-    descendants it never calls (their weights are read as attributes)."""
-    if model is None:
-        return {}
-    from .trace import is_weight_leaf, owns_params
-
-    out = {}
-    for rule in plan.rules:
-        fqns = expand_pattern(rule.module, plan.model.repeats)
-        mod = model.get_submodule(fqns[0]) if fqns else None
-        if mod is None or rule.style != "replicate" or not owns_params(mod) or is_weight_leaf(mod):
-            continue  # a container: owns parameters and has weight-bearing descendants
-        c = rule.module
-        prefix = f"{c}." if c else ""
-        paths = [n for n, _ in mod.named_parameters(recurse=False)]
-        for r in plan.rules:
-            if r.module != c and r.module.startswith(prefix) and _never_called(r):
-                rel = r.module[len(prefix):]
-                paths += [f"{rel}.{n}" for n, _ in mod.get_submodule(rel).named_parameters(recurse=False)]
-        out[c] = paths
-    return out
-
-
-
-def _conv1d_rules(plan: Plan, model: nn.Module | None) -> set[str]:
-    if model is None:
-        return set()
-    from .graph import module_kind
-    from .plan import expand_pattern
-
-    found = set()
-    for rule in plan.rules:
-        fqns = expand_pattern(rule.module, plan.model.repeats)
-        if fqns and module_kind(model.get_submodule(fqns[0])) == "conv1d":
-            found.add(rule.module)
-    return found
-
-
-def tp_mesh(device_mesh, plan: Plan):
-    names = device_mesh.mesh_dim_names
-    if device_mesh.ndim == 1:
-        return device_mesh
-    if not names or plan.mesh.tp_axis not in names:
-        raise ValueError(f"the plan's tp axis {plan.mesh.tp_axis!r} is not in the mesh's axes {names}")
-    return device_mesh[plan.mesh.tp_axis]
-
-
-def check_fingerprint(model: nn.Module, plan: Plan) -> None:
-    from .plan import fingerprint
-
-    got = fingerprint(model)
-    if got != plan.model.fingerprint:
-        raise ValueError(
-            f"this plan was made for a {plan.model.class_name} with fingerprint {plan.model.fingerprint}, "
-            f"but the model given is a {type(model).__name__} with {got}; re-plan it with `shardplan plan`"
-        )
-
-
-def _tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
-    owners: dict[int, list[tuple[str, str]]] = {}
-    for fqn, mod in model.named_modules():
-        for name, p in mod.named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append((fqn, name))
-    return [group for group in owners.values() if len(group) > 1]
-
-
-def _reduce_partial_grad(param: torch.Tensor) -> None:
-    """Sequence-parallel norm weights get Partial gradients (a sum over the local tokens);
-    make them Replicate once per backward instead of inside every optimizer kernel."""
-    grad = param.grad
-    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-        param.grad = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
-
-
-def apply_plan(model: nn.Module, device_mesh, plan: Plan, *, check: bool = True) -> nn.Module:
-    """Shard ``model`` in place on ``device_mesh`` as ``plan`` says; returns the model."""
-    if check:
-        check_fingerprint(model, plan)
-        from .validate import check_findings
-
-        for finding in check_findings(plan, model):  # a rule that matches nothing, a weight no rule covers
-            warnings.warn(f"apply_plan: {finding}", stacklevel=2)
-    mesh = tp_mesh(device_mesh, plan)
-    if mesh.size() != plan.tp:
-        raise ValueError(f"the plan was made for tp={plan.tp} but the mesh's tp axis has {mesh.size()} ranks; re-plan for this mesh")
-    tied = _tied_groups(model)
-    parallelize_module(model, mesh, to_parallelize_plan(plan, model))
-    # output regions hook in after the module's own style has turned its output local
-    outputs = {r.module: _region_style(r) for r in plan.regions if r.input == "output" and not r.use_local_output}
-    for rule in plan.rules:
-        if rule.copy_output:
-            outputs[rule.module] = _combine(outputs.get(rule.module), _CopyOutput())
-    if outputs:
-        parallelize_module(model, mesh, outputs)
-    for group in tied:
-        # re-tie to the copy a sharding style produced (a replicated or plain copy would
-        # silently un-shard the other owner)
-        copies = [getattr(model.get_submodule(fqn), name) for fqn, name in group]
-        shared = next((c for c in copies if isinstance(c, DTensor) and not c.placements[0].is_replicate()), copies[0])
-        for fqn, name in group:
-            setattr(model.get_submodule(fqn), name, shared)
-    for fqn, style in plan.module_styles().items():
-        if style in ("sequence_parallel", "replicated_with_grad_allreduce"):
-            for p in model.get_submodule(fqn).parameters(recurse=False):
-                p.register_post_accumulate_grad_hook(_reduce_partial_grad)
-    return model
+def combine(existing: ParallelStyle | None, new: ParallelStyle) -> ParallelStyle:
+    return new if existing is None else Both(existing, new)

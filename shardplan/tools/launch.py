@@ -35,16 +35,8 @@ Contract
     * If rank 0 cannot listen on the chosen port (another process took it), the
       whole group is restarted on a new port, a few times at most.
 
-``fake_process_group(world_size, *, rank=0)``
-    Context manager: initializes the default process group with the ``fake``
-    backend (no communication; collectives are no-ops), yields, and destroys the
-    group on exit.  Raises ``RuntimeError`` if a default group already exists.
-    Can be entered again, with another size, in the same process.
-
-``make_mesh(axis_sizes, *, device_type="cpu")``
-    ``init_device_mesh`` over the current default group with the mapping's keys
-    as dimension names and its values as sizes, in order.  Raises ``ValueError``
-    if the sizes' product differs from the world size.
+``fake_process_group`` and ``make_mesh`` live in :mod:`shardplan.apply.mesh` and are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -68,7 +60,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..apply.mesh import fake_process_group, make_mesh
 
 __all__ = [
     "RankError",
@@ -416,62 +409,3 @@ def run_on_gloo(
             except _AddressInUse:
                 continue
     raise RuntimeError(f"run_on_gloo: rank 0 found its rendezvous port in use {_PORT_ATTEMPTS} times in a row")
-
-
-# --------------------------------------------------------------------------- fake group / mesh
-
-
-@contextlib.contextmanager
-def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[None]:
-    """Initialize a ``fake``-backend default process group for the ``with`` body.
-
-    Raises ``RuntimeError`` if a default process group already exists.  The
-    group is destroyed on exit, so the context can be re-entered with another
-    ``world_size`` in the same process.
-    """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    if dist.is_initialized():
-        raise RuntimeError(
-            "fake_process_group: a default process group is already initialized "
-            f"(backend {dist.get_backend()!r}, world size {dist.get_world_size()}); destroy it first"
-        )
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def make_mesh(axis_sizes: Mapping[str, int], *, device_type: str = "cpu") -> DeviceMesh:
-    """Build a ``DeviceMesh`` named by ``axis_sizes``' keys, shaped by its values (in order).
-
-    Needs an initialized default process group whose world size equals the
-    product of the sizes; raises ``ValueError`` otherwise.
-    """
-    if not axis_sizes:
-        raise ValueError("make_mesh needs at least one axis")
-    names = tuple(axis_sizes.keys())
-    sizes = tuple(axis_sizes.values())
-    for name, size in axis_sizes.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"mesh axis names must be non-empty strings, got {name!r}")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"mesh axis {name!r} must have a positive int size, got {size!r}")
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "make_mesh needs an initialized default process group "
-            "(use fake_process_group or call it inside run_on_gloo)"
-        )
-    product = math.prod(sizes)
-    world = dist.get_world_size()
-    if product != world:
-        raise ValueError(
-            f"mesh axes {dict(axis_sizes)} have product {product}, but the world size is {world}"
-        )
-    return init_device_mesh(device_type, sizes, mesh_dim_names=names)

@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .fileio import PlanFileError, atomic_write, describe, load_mapping
 
 __all__ = [
     "STYLES", "Rule", "Region", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
-    "PlanOptions", "Plan", "load_plan", "fingerprint", "PlanFileError", "LAYOUT_RE",
+    "PlanOptions", "Plan", "load_plan", "fingerprint", "PlanFileError", "LAYOUT_RE", "portable", "SIGNIFICANT_DIGITS",
 ]
 
 STYLES = (
@@ -36,10 +39,6 @@ Style = Literal[
     "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "replicate",
 ]
 LAYOUT_RE = re.compile(r"^(Replicate|Partial|Shard\((-?\d+)\))$")
-
-
-class PlanFileError(ValueError):
-    """A plan file that cannot be used; the message names the file, the key and what to do."""
 
 
 class _Strict(BaseModel):
@@ -88,7 +87,40 @@ class Collectives(_Strict):
     all_to_all: int = 0
 
 
-class Estimate(_Strict):
+SIGNIFICANT_DIGITS = 6
+
+
+def portable(value: float, *, seconds: bool) -> float:
+    """A predicted figure made independent of the machine's float rounding.
+
+    Estimates are sums of many products, and the last bit of such a sum can depend on the
+    order a BLAS kernel adds in, which differs between CPUs. Times keep ``SIGNIFICANT_DIGITS``
+    significant digits and byte counts whole bytes, both far coarser than that noise, so a
+    plan (in memory, and the file it writes) is the same on every machine."""
+    if value != value or value in (float("inf"), float("-inf")):
+        return value
+    return float(f"{value:.{SIGNIFICANT_DIGITS}g}") if seconds else float(round(value))
+
+
+class _Estimated(_Strict):
+    """A record of predicted figures: ``*_s`` fields are seconds, the other floats bytes."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _portable(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for key, value in data.items():
+            seconds = key.endswith("_s")
+            if isinstance(value, float):
+                out[key] = portable(value, seconds=seconds)
+            elif key == "collective_bytes" and isinstance(value, dict):
+                out[key] = {k: portable(v, seconds=False) if isinstance(v, float) else v for k, v in value.items()}
+        return out
+
+
+class Estimate(_Estimated):
     param_bytes_per_device: float
     peak_memory_bytes: float
     comm_bytes_per_step: float
@@ -100,14 +132,14 @@ class Estimate(_Strict):
     collective_bytes: dict[str, float] = Field(default_factory=dict)
 
 
-class Alternative(_Strict):
+class Alternative(_Estimated):
     style: str
     step_time_s: float | None = None  # None: infeasible
     param_bytes_per_device: float | None = None
     reason: str = ""
 
 
-class Decision(_Strict):
+class Decision(_Estimated):
     module: str
     style: str
     step_time_s: float
@@ -182,29 +214,40 @@ class Plan(_Strict):
                 return d
         raise ValueError(f"the plan records no decision for {rule.module!r} (it was written without explanations)")
 
-    def to_yaml(self) -> str:
+    def to_data(self) -> dict:
+        """The plan as plain data, as its files store it: a rule or region states its
+        required keys and then only the options it sets."""
         data = self.model_dump(mode="json", exclude_none=False)
-        for key in ("rules", "regions"):  # a rule states only what it sets: review-friendly diffs
-            data[key] = [{k: v for k, v in item.items() if not (v is None or v is False or v == "")} for item in data[key]]
-        return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=120)
+        for key, kind in (("rules", Rule), ("regions", Region)):
+            data[key] = [_set_keys(item, kind) for item in data[key]]
+        return data
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_data(), sort_keys=False, default_flow_style=False, width=120)
 
     def to_json(self) -> str:
-        return self.model_dump_json(indent=2)
+        return json.dumps(self.to_data(), indent=2)
 
     @classmethod
     def from_yaml(cls, text: str, *, source: str = "<string>") -> "Plan":
-        from .planfile import parse_plan_text  # line-aware validation lives there
-
-        return parse_plan_text(text, source=source)
+        data, lines = load_mapping(text, source=source)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise PlanFileError(describe(exc, lines, source)) from None
 
     def save(self, path: str | Path, *, force: bool = True) -> None:
-        from .planfile import atomic_write
-
         atomic_write(Path(path), self.to_yaml(), force=force)
 
     def to_hf_tp_plan(self) -> dict[str, str]:
         """Hugging Face ``tp_plan`` mapping (patterns use ``*`` for layer indices)."""
         return {r.module: r.style for r in self.rules if r.style != "replicate"}
+
+
+def _set_keys(item: dict, kind: type[BaseModel]) -> dict:
+    """Required keys always (a root rule's ``module`` is ``''``); optional ones only when set."""
+    fields = kind.model_fields
+    return {k: v for k, v in item.items() if fields[k].is_required() or not (v is None or v is False or v == "")}
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -16,8 +16,8 @@ import re
 from torch import nn
 
 from . import cost
-from .graph import OpGraph
-from .plan import Region, Rule
+from ..analyze.graph import OpGraph
+from ..plan.model import Region, Rule
 from .regions import Entry, PartialBlock
 from .solve import Solution
 from .strategies import placement_str
@@ -86,7 +86,7 @@ def rules(
 
 
 def _containers(graph: OpGraph) -> list[str]:
-    from .trace import is_weight_leaf, owns_params
+    from ..analyze.trace import is_weight_leaf, owns_params
 
     called = set(graph.module_multiplicity)
     return [
@@ -114,7 +114,7 @@ _AUGMENTED = re.compile(r"^\s*[\w.\[\]]+\s*[-+*/]=[^=]")
 
 
 def _code(node) -> str:
-    from .trace import _user_line
+    from ..analyze.trace import _user_line
 
     line = _user_line(node)
     return line.split("`")[1] if line.count("`") >= 2 else ""
@@ -223,7 +223,7 @@ def _blocking_reshape(graph: OpGraph, op, tp: int) -> str:
     """The reshape downstream of ``op`` that splits its features into groups tp does not
     divide (7 heads at tp=2), named with the numbers and the source line; "" if none."""
     from .strategies import VIEWS, _map_view_dim
-    from .trace import _user_line
+    from ..analyze.trace import _user_line
 
     frontier, seen = [op.output], set()
     for _ in range(4):  # a few ops deep: activation, view, transpose

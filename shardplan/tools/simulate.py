@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .plan import Plan
+from ..plan.model import Plan
 
 __all__ = ["record_collectives", "simulate", "SimulationResult", "COLLECTIVE_OPS"]
 
@@ -120,8 +120,8 @@ def simulate(
     comm_debug_mode: bool = False,
 ) -> SimulationResult:
     """Apply ``plan`` on a fake process group and count one forward + backward."""
-    from .emit import apply_plan
-    from .launch import fake_process_group, make_mesh
+    from ..apply.emit import apply_plan
+    from ..apply.mesh import fake_process_group, make_mesh
 
     world = 1
     for n in plan.mesh.axes.values():

@@ -30,16 +30,15 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .cost import format_bytes, format_seconds
-from .plan import Decision, Plan, matches
+from ..decide.cost import format_bytes, format_seconds
+from ..plan.model import Decision, Plan, matches
+from ..plan.validate import sharded_dim, weight_of
 
 __all__ = [
     "render_table", "plan_table", "plan_summary_lines", "decision_table", "diff_lines",
     "sharded_dim", "weight_of", "make_console", "verify_table", "verify_lines",
 ]
 
-_COLWISE_STYLES = ("colwise", "colwise_gather_output", "packed_colwise")
-_ROWWISE_STYLES = ("rowwise", "rowwise_split_input", "embedding_rowwise")
 _PIPE_WIDTH = 120  # rich's 80 columns fold most patterns when the output is piped
 
 
@@ -49,32 +48,6 @@ def make_console(*, stderr: bool = False) -> Console:
     if stream.isatty() or os.environ.get("COLUMNS"):
         return Console(stderr=stderr)
     return Console(stderr=stderr, width=_PIPE_WIDTH)
-
-
-def weight_of(module: Any) -> Any:
-    """The module's ``weight`` tensor, else its first own parameter, else ``None``."""
-    weight = getattr(module, "weight", None)
-    if weight is not None and hasattr(weight, "shape"):
-        return weight
-    return next(iter(module.parameters(recurse=False)), None)
-
-
-def sharded_dim(style: str, module: Any) -> int | None:
-    """Which dimension of the module's weight ``style`` splits across tp ranks (None: none).
-
-    nn.Linear stores W as [out, in] (colwise splits dim 0, rowwise dim 1); Hugging Face's
-    Conv1D stores [in, out], so each style splits the other dim; an Embedding [vocab, dim]
-    splits the vocabulary rowwise and the features colwise. Norm styles split nothing."""
-    from .graph import module_kind
-
-    kind = module_kind(module)
-    col = {"linear": 0, "conv1d": 1, "embedding": 1}.get(kind)
-    row = {"linear": 1, "conv1d": 0, "embedding": 0}.get(kind)
-    if style in _COLWISE_STYLES:
-        return col
-    if style in _ROWWISE_STYLES:
-        return row
-    return None
 
 
 def _shape_str(shape: tuple[int, ...] | None) -> str:

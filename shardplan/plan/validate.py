@@ -13,9 +13,39 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["check_findings"]
+from .model import fingerprint, matches
 
+__all__ = ["check_findings", "sharded_dim", "weight_of"]
+
+_COLWISE_STYLES = ("colwise", "colwise_gather_output", "packed_colwise")
+_ROWWISE_STYLES = ("rowwise", "rowwise_split_input", "embedding_rowwise")
 _UNEVEN_OK = ("colwise_gather_output", "embedding_rowwise")
+
+
+def weight_of(module: Any) -> Any:
+    """The module's ``weight`` tensor, else its first own parameter, else ``None``."""
+    weight = getattr(module, "weight", None)
+    if weight is not None and hasattr(weight, "shape"):
+        return weight
+    return next(iter(module.parameters(recurse=False)), None)
+
+
+def sharded_dim(style: str, module: Any) -> int | None:
+    """Which dimension of the module's weight ``style`` splits across tp ranks (None: none).
+
+    nn.Linear stores W as [out, in] (colwise splits dim 0, rowwise dim 1); Hugging Face's
+    Conv1D stores [in, out], so each style splits the other dim; an Embedding [vocab, dim]
+    splits the vocabulary rowwise and the features colwise. Norm styles split nothing."""
+    from ..analyze.graph import module_kind
+
+    kind = module_kind(module)
+    col = {"linear": 0, "conv1d": 1, "embedding": 1}.get(kind)
+    row = {"linear": 1, "conv1d": 0, "embedding": 0}.get(kind)
+    if style in _COLWISE_STYLES:
+        return col
+    if style in _ROWWISE_STYLES:
+        return row
+    return None
 
 
 def _owns_params(module: Any) -> bool:
@@ -24,8 +54,6 @@ def _owns_params(module: Any) -> bool:
 
 def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) -> list[str]:
     """A finding when the dim a style splits does not divide by tp (uneven-tolerant styles aside)."""
-    from .report import sharded_dim, weight_of
-
     if rule.style in _UNEVEN_OK and not (rule.output_layouts or "").startswith("Shard"):
         return []
     bad = []
@@ -45,8 +73,6 @@ def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) 
 def check_findings(plan: Any, model: Any, *, where: Any = None) -> list[str]:
     """Problems applying ``plan`` to ``model`` would hit; empty when it fits. ``where(key_path)``
     prefixes a finding with the file and line of that key (``shardplan check`` passes one)."""
-    from .plan import fingerprint, matches
-
     at = where or (lambda _key: "")
     findings = []
     got = fingerprint(model)

@@ -1,0 +1,13 @@
+"""Apply: the emitter, a thin loop from a plan to ``parallelize_module``.
+
+Contract
+--------
+:mod:`.styles` holds the ``ParallelStyle`` classes shardplan adds to torch's (replicated
+parameters, packed fused projections, Conv1D, expert banks, containers); :mod:`.emit`
+maps each rule and region to a style, applies them on the plan's tensor-parallel mesh
+axis, re-ties shared weights and installs the gradient hooks sequence parallel needs.
+These two are the only modules that import torch's TP styles. :mod:`.mesh` makes the fake
+process group and named meshes; :mod:`.localcheck` applies a plan on a fake group to a
+meta copy of the model and runs it, so a split that the model's own code cannot run
+(a hard-coded head count) is found while planning.
+"""

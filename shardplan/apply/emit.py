@@ -1,0 +1,211 @@
+"""Emit: turn a :class:`~shardplan.plan.model.Plan` into tensor-parallel styles and apply them.
+
+Contract
+--------
+``to_parallelize_plan(plan)`` returns the ``{pattern: ParallelStyle}`` dict that
+``torch.distributed.tensor.parallel.parallelize_module`` takes; ``apply_plan(model,
+device_mesh, plan)`` applies it on the plan's tensor-parallel axis, re-ties shared weights,
+and installs the gradient hooks sequence parallel needs. This module and
+:mod:`.styles` (the styles shardplan adds) are the only ones that import torch's TP styles. Between modules activations stay plain local tensors
+(``use_local_output=True``), except inside a region, where the input enters DTensor once
+(``PrepareModuleInput(..., use_local_output=False)``) so the Partial gradients of its
+Linears add up before one collective.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from ..plan.model import Plan, Region, Rule, expand_pattern
+
+from .styles import (
+    Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, MoEExpertsParallel, PackedColwise, ReplicateParallel,
+    combine, placement, unpack_experts, unpack_packed,
+)
+
+__all__ = [
+    "ReplicateParallel", "MoEExpertsParallel", "unpack_experts", "unpack_packed", "to_parallelize_plan", "apply_plan", "tp_mesh",
+    "check_fingerprint",
+]
+
+
+def _style(rule: Rule, *, conv1d: bool = False) -> ParallelStyle:
+    inp = placement(rule.input_layouts)
+    out = placement(rule.output_layouts)
+    col, row = (Conv1DColwise, Conv1DRowwise) if conv1d else (ColwiseParallel, RowwiseParallel)
+    if rule.style == "colwise":  # an explicit Shard(-1) output is returned to the user as a DTensor
+        return col(input_layouts=inp or Replicate(), output_layouts=out or Shard(-1), use_local_output=out is None)
+    if rule.style == "packed_colwise":
+        return PackedColwise(parts=rule.packed or 2, input_layouts=inp or Replicate(), output_layouts=Shard(-1))
+    if rule.style == "colwise_gather_output":
+        return col(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
+    if rule.style == "rowwise":  # a Partial output stays a DTensor for the block's exit to sum
+        return row(input_layouts=inp or Shard(-1), output_layouts=out or Replicate(), use_local_output=not isinstance(out, Partial))
+    if rule.style == "rowwise_split_input":  # Replicate -> Shard(-1) is a local slice
+        return row(input_layouts=Replicate(), output_layouts=out or Replicate())
+    if rule.style == "embedding_rowwise":
+        return RowwiseParallel(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
+    if rule.style in ("sequence_parallel", "replicated_with_grad_allreduce"):
+        return SequenceParallel(sequence_dim=(inp or Shard(1)).dim, use_local_output=True)
+    if rule.style == "moe_tp_experts":
+        return MoEExpertsParallel()
+    if rule.style == "replicate":
+        return ReplicateParallel()
+    raise ValueError(f"style {rule.style!r} of {rule.module!r} has no emitter; expected one of colwise, rowwise, ...")
+
+
+def _region_style(region: Region) -> ParallelStyle:
+    layout, desired = placement(region.input_layouts), placement(region.desired_input_layouts)
+    if region.input == "output":
+        return PrepareModuleOutput(output_layouts=layout, desired_output_layouts=desired, use_local_output=region.use_local_output)
+    if isinstance(region.input, int):
+        layouts = [None] * region.num_inputs
+        wanted = [None] * region.num_inputs
+        layouts[region.input], wanted[region.input] = layout, desired
+        return PrepareModuleInput(input_layouts=tuple(layouts), desired_input_layouts=tuple(wanted), use_local_output=False)
+    return PrepareModuleInput(
+        input_kwarg_layouts={region.input: layout}, desired_input_kwarg_layouts={region.input: desired}, use_local_output=False,
+    )
+
+
+def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str, ParallelStyle]:
+    """The ``parallelize_module`` dict: regions first, then one style per rule."""
+    styles: dict[str, ParallelStyle] = {}
+    for r in plan.regions:
+        if r.input == "output" and not r.use_local_output:
+            continue  # applied after the module's own style (apply_plan)
+        styles[r.module] = combine(styles.get(r.module), _region_style(r))
+    conv1d = _conv1d_rules(plan, model)
+    adopted = _adopted_params(plan, model)
+    for rule in plan.rules:
+        if rule.module in adopted:
+            styles[rule.module] = ContainerParams(adopted[rule.module])  # its children carry their own styles
+        elif not _never_called(rule) or not any(c == "" or rule.module.startswith(c + ".") for c in adopted):
+            styles[rule.module] = _style(rule, conv1d=rule.module in conv1d)
+    return styles
+
+
+def _never_called(rule: Rule) -> bool:
+    return rule.style == "replicate" and rule.why.startswith("not called in forward")
+
+
+def _adopted_params(plan: Plan, model: nn.Module | None) -> dict[str, list[str]]:
+    """Container rule -> the parameter paths its forward uses directly: its own, and those of
+    descendants it never calls (their weights are read as attributes)."""
+    if model is None:
+        return {}
+    from ..analyze.trace import is_weight_leaf, owns_params
+
+    out = {}
+    for rule in plan.rules:
+        fqns = expand_pattern(rule.module, plan.model.repeats)
+        mod = model.get_submodule(fqns[0]) if fqns else None
+        if mod is None or rule.style != "replicate" or not owns_params(mod) or is_weight_leaf(mod):
+            continue  # a container: owns parameters and has weight-bearing descendants
+        c = rule.module
+        prefix = f"{c}." if c else ""
+        paths = [n for n, _ in mod.named_parameters(recurse=False)]
+        for r in plan.rules:
+            if r.module != c and r.module.startswith(prefix) and _never_called(r):
+                rel = r.module[len(prefix):]
+                paths += [f"{rel}.{n}" for n, _ in mod.get_submodule(rel).named_parameters(recurse=False)]
+        out[c] = paths
+    return out
+
+
+
+def _conv1d_rules(plan: Plan, model: nn.Module | None) -> set[str]:
+    if model is None:
+        return set()
+    from ..analyze.graph import module_kind
+    from ..plan.model import expand_pattern
+
+    found = set()
+    for rule in plan.rules:
+        fqns = expand_pattern(rule.module, plan.model.repeats)
+        if fqns and module_kind(model.get_submodule(fqns[0])) == "conv1d":
+            found.add(rule.module)
+    return found
+
+
+def tp_mesh(device_mesh, plan: Plan):
+    names = device_mesh.mesh_dim_names
+    if device_mesh.ndim == 1:
+        return device_mesh
+    if not names or plan.mesh.tp_axis not in names:
+        raise ValueError(f"the plan's tp axis {plan.mesh.tp_axis!r} is not in the mesh's axes {names}")
+    return device_mesh[plan.mesh.tp_axis]
+
+
+def check_fingerprint(model: nn.Module, plan: Plan) -> None:
+    from ..plan.model import fingerprint
+
+    got = fingerprint(model)
+    if got != plan.model.fingerprint:
+        raise ValueError(
+            f"this plan was made for a {plan.model.class_name} with fingerprint {plan.model.fingerprint}, "
+            f"but the model given is a {type(model).__name__} with {got}; re-plan it with `shardplan plan`"
+        )
+
+
+def _tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for fqn, mod in model.named_modules():
+        for name, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((fqn, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _reduce_partial_grad(param: torch.Tensor) -> None:
+    """Sequence-parallel norm weights get Partial gradients (a sum over the local tokens);
+    make them Replicate once per backward instead of inside every optimizer kernel."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        param.grad = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
+
+
+def apply_plan(model: nn.Module, device_mesh, plan: Plan, *, check: bool = True) -> nn.Module:
+    """Shard ``model`` in place on ``device_mesh`` as ``plan`` says; returns the model."""
+    if check:
+        check_fingerprint(model, plan)
+        from ..plan.validate import check_findings
+
+        for finding in check_findings(plan, model):  # a rule that matches nothing, a weight no rule covers
+            warnings.warn(f"apply_plan: {finding}", stacklevel=2)
+    mesh = tp_mesh(device_mesh, plan)
+    if mesh.size() != plan.tp:
+        raise ValueError(f"the plan was made for tp={plan.tp} but the mesh's tp axis has {mesh.size()} ranks; re-plan for this mesh")
+    tied = _tied_groups(model)
+    parallelize_module(model, mesh, to_parallelize_plan(plan, model))
+    # output regions hook in after the module's own style has turned its output local
+    outputs = {r.module: _region_style(r) for r in plan.regions if r.input == "output" and not r.use_local_output}
+    for rule in plan.rules:
+        if rule.copy_output:
+            outputs[rule.module] = combine(outputs.get(rule.module), CopyOutput())
+    if outputs:
+        parallelize_module(model, mesh, outputs)
+    for group in tied:
+        # re-tie to the copy a sharding style produced (a replicated or plain copy would
+        # silently un-shard the other owner)
+        copies = [getattr(model.get_submodule(fqn), name) for fqn, name in group]
+        shared = next((c for c in copies if isinstance(c, DTensor) and not c.placements[0].is_replicate()), copies[0])
+        for fqn, name in group:
+            setattr(model.get_submodule(fqn), name, shared)
+    for fqn, style in plan.module_styles().items():
+        if style in ("sequence_parallel", "replicated_with_grad_allreduce"):
+            for p in model.get_submodule(fqn).parameters(recurse=False):
+                p.register_post_accumulate_grad_hook(_reduce_partial_grad)
+    return model

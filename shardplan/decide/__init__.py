@@ -1,0 +1,17 @@
+"""Decide: price every way to split each weight and pick the plan, exactly.
+
+Contract
+--------
+:mod:`.placements` is the strategy record; :mod:`.strategies` lists the placements each
+plain op runs under shard-locally and :mod:`.weights` the styles of each weight module
+(colwise, rowwise, packed, vocab-parallel, sequence parallel, experts). :mod:`.cost` is the
+alpha-beta communication, memory and compute model of a hardware profile. :mod:`.solve`
+builds the placement program (one binary per op and strategy, consistency between
+producer and consumer) and solves it with HiGHS: least weight bytes per device first, then
+the fastest plan among those. :mod:`.regions` finds values whose collective several Linears
+can share; :mod:`.estimate` predicts memory, bytes, collectives and step time;
+:mod:`.explain` prices each rejected alternative; :mod:`.assemble` writes the rules,
+regions and warnings of the :class:`~shardplan.plan.Plan`. Everything here is a pure
+function of the graph and the options: no process group, no rank, no BLAS-dependent sums.
+Importing this package loads nothing heavy (the CLI reads :mod:`.cost`'s profiles for help).
+"""

@@ -1,0 +1,241 @@
+"""Hugging Face models built from configs, never from downloaded weights.
+
+Contract
+--------
+``transformers`` is optional and imported only by :func:`transformers_module`, which sets
+``HF_HUB_OFFLINE=1`` first, so nothing is ever downloaded.
+
+* ``hf_config(tf, model_type, path)``: the config of a model type (``AutoConfig.for_model``)
+  or of a ``config.json``; an unknown type is a ``ValueError`` suggesting close names.
+* ``hf_build(tf, cfg, spec, device=...)``: ``AutoModelForCausalLM.from_config``, else
+  ``AutoModel.from_config``, under ``torch.device(device)``.
+* ``build_hf_model(model_type, *, tiny=False, device="meta", seed=None)`` returns ``(model,
+  example_inputs, example_kwargs)`` built from ``AutoConfig.for_model(model_type)``
+  (``AutoModelForCausalLM``, else ``AutoModel``) with ``use_cache=False``. ``tiny=True``
+  shrinks the config to hidden 64, 2 layers, 4 heads (2 KV heads), intermediate 128, vocab
+  512, head_dim 16, 128 positions, 4 experts (2 per token), 32x32 images of 8x8 patches,
+  dropout 0, token ids inside the vocabulary, per-layer lists resized. Inputs: token ids
+  ``(batch_size, seq_len)`` (default 2 x 16), ``pixel_values`` for vision models,
+  ``decoder_input_ids`` as a keyword for encoder-decoders. With a ``seed`` (which seeds
+  torch's global RNG before the build) the weights and inputs are deterministic; off the meta
+  device the model is float32.
+* ``positional(model, inputs, kwargs)``: the inputs placed by ``forward``'s signature.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["TINY", "shrink_config", "build_hf_model", "positional", "hf_config", "hf_build", "transformers_module"]
+
+
+def transformers_module() -> Any:
+    os.environ["HF_HUB_OFFLINE"] = "1"  # never download; must be set before the import
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(
+            "Hugging Face models need the optional 'transformers' package; install it with "
+            "`pip install shardplan[hf]` (or `pip install transformers`)"
+        ) from None
+    return transformers
+
+
+def hf_config(tf: Any, model_type: str | None, path: Path | None) -> Any:
+    if path is not None:
+        try:
+            return tf.AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot load Hugging Face config {str(path)!r}: {str(exc).splitlines()[0]}") from None
+    try:
+        return tf.AutoConfig.for_model(model_type)
+    except ValueError:
+        known = list(tf.CONFIG_MAPPING.keys())
+        close = difflib.get_close_matches(model_type or "", known, n=3)
+        hint = f"; did you mean {', '.join('hf:' + c for c in close)}?" if close else "; e.g. hf:llama, hf:gpt2, hf:mistral"
+        raise ValueError(f"unknown Hugging Face model type {model_type!r}: expected a transformers model_type{hint}") from None
+
+
+def hf_build(tf: Any, cfg: Any, spec: str, *, device: str | torch.device) -> nn.Module:
+    with torch.device(device):
+        try:
+            return tf.AutoModelForCausalLM.from_config(cfg)
+        except ValueError:
+            pass
+        try:
+            return tf.AutoModel.from_config(cfg)
+        except ValueError as exc:
+            raise ValueError(
+                f"{spec}: transformers has no model class for {type(cfg).__name__} "
+                f"({str(exc).splitlines()[0][:200]}); pick a text model type such as hf:llama"
+            ) from None
+
+
+TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 512,
+        "head_dim": 16, "positions": 128, "experts": 4, "experts_per_tok": 2, "image": 32, "patch": 8}
+
+_SIZES: list[tuple[tuple[str, ...], str]] = [
+    (("hidden_size", "n_embd", "d_model", "dim", "n_embed", "embed_dim"), "hidden"),
+    (("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "n_layers", "num_encoder_layers"), "layers"),
+    (("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads", "decoder_attention_heads"), "heads"),
+    (("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), "kv_heads"),
+    (("intermediate_size", "n_inner", "d_ff", "ffn_hidden_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim",
+      "moe_intermediate_size", "shared_expert_intermediate_size"), "intermediate"),
+    (("vocab_size",), "vocab"),
+    (("head_dim", "d_kv", "kv_channels"), "head_dim"),
+    (("max_position_embeddings", "n_positions", "n_ctx", "original_max_position_embeddings"), "positions"),
+    (("num_local_experts", "num_experts", "n_routed_experts"), "experts"),
+    (("image_size",), "image"),
+    (("patch_size",), "patch"),
+]
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id",
+              "cls_token_id", "mask_token_id")
+
+
+def _has(config: Any, name: str) -> bool:
+    try:
+        return name in config.to_dict() or name in getattr(config, "attribute_map", {})
+    except Exception:  # noqa: BLE001 - an exotic config: fall back to attribute lookup
+        return hasattr(config, name)
+
+
+def _set(config: Any, name: str, value: Any) -> None:
+    """setattr only where the attribute exists and takes the value."""
+    if not _has(config, name):
+        return
+    try:
+        setattr(config, name, value)
+    except Exception:  # noqa: BLE001 - read-only property or a validator that refuses it
+        pass
+
+
+def shrink_config(config: Any, sizes: Mapping[str, int] = TINY) -> Any:
+    """Shrink ``config`` (and its sub-configs) in place to the tiny sizes; returns it."""
+    for names, key in _SIZES:
+        for name in names:
+            if not _has(config, name):
+                continue
+            current = getattr(config, name, None)
+            if current is None and key in ("kv_heads", "head_dim", "intermediate"):
+                continue  # derived from the others when unset
+            if isinstance(current, (list, tuple)) and key in ("image", "patch"):
+                _set(config, name, type(current)([sizes[key]] * len(current)))
+            elif not isinstance(current, bool) and (current is None or isinstance(current, int)):
+                _set(config, name, sizes[key])
+    k = getattr(config, "num_experts_per_tok", None)
+    if isinstance(k, int) and _has(config, "num_experts_per_tok"):
+        _set(config, "num_experts_per_tok", min(k, sizes["experts_per_tok"]))
+    if _has(config, "topk_group") and isinstance(getattr(config, "topk_group", None), int):
+        _set(config, "topk_group", 1)
+        _set(config, "n_group", 1)
+    layers = sizes["layers"]
+    for name in ("layer_types", "mlp_only_layers", "max_window_layers", "first_k_dense_replace"):
+        if not _has(config, name):
+            continue
+        value = getattr(config, name, None)
+        if name == "layer_types" and isinstance(value, (list, tuple)) and value:
+            _set(config, name, [value[i % len(value)] for i in range(layers)])
+        elif name == "mlp_only_layers" and isinstance(value, (list, tuple)):
+            _set(config, name, [i for i in value if i < layers])
+        elif isinstance(value, int) and not isinstance(value, bool):
+            _set(config, name, min(value, layers))
+    for name, value in list(config.to_dict().items()):
+        if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+            _set(config, name, 0.0)
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int):
+        for name in _TOKEN_IDS:
+            value = getattr(config, name, None) if _has(config, name) else None
+            if isinstance(value, int) and value >= vocab:
+                _set(config, name, vocab - 1)
+            elif isinstance(value, list) and any(isinstance(v, int) and v >= vocab for v in value):
+                _set(config, name, [min(v, vocab - 1) for v in value])
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            shrink_config(sub, sizes)
+    return config
+
+
+def _example_inputs(model: nn.Module, config: Any, *, device: Any, batch_size: int, seq_len: int,
+                    seed: int | None) -> tuple[tuple, dict]:
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    meta = torch.device(device).type == "meta"
+    forward_params = _forward_params(model)
+
+    def ids(shape: tuple[int, ...], high: int) -> torch.Tensor:
+        if meta:
+            return torch.zeros(shape, dtype=torch.long, device="meta")
+        return torch.randint(0, high, shape, generator=gen).to(device)
+
+    image = getattr(config, "image_size", None)
+    if "pixel_values" in forward_params and "input_ids" not in forward_params and image is not None:
+        image = image[0] if isinstance(image, (list, tuple)) else image
+        channels = getattr(config, "num_channels", 3)
+        shape = (batch_size, channels, image, image)
+        x = torch.zeros(shape, device="meta") if meta else torch.randn(shape, generator=gen).to(device)
+        return (x,), {}
+    vocab = getattr(config, "vocab_size", None) or 2
+    inputs = (ids((batch_size, seq_len), vocab),)
+    kwargs = {}
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in forward_params:
+        kwargs["decoder_input_ids"] = ids((batch_size, seq_len), vocab)
+    return inputs, kwargs
+
+
+def _forward_params(model: nn.Module) -> list[str]:
+    """Named parameters of the bound ``model.forward`` (through decorators' ``__wrapped__``)."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters  # follows __wrapped__, drops self
+    except (TypeError, ValueError):
+        return []
+    return [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def build_hf_model(
+    model_type: str, *, tiny: bool = False, device: str | torch.device = "meta", seed: int | None = None,
+    batch_size: int = 2, seq_len: int = 16, config: Any = None,
+) -> tuple[nn.Module, tuple, dict]:
+    """``(model, example_inputs, example_kwargs)`` for a transformers model type; see the module doc."""
+    tf = transformers_module()
+    cfg = config if config is not None else hf_config(tf, model_type, None)
+    if tiny:
+        shrink_config(cfg)
+    if _has(cfg, "use_cache"):
+        cfg.use_cache = False  # a KV cache object in the outputs cannot be traced
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = hf_build(tf, cfg, f"hf:{model_type}", device=device)
+    if torch.device(device).type != "meta":
+        model.float()
+    if tiny:
+        positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        if isinstance(positions, int):
+            seq_len = min(seq_len, positions)
+    inputs, kwargs = _example_inputs(model, cfg, device=device, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    return model, inputs, kwargs
+
+
+def positional(model: nn.Module, inputs: tuple, kwargs: Mapping[str, Any]) -> tuple:
+    """``inputs`` plus ``kwargs`` placed by ``forward``'s signature (for callers that take
+    positional inputs only, such as :func:`shardplan.simulate.simulate`)."""
+    if not kwargs:
+        return tuple(inputs)
+    names = _forward_params(model)
+    args = list(inputs)
+    for name, value in kwargs.items():
+        if name not in names:
+            raise ValueError(f"{type(model).__name__}.forward has no parameter {name!r}")
+        i = names.index(name)
+        args += [None] * max(0, i + 1 - len(args))
+        args[i] = value
+    return tuple(args)

@@ -1,0 +1,161 @@
+"""Plan files as text: one strict YAML parse, line-aware error messages, atomic writes.
+
+Contract
+--------
+``load_mapping(text, source=...)`` parses YAML once (libyaml's C loader where installed,
+``safe`` construction only, so a plan file never runs code) and returns the top-level
+mapping and a map from each key path (``("rules", 3, "style")``) to its 1-based line.
+It refuses, as :class:`PlanFileError` naming the file and line: invalid YAML, anything
+but a mapping at the top, a key given twice in one mapping (both lines named), YAML
+anchors and aliases (a plan file is a plain tree; an alias is how a "billion laughs" file
+explodes in memory), and nesting deeper than :data:`MAX_DEPTH`.
+``describe(exc, lines, source)`` turns a pydantic ``ValidationError`` into messages that
+name the file:line, the key, the value given and what is allowed. ``atomic_write``
+writes through a temporary file and ``os.replace`` so a crash never leaves half a plan,
+and refuses to overwrite unless ``force``. Nothing here knows the plan's schema: the data
+model (:mod:`shardplan.plan.model`) validates.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+from yaml.constructor import SafeConstructor
+
+__all__ = ["PlanFileError", "load_mapping", "key_lines", "describe", "atomic_write", "MAX_DEPTH"]
+
+MAX_DEPTH = 32  # a plan file nests 5 deep; anything far deeper is not a plan
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_MAX_ERRORS = 5
+
+
+class PlanFileError(ValueError):
+    """A plan file that cannot be used; the message names the file, the key and what to do."""
+
+
+def _compose(text: str, source: str) -> yaml.Node | None:
+    try:
+        return yaml.compose(text, Loader=_LOADER)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise PlanFileError(f"{source}{where}: not valid YAML ({getattr(exc, 'problem', exc)}); fix the syntax") from None
+    except RecursionError:
+        raise PlanFileError(f"{source}: nested deeper than a plan file can be (at most {MAX_DEPTH} levels)") from None
+
+
+def _walk(root: yaml.Node, source: str) -> dict[tuple, int]:
+    """Key path -> line, visiting each node once (iteratively: no recursion limit to hit)."""
+    lines: dict[tuple, int] = {}
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, tuple]] = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        line = node.start_mark.line + 1
+        if id(node) in seen:
+            raise PlanFileError(f"{source}:{line}: {_key(path)}: YAML aliases (*name) are not allowed in plan files; "
+                                "write the value out")
+        seen.add(id(node))
+        if len(path) > MAX_DEPTH:
+            raise PlanFileError(f"{source}:{line}: nested deeper than a plan file can be (at most {MAX_DEPTH} levels)")
+        lines[path] = line
+        if isinstance(node, yaml.MappingNode):
+            stack += _mapping_children(node, path, lines, source)
+        elif isinstance(node, yaml.SequenceNode):
+            stack += [(v, path + (i,)) for i, v in enumerate(node.value)]
+    return lines
+
+
+def _mapping_children(node: yaml.MappingNode, path: tuple, lines: dict[tuple, int], source: str) -> list:
+    first: dict[Any, int] = {}
+    children = []
+    for k, v in node.value:
+        name = k.value if isinstance(k, yaml.ScalarNode) else repr(k.value)
+        line = k.start_mark.line + 1
+        if name in first:
+            raise PlanFileError(f"{source}:{line}: {_key(path + (name,))}: key given twice (lines {first[name]} and "
+                                f"{line}); keep one")
+        first[name] = line
+        lines[path + (name,)] = line
+        children.append((v, path + (name,)))
+    return children
+
+
+def load_mapping(text: str, *, source: str = "<string>") -> tuple[dict, dict[tuple, int]]:
+    root = _compose(text, source)
+    if not isinstance(root, yaml.MappingNode):
+        got = "nothing" if root is None else type(root).__name__.replace("Node", "").lower()
+        raise PlanFileError(f"{source}: a plan file is a YAML mapping with 'version', 'mesh', 'rules'; got {got}")
+    lines = _walk(root, source)
+    return SafeConstructor().construct_document(root), lines
+
+
+def key_lines(text: str) -> dict[tuple, int]:
+    """Map each key path to its 1-based line; empty when the text is not a usable plan file."""
+    try:
+        return load_mapping(text)[1]
+    except PlanFileError:
+        return {}
+
+
+def _key(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc) or "<top>"
+
+
+def _nearest_line(loc: tuple, lines: dict[tuple, int]) -> int:
+    for k in range(len(loc), -1, -1):
+        if loc[:k] in lines:
+            return lines[loc[:k]]
+    return 1
+
+
+def _given(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _message(err: dict, *, listed: bool) -> str:
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        return "unknown key: remove it or check its spelling against `shardplan schema`"
+    if kind == "missing":
+        return "this key is required"
+    if kind == "literal_error":
+        allowed = err.get("ctx", {}).get("expected", "")
+        tail = "(allowed values listed above)" if listed else f"expected one of {allowed}"
+        return f"{_given(err.get('input'))} is not allowed; {tail} (see docs/plan-format.md)"
+    return f"{err['msg']}; got {_given(err.get('input'))}"
+
+
+def describe(exc: Any, lines: dict[tuple, int], source: str) -> str:
+    """One line per pydantic error: ``file:line: key: what was given and what is allowed``."""
+    msgs, listed = [], False
+    errors = exc.errors()
+    for err in errors[:_MAX_ERRORS]:
+        loc = tuple(err["loc"])
+        msgs.append(f"{source}:{_nearest_line(loc, lines)}: {_key(loc)}: {_message(err, listed=listed)}")
+        listed = listed or err.get("type") == "literal_error"
+    more = len(errors) - _MAX_ERRORS
+    return "\n".join(msgs) + (f"\n... and {more} more" if more > 0 else "")
+
+
+def atomic_write(path: Path, text: str, *, force: bool = False) -> None:
+    if path.exists() and not force:
+        raise FileExistsError(f"{path} exists; pass --force (or force=True) to overwrite it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it owner-only; a plan file is for the team
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,27 @@
+"""Attention that reshapes with its stored head count, and a script that plans it at tp=2."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class HardCodedHeads(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (m(x).view(b, s, self.heads, self.hd).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(b, s, self.heads * self.hd))
+
+
+if __name__ == "__main__":
+    import shardplan
+
+    with torch.device("meta"):
+        model = nn.Sequential(HardCodedHeads(), nn.LayerNorm(32))
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.zeros(2, 8, 32, device="meta"),), explain=False)
+    print("\n".join(plan.warnings))
