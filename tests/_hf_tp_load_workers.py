@@ -2,7 +2,7 @@
 loading (``from_pretrained`` with a ``tp_plan`` dict) on real gloo ranks.
 
 ``load_and_run(rank, world_size, folder, tp_plan, input_ids, ways)`` runs on every rank under
-``shardplan.launch.run_on_gloo`` (which has already joined the ranks into one gloo default
+``shardplan.tools.launch.run_on_gloo`` (which has already joined the ranks into one gloo default
 process group). For each way of passing the plan in ``ways``:
 
 * ``"distributed_config"``: ``from_pretrained(folder, distributed_config=DistributedConfig(

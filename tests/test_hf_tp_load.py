@@ -4,7 +4,7 @@ Round trip: a tiny random-weight Llama (``transformers.LlamaConfig``: hidden 64,
 heads, 2 KV heads, intermediate 128, vocab 128, float32, untied head) is saved with
 ``save_pretrained`` into a pytest tmp folder and planned by shardplan at tp=2
 (``shardplan.plan_model(model, {"tp": 2}, example_inputs=(input_ids,))``). On 2 real gloo
-ranks (``shardplan.launch.run_on_gloo``) each rank loads the folder with transformers' own
+ranks (``shardplan.tools.launch.run_on_gloo``) each rank loads the folder with transformers' own
 tensor-parallel loading, given ``plan.to_hf_tp_plan()`` as the plan dict
 (``tests/_hf_tp_load_workers.py``), and runs the same input ids. Checked on every rank:
 
@@ -41,7 +41,7 @@ pytest.importorskip("accelerate")
 import torch  # noqa: E402
 
 import shardplan  # noqa: E402
-from shardplan.launch import run_on_gloo  # noqa: E402
+from shardplan.tools.launch import run_on_gloo  # noqa: E402
 from tests import _hf_tp_load_workers as workers  # noqa: E402
 
 TP = 2

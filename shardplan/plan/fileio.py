@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -49,24 +50,25 @@ def _compose(text: str, source: str) -> yaml.Node | None:
 
 
 def _walk(root: yaml.Node, source: str) -> dict[tuple, int]:
-    """Key path -> line, visiting each node once (iteratively: no recursion limit to hit)."""
+    """Key path -> line, visiting each node once, in document order (breadth first, with a
+    queue: no recursion limit to hit, and an alias is met first where it is first used)."""
     lines: dict[tuple, int] = {}
     seen: set[int] = set()
-    stack: list[tuple[yaml.Node, tuple]] = [(root, ())]
-    while stack:
-        node, path = stack.pop()
-        line = node.start_mark.line + 1
-        if id(node) in seen:
-            raise PlanFileError(f"{source}:{line}: {_key(path)}: YAML aliases (*name) are not allowed in plan files; "
-                                "write the value out")
+    queue: deque[tuple[yaml.Node, tuple]] = deque([(root, ())])
+    while queue:
+        node, path = queue.popleft()
+        if id(node) in seen:  # the composer hands an alias back as its anchor's node
+            raise PlanFileError(f"{source}:{lines.get(path, lines.get(path[:-1], 1))}: {_key(path)}: YAML aliases "
+                                "(*name) are not allowed in plan files; write the value out")
         seen.add(id(node))
         if len(path) > MAX_DEPTH:
-            raise PlanFileError(f"{source}:{line}: nested deeper than a plan file can be (at most {MAX_DEPTH} levels)")
-        lines[path] = line
+            raise PlanFileError(f"{source}:{node.start_mark.line + 1}: nested deeper than a plan file can be "
+                                f"(at most {MAX_DEPTH} levels)")
+        lines.setdefault(path, node.start_mark.line + 1)
         if isinstance(node, yaml.MappingNode):
-            stack += _mapping_children(node, path, lines, source)
+            queue.extend(_mapping_children(node, path, lines, source))
         elif isinstance(node, yaml.SequenceNode):
-            stack += [(v, path + (i,)) for i, v in enumerate(node.value)]
+            queue.extend((v, path + (i,)) for i, v in enumerate(node.value))
     return lines
 
 

@@ -1,0 +1,65 @@
+"""Plan files: every error names the file:line, the key, the value given and what is allowed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import shardplan
+from shardplan import PlanFileError
+from shardplan.models import build_preset
+
+
+@pytest.fixture(scope="module")
+def plan_text() -> str:
+    return shardplan.plan_model(build_preset("mlp"), {"tp": 2}, explain=False).to_yaml()
+
+
+def _line_of(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def test_every_wrong_style_names_the_value_given_and_its_line(plan_text: str) -> None:
+    bad = plan_text.replace("style: colwise\n", "style: colwize\n", 1).replace("style: rowwise\n", "style: rowwize\n", 1)
+    with pytest.raises(PlanFileError) as exc:
+        shardplan.Plan.from_yaml(bad, source="p.yaml")
+    first, second = str(exc.value).splitlines()
+    assert first.startswith(f"p.yaml:{_line_of(bad, 'colwize')}: rules.0.style: 'colwize' is not allowed; expected one of 'colwise'")
+    assert second.startswith(f"p.yaml:{_line_of(bad, 'rowwize')}: rules.1.style: 'rowwize' is not allowed")
+
+
+def test_a_wrong_type_names_the_value_given(plan_text: str) -> None:
+    bad = plan_text.replace("  tp: 2\n", "  tp: two\n", 1)
+    with pytest.raises(PlanFileError, match=r"p\.yaml:\d+: mesh\.axes\.tp: .*got 'two'"):
+        shardplan.Plan.from_yaml(bad, source="p.yaml")
+
+
+def test_a_key_given_twice_names_both_lines(plan_text: str) -> None:
+    line = _line_of(plan_text, "style: colwise")
+    bad = plan_text.replace("style: colwise\n", "style: colwise\n  style: rowwise\n", 1)
+    with pytest.raises(PlanFileError, match=rf"p\.yaml:{line + 1}: rules\.0\.style: key given twice \(lines {line} and {line + 1}\)"):
+        shardplan.Plan.from_yaml(bad, source="p.yaml")
+
+
+def test_an_alias_bomb_is_refused_at_once() -> None:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 12)]
+    start = time.perf_counter()
+    with pytest.raises(PlanFileError, match=r"b\.yaml:2: a1\.\d+: YAML aliases \(\*name\) are not allowed"):
+        shardplan.Plan.from_yaml("\n".join(lines) + "\n", source="b.yaml")
+    assert time.perf_counter() - start < 1.0
+
+
+def test_deep_nesting_is_a_plan_file_error() -> None:
+    with pytest.raises(PlanFileError, match="nested deeper"):
+        shardplan.Plan.from_yaml("rules: " + "[" * 5000 + "]" * 5000 + "\n", source="d.yaml")
+
+
+def test_a_root_rule_is_written_with_its_empty_module() -> None:
+    from tests.portability.root_param import build
+    import torch
+
+    plan = shardplan.plan_model(build(), {"tp": 2}, example_inputs=(torch.zeros(4, 16),), explain=False)
+    again = shardplan.Plan.from_yaml(plan.to_yaml())
+    assert again == plan and "" in [r.module for r in again.rules]
