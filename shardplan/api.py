@@ -253,14 +253,23 @@ def _record_shapes(opts: PlanOptions, example_inputs: tuple) -> PlanOptions:
 
 
 def apply_plan(model: nn.Module, device_mesh: Any, plan: Plan) -> nn.Module:
-    """Apply ``plan`` with ``parallelize_module``; see :mod:`shardplan.emit`."""
+    """Apply ``plan`` with ``parallelize_module``; see :mod:`shardplan.apply.emit`."""
     from .apply.emit import apply_plan as _apply
 
     return _apply(model, device_mesh, plan)
 
 
 def auto_parallelize(model: nn.Module, device_mesh: Any, *, example_inputs: tuple | None = None, **options: Any) -> nn.Module:
-    plan = plan_model(model, device_mesh, example_inputs=example_inputs, **options)
+    """``plan_model`` then ``apply_plan``, on every rank. A rank whose planner fails makes
+    every rank raise its message (one small exchange), instead of the others waiting for it
+    until the process group times out."""
+    from .apply.agree import agree
+
+    try:
+        plan = plan_model(model, device_mesh, example_inputs=example_inputs, **options)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it; agree re-raises it
+        agree(exc)
+        raise
     for w in plan.warnings:
         warnings.warn(w, stacklevel=2)
     return apply_plan(model, device_mesh, plan)

@@ -24,7 +24,7 @@ sets ``SHARDPLAN_TRACEBACK=1``. argparse's own usage errors also exit 2. Every c
 parallelism runs on ``tp`` (else the last axis). Only the planning options given on the
 command line reach :func:`shardplan.plan_model`, so its defaults stay the defaults.
 ``verify`` plans for ``--mesh tp=NPROC`` unless ``--mesh`` or ``--plan`` says otherwise, and
-the plan's tp must equal ``--nproc`` (see :mod:`shardplan.verify`).
+the plan's tp must equal ``--nproc`` (see :mod:`shardplan.tools.verify`).
 """
 
 from __future__ import annotations
@@ -374,7 +374,7 @@ _BYTES_RTOL = 1e-9  # the estimate's logical bytes are floats of exact integer s
 
 
 def _simulate_model(args: argparse.Namespace, plan: Any, *, device: str) -> Any:
-    """:func:`shardplan.simulate.simulate` on the model the command line names."""
+    """:func:`shardplan.tools.simulate.simulate` on the model the command line names."""
     import torch
 
     from .api import infer_example_inputs

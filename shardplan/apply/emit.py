@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ..plan.model import Plan, Region, Rule, expand_pattern
 
+from .agree import agree
 from .styles import (
     Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, MoEExpertsParallel, PackedColwise, ReplicateParallel,
     combine, placement, unpack_experts, unpack_packed,
@@ -178,7 +179,11 @@ def _reduce_partial_grad(param: torch.Tensor) -> None:
 
 
 def apply_plan(model: nn.Module, device_mesh, plan: Plan, *, check: bool = True) -> nn.Module:
-    """Shard ``model`` in place on ``device_mesh`` as ``plan`` says; returns the model."""
+    """Shard ``model`` in place on ``device_mesh`` as ``plan`` says; returns the model.
+
+    First the ranks agree on the plan (:func:`.agree.agree`): a rank given another plan
+    makes every rank raise at once instead of deadlocking in its first collective."""
+    agree(plan)
     if check:
         check_fingerprint(model, plan)
         from ..plan.validate import check_findings

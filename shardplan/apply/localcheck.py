@@ -7,7 +7,7 @@ representative block (the whole model when nothing repeats) under a temporary fa
 group of the plan's tp size, and runs it once on the example shapes the tracer recorded.
 Model code that hard-codes a global size (``view(b, s, self.num_heads, d)`` where the
 local tensor holds ``num_heads / tp`` heads) fails here, and the check raises
-:class:`~shardplan.solve.PlanningError` naming the module and the source line, instead of
+:class:`~shardplan.decide.solve.PlanningError` naming the module and the source line, instead of
 handing the user a plan that crashes on the cluster. It needs no process group of the
 caller's; when one already exists it cannot borrow the default group and skips (apply-time
 errors then surface as usual).

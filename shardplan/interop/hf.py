@@ -3,7 +3,7 @@
 Contract
 --------
 ``transformers`` is optional: nothing here imports it at module import time (``import
-shardplan`` and ``import shardplan.hf`` never load it). The functions that need it import it
+shardplan`` and ``import shardplan.interop.hf`` never load it). The functions that need it import it
 lazily through :mod:`shardplan.interop.hf_models`, which sets ``HF_HUB_OFFLINE=1`` first, so nothing is
 ever downloaded; models are built from configs only.
 

@@ -227,7 +227,7 @@ def build_hf_model(
 
 def positional(model: nn.Module, inputs: tuple, kwargs: Mapping[str, Any]) -> tuple:
     """``inputs`` plus ``kwargs`` placed by ``forward``'s signature (for callers that take
-    positional inputs only, such as :func:`shardplan.simulate.simulate`)."""
+    positional inputs only, such as :func:`shardplan.tools.simulate.simulate`)."""
     if not kwargs:
         return tuple(inputs)
     names = _forward_params(model)

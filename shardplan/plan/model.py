@@ -8,7 +8,7 @@ fingerprint, the options the planner used, one :class:`Rule` per weight-owning m
 ``PrepareModuleInput`` lets several Linears share a collective, the estimates, and for each
 decision the cost of the alternatives it beat. ``to_yaml``/``from_yaml`` round-trip
 losslessly with stable key order; loading uses ``yaml.safe_load`` only, so a plan file
-never runs code. Applying a plan is :mod:`shardplan.emit`'s job.
+never runs code. Applying a plan is :mod:`shardplan.apply.emit`'s job.
 """
 
 from __future__ import annotations

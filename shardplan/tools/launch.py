@@ -176,7 +176,7 @@ def _fail(workdir: Path, rank: int, text: str) -> None:
     with contextlib.suppress(BaseException):
         _atomic_save({"time": time.time(), "traceback": text}, _error_path(workdir, rank))
     with contextlib.suppress(BaseException):
-        sys.stderr.write(f"[shardplan.launch rank {rank}] {text}")
+        sys.stderr.write(f"[shardplan.tools.launch rank {rank}] {text}")
     _flush_and_exit(1)
 
 

@@ -10,7 +10,7 @@ table come :func:`plan_summary_lines`: mesh and options, parameter bytes per dev
 memory, communication per step, predicted step time (compute + comm), the collectives of a
 forward and a backward, the regions and the warnings. ``decision_table`` renders
 ``Plan.explain`` output and ``diff_lines`` compares two plans. ``verify_table`` and
-``verify_lines`` render a :class:`~shardplan.verify.VerifyResult` (one row per compared
+``verify_lines`` render a :class:`~shardplan.tools.verify.VerifyResult` (one row per compared
 quantity: max difference, tolerance, where, pass/FAIL; then the largest gradient
 differences and any problems). Nothing here computes a plan; everything reads what the plan
 recorded (plus weight shapes from ``model``).
@@ -280,7 +280,7 @@ def diff_lines(a: Plan, b: Plan) -> list[str]:
 
 
 def verify_table(result: Any) -> Table:
-    """One row per compared quantity of a :class:`~shardplan.verify.VerifyResult`."""
+    """One row per compared quantity of a :class:`~shardplan.tools.verify.VerifyResult`."""
     plan = result.plan
     mesh = f"tp={plan.tp}" if plan.mesh.axes == {plan.mesh.tp_axis: plan.tp} else f"tp={plan.tp} of {_mesh_str(plan)}"
     title = f"verify {result.model}: {mesh} on {result.nproc} gloo ranks vs unsharded (float32)"

@@ -5,7 +5,7 @@ Contract
 ``verify(model_spec, *, plan=None, nproc=2, mesh=None, timeout_s=300.0, batch_size=2,
 seq_len=None, max_params=MAX_PARAMS, **plan_options) -> VerifyResult``
 
-* ``model_spec`` is any spec :func:`shardplan.sources.resolve_model` takes: a preset name
+* ``model_spec`` is any spec :func:`shardplan.tools.sources.resolve_model` takes: a preset name
   (``llama3-debug``), ``package.module:callable`` or a Hugging Face ``config.json`` path.
   ``hf:<model_type>`` names a default-size model and is refused by the size limit below
   unless ``max_params`` is raised.
@@ -17,11 +17,11 @@ seq_len=None, max_params=MAX_PARAMS, **plan_options) -> VerifyResult``
   only, on a 1-D mesh named after the plan's tp axis (data-parallel axes replicate and are
   not exercised). Every problem with the inputs (bad spec, fingerprint, ``nproc``, size)
   raises ``ValueError`` before any process starts.
-* ``shardplan.launch.run_on_gloo`` then starts ``nproc`` ranks. Each builds the model twice
+* ``shardplan.tools.launch.run_on_gloo`` then starts ``nproc`` ranks. Each builds the model twice
   on CPU from the same seed (``torch.manual_seed(0)`` around ``resolve_model(spec,
   device="cpu")``; presets build through ``build_preset(name, device="cpu", seed=0)``),
   converts both to float32 if they are not, applies the plan to one copy with
-  :func:`shardplan.emit.apply_plan`, runs the same example inputs through both (made once,
+  :func:`shardplan.apply.emit.apply_plan`, runs the same example inputs through both (made once,
   in the parent: the preset's own fixed batch, else random inputs shaped as
   ``plan_model`` infers them, ``seq_len`` 16 unless given), and compares
 
@@ -33,7 +33,7 @@ seq_len=None, max_params=MAX_PARAMS, **plan_options) -> VerifyResult``
   ``grad``    every parameter's gradient after ``loss.backward()`` (``full_tensor()``;
               a tied weight once; packed parameters -- a ``moe_tp_experts`` gate/up
               projection, a ``packed_colwise`` Linear -- put back in the module's order
-              with :func:`shardplan.emit.unpack_experts` / ``unpack_packed``)
+              with :func:`shardplan.apply.styles.unpack_experts` / ``unpack_packed``)
   ==========  =====================================================================
 
   with float32 tolerances ``|tp - ref| <= atol + rtol * |ref|`` per element
@@ -403,7 +403,7 @@ def _gathered(t: torch.Tensor) -> torch.Tensor:
 def _unpackers(plan: Plan, model: nn.Module, tp: int) -> dict[str, Any]:
     """Parameter name -> function putting a packed parameter's ``full_tensor()`` back in the
     module's own order: the gate/up projection of a ``moe_tp_experts`` bank
-    (:func:`shardplan.emit.unpack_experts`) and the parameters of a ``packed_colwise``
+    (:func:`shardplan.apply.styles.unpack_experts`) and the parameters of a ``packed_colwise``
     Linear, whose output dim holds ``rule.packed`` parts (``unpack_packed``, dim 0)."""
     from functools import partial
 

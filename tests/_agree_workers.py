@@ -1,0 +1,39 @@
+"""Spawn-importable workers for ``tests/test_agree.py``: ranks given different plans, or a
+planner that fails on one rank. Each returns ``(error type, message, seconds)``; kept apart
+from the test module so the children never import pytest."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import shardplan
+from shardplan.apply.mesh import make_mesh
+from shardplan.models import build_preset
+
+
+def _timed(fn) -> tuple[str, str, float]:
+    start = time.perf_counter()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects what each rank raised
+        return type(exc).__name__, str(exc), time.perf_counter() - start
+    return "", "", time.perf_counter() - start
+
+
+def different_plans(rank: int, world_size: int, plan_yaml: str) -> tuple[str, str, float]:
+    plan = shardplan.Plan.from_yaml(plan_yaml)
+    if rank == 1:  # a hand-edited rule on one rank only
+        rules = [r.model_copy(update={"style": "replicate"}) if r.style == "rowwise" else r for r in plan.rules]
+        plan = plan.model_copy(update={"rules": rules})
+    model = build_preset("mlp", device="cpu")
+    return _timed(lambda: shardplan.apply_plan(model, make_mesh({"tp": world_size}), plan))
+
+
+def planner_fails_on_one_rank(rank: int, world_size: int) -> tuple[str, str, float]:
+    model = build_preset("mlp", device="cpu")
+    budget = "1KB" if rank == 1 else None  # no plan fits 1 KB per device
+    inputs = (torch.zeros(2, 128),)
+    return _timed(lambda: shardplan.auto_parallelize(model, make_mesh({"tp": world_size}), example_inputs=inputs,
+                                                     memory_budget=budget, explain=False))

@@ -1,0 +1,27 @@
+"""Ranks that disagree fail at once, on every rank, with a message naming the ranks (2 gloo ranks)."""
+
+from __future__ import annotations
+
+import shardplan
+from shardplan.models import build_preset
+from shardplan.tools.launch import run_on_gloo
+from tests import _agree_workers as workers
+
+
+def test_a_rank_given_another_plan_makes_every_rank_raise_at_once():
+    plan = shardplan.plan_model(build_preset("mlp"), {"tp": 2}, explain=False)
+    results = run_on_gloo(workers.different_plans, world_size=2, args=(plan.to_yaml(),), timeout_s=90)
+    for kind, message, seconds in results:
+        assert kind == "RankDisagreement"
+        assert "ranks [1] hold another plan than rank 0" in message
+        assert "rule 'layers.1: rowwise' vs 'layers.1: replicate'" in message
+        assert seconds < 10
+
+
+def test_a_planner_failing_on_one_rank_fails_every_rank_with_its_message():
+    results = run_on_gloo(workers.planner_fails_on_one_rank, world_size=2, timeout_s=90)
+    kinds = [kind for kind, _, _ in results]
+    assert kinds == ["RankDisagreement", "RankDisagreement"]
+    for _, message, seconds in results:
+        assert message.startswith("planning failed on 1 of 2 ranks (rank 1: PlanningError: memory budget 1000 B per device")
+        assert seconds < 30  # rank 0 plans in full before it hears of rank 1's failure
