@@ -334,15 +334,12 @@ def _examples(plan: Any) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from .plan.model import load_plan_with_lines
     from .plan.validate import check_findings
-    from .plan.model import load_plan
     from .tools.sources import resolve_model
 
-    from .plan.fileio import key_lines
-
-    plan = load_plan(args.plan)
+    plan, lines = load_plan_with_lines(args.plan)  # one parse gives the plan and each key's line
     model, _, name = resolve_model(args.model)
-    lines = key_lines(Path(args.plan).read_text())
     findings = check_findings(plan, model, where=lambda key: f"{args.plan}:{lines.get(key, 1)}: ")
     for line in findings:
         print(line)

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 from yaml.constructor import SafeConstructor
 
-__all__ = ["PlanFileError", "load_mapping", "key_lines", "describe", "atomic_write", "MAX_DEPTH"]
+__all__ = ["PlanFileError", "load_mapping", "key_lines", "read_text", "describe", "atomic_write", "MAX_DEPTH"]
 
 MAX_DEPTH = 32  # a plan file nests 5 deep; anything far deeper is not a plan
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -94,6 +94,17 @@ def load_mapping(text: str, *, source: str = "<string>") -> tuple[dict, dict[tup
         raise PlanFileError(f"{source}: a plan file is a YAML mapping with 'version', 'mesh', 'rules'; got {got}")
     lines = _walk(root, source)
     return SafeConstructor().construct_document(root), lines
+
+
+def read_text(path: Path) -> str:
+    """A plan file's text; an unreadable or non-UTF-8 file is a :class:`PlanFileError` naming it."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PlanFileError(f"cannot read plan file {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise PlanFileError(f"{path}: not a UTF-8 text file (byte {exc.start} is 0x{exc.object[exc.start]:02x}); "
+                            "a plan file is YAML text written by `shardplan plan -o`") from None
 
 
 def key_lines(text: str) -> dict[tuple, int]:

@@ -23,11 +23,11 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .fileio import PlanFileError, atomic_write, describe, load_mapping
+from .fileio import PlanFileError, atomic_write, describe, load_mapping, read_text
 
 __all__ = [
     "STYLES", "Rule", "Region", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
-    "PlanOptions", "Plan", "load_plan", "fingerprint", "PlanFileError", "LAYOUT_RE", "portable", "SIGNIFICANT_DIGITS",
+    "PlanOptions", "Plan", "load_plan", "load_plan_with_lines", "fingerprint", "PlanFileError", "LAYOUT_RE", "portable", "SIGNIFICANT_DIGITS",
 ]
 
 STYLES = (
@@ -39,6 +39,7 @@ Style = Literal[
     "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "replicate",
 ]
 LAYOUT_RE = re.compile(r"^(Replicate|Partial|Shard\((-?\d+)\))$")
+MAX_TENSOR_DIMS = 8  # Shard(d) needs -8 <= d < 8: no activation or weight has more dims
 
 
 class _Strict(BaseModel):
@@ -46,9 +47,16 @@ class _Strict(BaseModel):
 
 
 def _check_layout(value: str) -> str:
-    if not LAYOUT_RE.match(value):
+    m = LAYOUT_RE.match(value)
+    if not m:
         raise ValueError(f"layout {value!r} is not one of Replicate, Partial, Shard(d)")
+    if m.group(2) is not None and not -MAX_TENSOR_DIMS <= int(m.group(2)) < MAX_TENSOR_DIMS:
+        raise ValueError(f"layout {value!r} shards a dimension no tensor here has; use Shard(d) with "
+                         f"{-MAX_TENSOR_DIMS} <= d < {MAX_TENSOR_DIMS} (Shard(1) is the sequence, Shard(-1) the features)")
     return value
+
+
+AxisSize = Annotated[int, Field(strict=True, ge=1)]  # strict: `tp: true` is not tp=1
 
 
 Layout = Annotated[str, AfterValidator(_check_layout)]
@@ -62,7 +70,7 @@ class Rule(_Strict):
     # the output is modified in place downstream (``x += y``): hand on a copy, since the
     # local view of a DTensor cannot be modified in place
     copy_output: bool = False
-    packed: int | None = None  # packed_colwise: how many parts the output dim holds
+    packed: Annotated[int, Field(strict=True, ge=2)] | None = None  # packed_colwise: parts the output dim holds
     why: str = ""
 
 
@@ -78,6 +86,13 @@ class Region(_Strict):
     desired_input_layouts: Layout = "Replicate"
     use_local_output: bool = False  # hand plain tensors on (a block's exit) or DTensors (an entry)
     why: str = ""
+
+    @model_validator(mode="after")
+    def _input_is_an_argument(self) -> "Region":
+        if isinstance(self.input, int) and not 0 <= self.input < self.num_inputs:
+            raise ValueError(f"input {self.input} is not one of the call's {self.num_inputs} positional arguments "
+                             f"(0..{self.num_inputs - 1}); use an index in range, a keyword name, or 'output'")
+        return self
 
 
 class Collectives(_Strict):
@@ -155,7 +170,7 @@ class ModelInfo(_Strict):
 
 
 class MeshInfo(_Strict):
-    axes: dict[str, int]
+    axes: dict[str, AxisSize]
     tp_axis: str
 
     @model_validator(mode="after")
@@ -230,9 +245,14 @@ class Plan(_Strict):
 
     @classmethod
     def from_yaml(cls, text: str, *, source: str = "<string>") -> "Plan":
+        return cls.from_yaml_with_lines(text, source=source)[0]
+
+    @classmethod
+    def from_yaml_with_lines(cls, text: str, *, source: str = "<string>") -> tuple["Plan", dict[tuple, int]]:
+        """The plan and the line of every key (``("rules", 3, "style")`` -> 12), from one parse."""
         data, lines = load_mapping(text, source=source)
         try:
-            return cls.model_validate(data)
+            return cls.model_validate(data), lines
         except ValidationError as exc:
             raise PlanFileError(describe(exc, lines, source)) from None
 
@@ -251,12 +271,12 @@ def _set_keys(item: dict, kind: type[BaseModel]) -> dict:
 
 
 def load_plan(path: str | Path) -> Plan:
+    return load_plan_with_lines(path)[0]
+
+
+def load_plan_with_lines(path: str | Path) -> tuple[Plan, dict[tuple, int]]:
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise PlanFileError(f"cannot read plan file {str(p)!r}: {exc.strerror}") from exc
-    return Plan.from_yaml(text, source=str(p))
+    return Plan.from_yaml_with_lines(read_text(p), source=str(p))
 
 
 def matches(pattern: str, fqn: str) -> bool:
