@@ -67,10 +67,13 @@ Speed.
     goes through bash. ``--fresh`` (or ``DOCS_CHECK_FRESH=1``) runs every command as a new
     process instead; use it to confirm that the two agree.
 
-Directives: an HTML comment on the line just before the opening fence.
-    ``<!-- docs-check: skip (reason) -->``  the block is not run (keep these rare);
-    ``<!-- docs-check: slow -->``           it is run, but ``--skip-slow`` (or
-                                            ``DOCS_CHECK_SKIP_SLOW=1`` under pytest) skips it.
+Directives: an HTML comment on the line just before the opening fence, items separated by
+commas (``<!-- docs-check: slow, requires transformers -->``).
+    ``skip (reason)``     the block is not run (keep these rare);
+    ``slow``              it takes more than ~10 s; it is run, but ``--skip-slow`` (or
+                          ``DOCS_CHECK_SKIP_SLOW=1`` under pytest) skips it;
+    ``requires MODULE``   skipped when ``MODULE`` cannot be imported (optional extras such as
+                          ``transformers``).
 
 ``--update`` reruns every block and rewrites, in place, the expected output of each command
 whose output no longer matches; commands that match are left as written (their ``...``
@@ -88,6 +91,7 @@ import contextlib
 import difflib
 import functools
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -108,7 +112,7 @@ from pathlib import Path
 
 __all__ = [
     "REPO", "Block", "Command", "CommandResult", "BlockResult", "doc_files", "parse_file",
-    "collect_blocks", "example_files", "run_block", "run_blocks", "Runner", "matches", "updated_expected", "update_files",
+    "collect_blocks", "skip_reason", "example_files", "run_block", "run_blocks", "Runner", "matches", "updated_expected", "update_files",
     "main",
 ]
 
@@ -120,7 +124,8 @@ COMMAND_TIMEOUT_S = 600.0
 COPIED_DIRS = ("plans",)  # copied from the repository root into each block's directory
 
 _FENCE_RE = re.compile(r"^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)[^`]*$")
-_DIRECTIVE_RE = re.compile(r"^\s*<!--\s*docs-check:\s*(skip|slow)\b\s*(.*?)\s*-->\s*$")
+_DIRECTIVE_RE = re.compile(r"^\s*<!--\s*docs-check:\s*(.*?)\s*-->\s*$")
+_ITEM_RE = re.compile(r"(skip)\s*(?:\((.*)\))?|(slow)|requires\s+([A-Za-z_][\w.]*)")
 _EXAMPLE_FILE_RE = re.compile(r"^#\s+([A-Za-z_][A-Za-z0-9_]*\.py)\s*$")
 # wall-clock timings that legitimately differ between runs: (pattern, replacement)
 _TIMINGS = (
@@ -156,6 +161,7 @@ class Block:
     commands: list[Command]
     skip: str | None = None    # the reason, when marked skip
     slow: bool = False
+    requires: tuple[str, ...] = ()  # modules the block needs (skipped without them)
     indent: str = ""           # the opening fence's indentation (a block inside a list item)
 
     @property
@@ -240,18 +246,37 @@ def parse_file(path: Path) -> list[Block]:
         body = lines[open_i + 1:close_i]
         if lang != "console" and not (lang == "text" and body and body[0].startswith("$ ")):
             continue
-        skip, slow = None, False
+        skip, slow, requires = None, False, []
         prev = open_i - 1
         while prev >= 0 and not lines[prev].strip():
             prev -= 1
         m = _DIRECTIVE_RE.match(lines[prev]) if prev >= 0 else None
-        if m and m.group(1) == "skip":
-            skip = m.group(2).strip("() ") or "marked skip"
-        elif m:
-            slow = True
+        for item in (m.group(1).split(",") if m else []):
+            im = _ITEM_RE.fullmatch(item.strip())
+            if im is None:
+                raise ValueError(f"{_rel(path)}:{prev + 1}: unknown docs-check directive {item.strip()!r}; "
+                                 "expected skip (reason), slow or requires MODULE")
+            if im.group(1):
+                skip = (im.group(2) or "").strip() or "marked skip"
+            elif im.group(3):
+                slow = True
+            else:
+                requires.append(im.group(4))
         blocks.append(Block(path=path, line=open_i + 1, lang=lang, skip=skip, slow=slow, indent=indent,
-                            commands=_parse_commands(lines, open_i + 1, close_i)))
+                            requires=tuple(requires), commands=_parse_commands(lines, open_i + 1, close_i)))
     return blocks
+
+
+def skip_reason(block: Block, *, skip_slow: bool = False) -> str | None:
+    """Why the block is not run now, or None."""
+    if block.skip:
+        return block.skip
+    missing = [m for m in block.requires if importlib.util.find_spec(m.split(".")[0]) is None]
+    if missing:
+        return f"needs {', '.join(missing)}"
+    if block.slow and skip_slow:
+        return "slow"
+    return None
 
 
 def collect_blocks(files: list[Path] | None = None) -> list[Block]:
@@ -297,14 +322,16 @@ class BlockResult:
         return all(r.ok for r in self.results)
 
     def report(self) -> str:
-        """A unified diff per failing command, named by file:line."""
+        """A unified diff per failing command, named by file:line: the doc's text against what
+        ``--update`` would write (the real output, with the doc's ``...`` kept where they fit)."""
         parts = []
         for r in self.results:
             if r.ok:
                 continue
             where = f"{_rel(self.block.path)}:{r.command.line}"
-            diff = difflib.unified_diff(_trim(r.command.expected), r.actual, f"{where} (expected)",
-                                        f"{where} (actual, exit {r.status})", lineterm="", n=2)
+            diff = difflib.unified_diff(_trim(r.command.expected), updated_expected(r.command.expected, r.actual),
+                                        f"{where} (in the doc)", f"{where} (real output, exit {r.status})",
+                                        lineterm="", n=2)
             parts.append(f"{where}: $ {r.command.text}\n" + "\n".join(diff))
         return "\n\n".join(parts)
 
@@ -724,7 +751,7 @@ def _select(blocks: list[Block], wanted: list[str]) -> list[Block]:
         file, _, line = w.partition(":")
         path = (Path.cwd() / file).resolve()
         hit = [b for b in blocks if b.path.resolve() == path and (not line or b.line == int(line))]
-        if not hit:
+        if not hit and (line or not path.is_file()):
             raise SystemExit(f"docs_check: no console block at {w}")
         out.extend(b for b in hit if b not in out)
     return out
@@ -743,8 +770,9 @@ def main(argv: list[str] | None = None) -> int:
     blocks = _select(collect_blocks(), args.where)
     todo = []
     for b in blocks:
-        if b.skip or (b.slow and args.skip_slow):
-            print(f"skip  {b.id}  ({b.skip or 'slow'})")
+        why = skip_reason(b, skip_slow=args.skip_slow)
+        if why:
+            print(f"skip  {b.id}  ({why})")
         else:
             todo.append(b)
     t0 = time.perf_counter()
