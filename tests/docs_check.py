@@ -111,9 +111,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
-    "REPO", "Block", "Command", "CommandResult", "BlockResult", "doc_files", "parse_file",
-    "collect_blocks", "skip_reason", "example_files", "run_block", "run_blocks", "Runner", "matches", "updated_expected", "update_files",
-    "main",
+    "REPO", "Block", "Command", "CommandResult", "BlockResult", "Runner", "doc_files", "parse_file",
+    "collect_blocks", "skip_reason", "example_files", "command_env", "run_block", "run_blocks",
+    "default_jobs", "matches", "normalise_output", "updated_expected", "update_files", "main",
 ]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -340,6 +340,7 @@ class BlockResult:
 def _tool_dir() -> str:
     """A directory with ``python`` (this interpreter) and ``shardplan``, put first on PATH."""
     d = Path(tempfile.mkdtemp(prefix="docs-check-bin-"))
+    atexit.register(shutil.rmtree, d, True)
     exe = shlex.quote(sys.executable)
     for name, body in (("python", f'exec {exe} "$@"'), ("python3", f'exec {exe} "$@"'),
                        ("shardplan", f'exec {exe} -m shardplan "$@"')):
