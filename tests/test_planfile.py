@@ -26,7 +26,7 @@ def test_every_wrong_style_names_the_value_given_and_its_line(plan_text: str) ->
         shardplan.Plan.from_yaml(bad, source="p.yaml")
     first, second = str(exc.value).splitlines()
     assert first.startswith(f"p.yaml:{_line_of(bad, 'colwize')}: rules.0.style: 'colwize' is not allowed; expected one of 'colwise'")
-    assert second.startswith(f"p.yaml:{_line_of(bad, 'rowwize')}: rules.1.style: 'rowwize' is not allowed")
+    assert second.startswith(f"p.yaml:{_line_of(bad, 'rowwize')}: rules.1.style: 'rowwize' is not allowed (allowed values as above)")
 
 
 def test_a_wrong_type_names_the_value_given(plan_text: str) -> None:

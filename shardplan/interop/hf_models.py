@@ -66,16 +66,29 @@ def hf_config(tf: Any, model_type: str | None, path: Path | None) -> Any:
 def hf_build(tf: Any, cfg: Any, spec: str, *, device: str | torch.device) -> nn.Module:
     with torch.device(device):
         try:
-            return tf.AutoModelForCausalLM.from_config(cfg)
+            return _from_config(tf, cfg, spec)
         except ValueError:
-            pass
-        try:
-            return tf.AutoModel.from_config(cfg)
-        except ValueError as exc:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the config's values broke the model's constructor
             raise ValueError(
-                f"{spec}: transformers has no model class for {type(cfg).__name__} "
-                f"({str(exc).splitlines()[0][:200]}); pick a text model type such as hf:llama"
+                f"{spec}: transformers could not build {type(cfg).__name__} from this config "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); check the config's sizes "
+                "(head counts, hidden size, layers must be positive and consistent)"
             ) from None
+
+
+def _from_config(tf: Any, cfg: Any, spec: str) -> nn.Module:
+    try:
+        return tf.AutoModelForCausalLM.from_config(cfg)
+    except ValueError:
+        pass
+    try:
+        return tf.AutoModel.from_config(cfg)
+    except ValueError as exc:
+        raise ValueError(
+            f"{spec}: transformers has no model class for {type(cfg).__name__} "
+            f"({str(exc).splitlines()[0][:200]}); pick a text model type such as hf:llama"
+        ) from None
 
 
 TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 512,

@@ -137,11 +137,12 @@ def _message(err: dict, *, listed: bool) -> str:
         return "unknown key: remove it or check its spelling against `shardplan schema`"
     if kind == "missing":
         return "this key is required"
+    given = _given(err.get("input"))
     if kind == "literal_error":
-        allowed = err.get("ctx", {}).get("expected", "")
-        tail = "(allowed values listed above)" if listed else f"expected one of {allowed}"
-        return f"{_given(err.get('input'))} is not allowed; {tail} (see docs/plan-format.md)"
-    return f"{err['msg']}; got {_given(err.get('input'))}"
+        if listed:
+            return f"{given} is not allowed (allowed values as above)"
+        return f"{given} is not allowed; expected one of {err.get('ctx', {}).get('expected', '')} (see docs/plan-format.md)"
+    return err["msg"] if given in err["msg"] else f"{err['msg']}; got {given}"
 
 
 def describe(exc: Any, lines: dict[tuple, int], source: str) -> str:

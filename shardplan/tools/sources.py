@@ -101,9 +101,10 @@ def _from_callable(spec: str, *, device: str | torch.device) -> nn.Module:
     try:
         with torch.device(device):
             model = fn()
-    except Exception as exc:  # the user's code: report it as a bad spec, not a crash
+    except (Exception, SystemExit) as exc:  # the user's code: a bad spec, not a crash (nor a silent exit)
         raise ValueError(
-            f"{spec}: calling {attr}() raised {type(exc).__name__}: {exc}; it must build a model with no arguments"
+            f"{spec}: calling {attr}() raised {type(exc).__name__}: {exc}{_user_site(exc)}; "
+            "it must build and return a model with no arguments"
         ) from exc
     if not isinstance(model, nn.Module):
         raise ValueError(f"{spec}: {attr}() returned a {type(model).__name__} object; expected a torch.nn.Module")
@@ -120,11 +121,27 @@ def _import_attr(module_name: str, attr: str, spec: str) -> Any:
         raise ValueError(
             f"{spec}: cannot import module {module_name!r} ({exc}); check the spelling and that it is on PYTHONPATH"
         ) from None
+    except SyntaxError as exc:
+        raise ValueError(f"{spec}: module {module_name!r} has a syntax error at {exc.filename}:{exc.lineno} "
+                         f"({exc.msg}); fix it and retry") from None
+    except (Exception, SystemExit) as exc:  # the module's own code raised while it was imported
+        raise ValueError(f"{spec}: importing module {module_name!r} raised {type(exc).__name__}: {exc}"
+                         f"{_user_site(exc)}; fix the module so it imports cleanly") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{spec}: module {module_name!r} has no attribute {attr!r}; expected 'package.module:callable'")
         obj = getattr(obj, part)
     return obj
+
+
+def _user_site(exc: BaseException) -> str:
+    """`` at file:line`` of the innermost frame of the user's code in ``exc``'s traceback."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename
+              and not f.filename.endswith(("/importlib/__init__.py", "<frozen importlib._bootstrap>"))
+              and "shardplan/tools/sources.py" not in f.filename.replace(os.sep, "/")]
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
 # --------------------------------------------------------------------------- Hugging Face
