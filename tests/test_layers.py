@@ -94,3 +94,13 @@ def test_every_stage_states_its_contract():
     for init in PACKAGE.glob("*/__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and len(doc.split()) > 20, f"{init} needs a docstring stating what lives there and its contract"
+
+
+def test_no_unused_imports_or_undefined_names():
+    from pyflakes.api import checkPath
+    from pyflakes.reporter import Reporter
+    import io
+
+    out = io.StringIO()
+    problems = sum(checkPath(str(path), Reporter(out, out)) for path in sorted(PACKAGE.rglob("*.py")))
+    assert problems == 0, out.getvalue()
