@@ -115,6 +115,7 @@ def plan_model(
         opts = opts.model_copy(update={"dtype": _model_dtype(model)})
     axes = mesh_axes(mesh)
     tp_axis = _tp_axis(axes, extra.get("tp_axis"))
+    _check_tp_size(model, axes[tp_axis])
     hardware = cost.get_hardware(opts.hardware)
     if example_inputs is None:
         # the CLI's presets default to batch 2 as well: one model, one default shape
@@ -128,7 +129,7 @@ def plan_model(
         tp=axes[tp_axis], hardware=hardware, link=cost.axis_links(hardware, axes)[tp_axis],
         dtype=opts.dtype, memory_budget=opts.memory_budget, opts=opts,
         state_shards=_state_shards(axes, tp_axis, opts.data_parallel),
-        forced=_pin(graph, extra.get("_pinned") or {}),
+        forced=_pin(graph, extra.get("_pinned") or {}) if axes[tp_axis] > 1 else _replicate_all(graph),
     )
     whole: dict[str, str] = {}  # module -> why it runs on whole activations
     squeezed, pending = 0, None
@@ -228,8 +229,45 @@ def price_styles(
     """Plan ``model`` with the given modules pinned to the given styles (a hand-written plan,
     e.g. torchtitan's), so it is priced by the same cost model as the planner's own choice.
     ``styles`` maps module FQNs (fnmatch patterns allowed) to a style name or ``(name,
-    {"input": "S1", "output": "R"})`` to pin layouts too."""
+    {"input": "S1", "output": "R"})`` to pin layouts too. A style that does not exist, or a
+    key that matches no module of ``model``, is a ``ValueError``: the user asked for a plan
+    and must get that plan priced, not the planner's own."""
+    _check_pins(model, styles)
     return plan_model(model, mesh, example_inputs=example_inputs, explain=False, _pinned=dict(styles), **options)
+
+
+def _check_tp_size(model: nn.Module, tp: int) -> None:
+    """Refuse at once a tp larger than any weight dimension: nothing could be split that many
+    ways, and building a fake group that large to check the plan would take minutes."""
+    sizes = [(max(p.shape), name) for name, p in model.named_parameters() if p.dim()]
+    if not sizes:
+        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to shard")
+    largest, name = max(sizes)
+    if tp > largest:
+        raise ValueError(f"tp={tp} is more ranks than any weight of {type(model).__name__} can be split into: its "
+                         f"largest dimension is {largest} ({name}); use a tp of at most {largest}, usually a power "
+                         "of two that divides the head count")
+
+
+def _replicate_all(graph: OpGraph) -> dict[int, str]:
+    """tp=1: nothing is split, so every weight module is simply replicated (the plan then
+    costs nothing over not parallelizing at all)."""
+    return {op.index: "replicate" for op in graph.ops if op.kind == "module"}
+
+
+def _check_pins(model: nn.Module, styles: Mapping[str, Any]) -> None:
+    from .plan.model import STYLES, matches
+
+    modules = [name for name, _ in model.named_modules()]
+    for key, value in styles.items():
+        name = value[0] if isinstance(value, tuple) else value
+        if name not in STYLES:
+            raise ValueError(f"price_styles: {key!r} is pinned to {name!r}, which is not a style; expected one of "
+                             f"{', '.join(STYLES)}")
+        if not any(matches(key, m) for m in modules):
+            example = next((m for m in modules if m), "")
+            raise ValueError(f"price_styles: {key!r} matches no module of {type(model).__name__} (module names look "
+                             f"like {example!r}; use '*' for layer indices)")
 
 
 def _pin(graph: OpGraph, styles: dict) -> dict[int, Any]:
@@ -263,8 +301,14 @@ def auto_parallelize(model: nn.Module, device_mesh: Any, *, example_inputs: tupl
     """``plan_model`` then ``apply_plan``, on every rank. A rank whose planner fails makes
     every rank raise its message (one small exchange), instead of the others waiting for it
     until the process group times out."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     from .apply.agree import agree
 
+    if not isinstance(device_mesh, DeviceMesh):
+        raise ValueError(f"auto_parallelize needs a DeviceMesh to shard on; got {type(device_mesh).__name__}. "
+                         "Make one on every rank, e.g. init_device_mesh('cuda', (8,), mesh_dim_names=('tp',)); "
+                         "plan_model takes axis sizes like {'tp': 8} when you only want the plan")
     try:
         plan = plan_model(model, device_mesh, example_inputs=example_inputs, **options)
     except Exception as exc:  # noqa: BLE001 - every rank must hear of it; agree re-raises it

@@ -15,9 +15,11 @@ Linears add up before one collective.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -178,11 +180,26 @@ def _reduce_partial_grad(param: torch.Tensor) -> None:
         param.grad = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
 
 
+def _check_arguments(model: Any, device_mesh: Any, plan: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"apply_plan needs an nn.Module; got {type(model).__name__}")
+    if not isinstance(device_mesh, DeviceMesh):
+        raise ValueError(f"apply_plan needs a DeviceMesh; got {type(device_mesh).__name__}. Make one on every rank, "
+                         f"e.g. init_device_mesh('cuda', (8,), mesh_dim_names=('tp',))")
+    if not isinstance(plan, Plan):
+        raise ValueError(f"apply_plan needs a shardplan Plan; got {type(plan).__name__} (load one with load_plan)")
+    done = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
+    if done is not None:
+        raise ValueError(f"{type(model).__name__} is already parallelized ({done!r} is a DTensor); "
+                         "apply a plan once, to a model that has not been sharded")
+
+
 def apply_plan(model: nn.Module, device_mesh, plan: Plan, *, check: bool = True) -> nn.Module:
     """Shard ``model`` in place on ``device_mesh`` as ``plan`` says; returns the model.
 
     First the ranks agree on the plan (:func:`.agree.agree`): a rank given another plan
     makes every rank raise at once instead of deadlocking in its first collective."""
+    _check_arguments(model, device_mesh, plan)
     agree(plan)
     if check:
         check_fingerprint(model, plan)

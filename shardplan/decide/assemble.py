@@ -191,8 +191,11 @@ def block_regions(graph: OpGraph, blocks: list[PartialBlock]) -> list[Region]:
 
 
 def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool = False) -> list[str]:
-    """Where the plan falls short of splitting a weight and its compute tp ways."""
+    """Where the plan falls short of splitting a weight and its compute tp ways (at tp=1
+    nothing is split by design, so only the tracer's notes remain)."""
     out = list(graph.traced.notes)
+    if tp == 1:
+        return out
     output_values = {v for op in graph.ops if op.kind == "output" for v in op.inputs}
     pmap = pattern_map(graph)
     for op in graph.ops:

@@ -224,6 +224,7 @@ def from_hf_tp_plan(
             + "\n(pass skip_unsupported=True to leave those modules to fill= and list them in the plan's warnings)"
         )
     unused = [k for k in pinned if k not in module_keys]
+    pinned = {k: v for k, v in pinned.items() if k in module_keys}  # HF ignores unused keys; so do we
     if fill is not None:
         for fqn in _weight_leaves(model):
             if not any(matches(k, fqn) for k in pinned):

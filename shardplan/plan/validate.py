@@ -4,7 +4,8 @@ Contract
 --------
 ``check_findings(plan, model)`` returns one line per problem applying ``plan`` to ``model``
 would hit: a fingerprint that differs, a rule or region that matches no module, a module
-with parameters no rule covers, a split dimension that the tp size does not divide (styles
+with parameters no rule covers, a rule whose style cannot split the module it lands on (a
+norm, a container without parameters of its own), a split dimension that the tp size does not divide (styles
 that gather at once tolerate uneven splits). Empty when the plan fits. ``apply_plan`` warns
 with the same lines, so user intent is never silently ignored.
 """
@@ -70,6 +71,34 @@ def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) 
     return [f"{fqn}: {rule.style} splits weight dim {dim} of size {size}, which tp={tp} does not divide{more}"]
 
 
+# which kinds of module (analyze.graph.module_kind) each style can split; the rest need
+# no weight kind (replicate takes anything; sequence parallel takes norms and the like)
+_KINDS = {
+    "colwise": {"linear", "conv1d", "embedding"}, "colwise_gather_output": {"linear", "conv1d", "embedding"},
+    "packed_colwise": {"linear", "conv1d"}, "rowwise": {"linear", "conv1d", "embedding"},
+    "rowwise_split_input": {"linear", "conv1d"}, "embedding_rowwise": {"embedding"}, "moe_tp_experts": {"experts"},
+}
+
+
+def _wrong_kind(rule: Any, hits: list[str], modules: dict[str, Any]) -> list[str]:
+    """A finding when a rule lands on a module its style cannot split, or on one that owns
+    no parameters (a container: the style would act on its whole call)."""
+    from ..analyze.graph import module_kind
+
+    kinds = _KINDS.get(rule.style)
+    bad = []
+    for fqn in hits:
+        mod = modules[fqn]
+        if not _owns_params(mod) and rule.style != "replicate":
+            bad.append(f"{fqn or '<root>'} ({type(mod).__name__}) owns no parameters")
+        elif kinds is not None and _owns_params(mod) and module_kind(mod) not in kinds:
+            bad.append(f"{fqn or '<root>'} is a {type(mod).__name__} ({module_kind(mod)}), which {rule.style} cannot split")
+    if not bad:
+        return []
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    return [f"rule {rule.module} ({rule.style}): {bad[0]}{more}; narrow the pattern to the modules it fits"]
+
+
 def check_findings(plan: Any, model: Any, *, where: Any = None) -> list[str]:
     """Problems applying ``plan`` to ``model`` would hit; empty when it fits. ``where(key_path)``
     prefixes a finding with the file and line of that key (``shardplan check`` passes one)."""
@@ -85,6 +114,7 @@ def check_findings(plan: Any, model: Any, *, where: Any = None) -> list[str]:
         hits = [fqn for fqn in modules if matches(rule.module, fqn)]
         if not hits:
             findings.append(f"{at(('rules', i, 'module'))}rule {rule.module} ({rule.style}): matches no module of the model")
+        findings += [at(("rules", i, "module")) + f for f in _wrong_kind(rule, hits, modules)]
         findings += [at(("rules", i, "style")) + f for f in _divisibility(rule, hits, modules, plan.tp)] if hits else []
     for i, region in enumerate(plan.regions):
         if not any(matches(region.module, fqn) for fqn in modules):
