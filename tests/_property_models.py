@@ -205,7 +205,13 @@ def build(cfg: PropConfig, *, device: str = "cpu", seed: int = 0) -> PropTransfo
     torch.manual_seed(seed)
     with torch.device(device):
         model = PropTransformer(cfg)
-    with torch.no_grad():  # non-trivial norm weights and biases, so their gradients are checked for real
+    with torch.no_grad():
+        # embeddings at std dim**-0.5 (not nn.Embedding's 1): tied logits stay O(1), as in real
+        # LMs, so an absolute tolerance means the same for tied and untied heads
+        for emb in (model.tok, model.pos):
+            if emb is not None:
+                emb.weight.normal_(0.0, cfg.dim ** -0.5)
+        # non-trivial norm weights and biases, so their gradients are checked for real
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))

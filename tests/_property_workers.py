@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import shardplan
+from shardplan.apply.emit import unpack_packed
 from tests._property_models import PropConfig, build, example_ids
 
 _TARGET_SEED = 4321
@@ -47,6 +48,7 @@ def _run_case(case: dict[str, Any], mesh) -> dict[str, Any]:
     ref = build(cfg, device="cpu", seed=0)
     tp = build(cfg, device="cpu", seed=0)
     shardplan.apply_plan(tp, mesh, plan)
+    world = mesh.size()
     ids = example_ids(cfg, batch=2, seq=8, device="cpu", seed=1)
     target = torch.randint(0, cfg.vocab_size, ids.shape, generator=torch.Generator().manual_seed(_TARGET_SEED))
 
@@ -62,16 +64,22 @@ def _run_case(case: dict[str, Any], mesh) -> dict[str, Any]:
         F.cross_entropy(out_tp.flatten(0, -2), target.flatten()).backward()
 
     ref_params, tp_params = dict(ref.named_parameters()), dict(tp.named_parameters())
+    styles = plan.module_styles()
     grads = {}
     for name, p in ref_params.items():
         q = tp_params.get(name)
         if q is None or q.grad is None or p.grad is None:
             grads[name] = None
             continue
-        grads[name] = _max_abs(_full(q.grad), p.grad)
+        got = _full(q.grad)
+        fqn = name.rpartition(".")[0]
+        if styles.get(fqn) == "packed_colwise":  # its global view is [a_0, b_0, a_1, b_1, ...]
+            got = unpack_packed(got, tp=world, parts=plan.rule_for(fqn).packed or 2)
+        grads[name] = _max_abs(got, p.grad)
     worst = max((k for k in grads if grads[k] is not None), key=lambda k: grads[k], default=None)
     return {
         "out": _max_abs(_full(out_tp), out_ref),
+        "out_scale": float(out_ref.abs().max()),
         "grad": grads[worst] if worst else 0.0,
         "grad_worst": worst,
         "missing_grads": sorted(k for k, v in grads.items() if v is None),

@@ -137,3 +137,18 @@ def test_fake_process_group_refuses_existing_group() -> None:
                 pass
         assert dist.get_world_size() == 4
     assert not dist.is_initialized()
+
+
+
+def test_a_rank_killed_first_is_blamed_not_the_peer_that_saw_it_hang_up(tmp_path) -> None:
+    """The race seen on real runs: rank 1 is SIGKILLed, rank 0's collective fails with
+    'Connection closed by peer' and records that traceback before the parent looks."""
+    from types import SimpleNamespace
+
+    launch._atomic_save({"time": 1.0, "traceback": "RuntimeError: Connection closed by peer [127.0.0.1]:1234\n"},
+                        launch._error_path(tmp_path, 0))
+    procs = [SimpleNamespace(exitcode=1), SimpleNamespace(exitcode=-9)]
+    with pytest.raises(RankError) as info:
+        launch._raise_rank_error(tmp_path, procs)
+    assert info.value.rank == 1
+    assert str(info.value).startswith("rank 1 of 2 failed:\nrank 1 was killed by signal 9")

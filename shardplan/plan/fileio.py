@@ -44,7 +44,10 @@ def _compose(text: str, source: str) -> yaml.Node | None:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
-        raise PlanFileError(f"{source}{where}: not valid YAML ({getattr(exc, 'problem', exc)}); fix the syntax") from None
+        problem = str(getattr(exc, "problem", exc))
+        if "nesting depth" in problem:  # libyaml 0.2.5+ stops there itself
+            raise PlanFileError(f"{source}{where}: nested deeper than a plan file can be (at most {MAX_DEPTH} levels)") from None
+        raise PlanFileError(f"{source}{where}: not valid YAML ({problem}); fix the syntax") from None
     except RecursionError:
         raise PlanFileError(f"{source}: nested deeper than a plan file can be (at most {MAX_DEPTH} levels)") from None
 

@@ -263,7 +263,7 @@ def _kill_all(procs: list[BaseProcess]) -> None:
 
 
 def _failure_text(workdir: Path, rank: int, exitcode: int | None) -> tuple[float, str]:
-    """(time recorded, traceback text) for a failed rank; missing tracebacks sort last."""
+    """(time recorded, traceback text) for a failed rank; ``inf`` when it recorded none."""
     path = _error_path(workdir, rank)
     if path.exists():
         with contextlib.suppress(Exception):
@@ -279,10 +279,23 @@ def _failure_text(workdir: Path, rank: int, exitcode: int | None) -> tuple[float
     )
 
 
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout")
+
+
+def _blame(rank: int, exitcode: int | None, recorded: float, text: str) -> tuple:
+    """Sort key of a failed rank, root cause first. The parent has killed nobody yet when
+    this runs, so a rank killed by SIGKILL (the OOM killer, a user) or crashed by SIGSEGV
+    died first; then ranks whose own code raised; then other silent exits (an abort);
+    last, ranks whose traceback only says that a peer hung up, which follows the others."""
+    if recorded == math.inf:
+        return (0 if exitcode in (-9, -11) else 2, rank)
+    return (3 if any(s in text for s in _PEER_GONE) else 1, recorded, rank)
+
+
 def _raise_rank_error(workdir: Path, procs: list[BaseProcess]) -> None:
     failed = [rank for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
     texts = {rank: _failure_text(workdir, rank, procs[rank].exitcode) for rank in failed}
-    order = sorted(failed, key=lambda rank: (texts[rank][0], rank))
+    order = sorted(failed, key=lambda rank: _blame(rank, procs[rank].exitcode, *texts[rank]))
     first = order[0]
     failures = {rank: texts[rank][1] for rank in order}
     message = f"rank {first} of {len(procs)} failed:\n{failures[first]}"
