@@ -350,3 +350,33 @@ def test_seven_heads_at_tp2_names_the_heads_and_the_line():
     assert "7 groups (heads)" in wq and "tp=2" in wq and re.search(r"llama\.py:\d+", wq)
     with pytest.raises(shardplan.PlanningError, match=r"7 groups \(heads\).*tp=2"):
         shardplan.plan_model(model, {"tp": 2}, example_inputs=(ids,), explain=False, strict=True)
+
+
+class _SizeOneHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.head = nn.Linear(16, 32), nn.Linear(32, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("model_fn", [_SizeOneHead, lambda: build_preset("llama3-debug", device="cpu")])
+def test_tp1_replicates_everything_and_runs(model_fn):
+    model = model_fn()
+    x = torch.zeros(2, 16) if isinstance(model, _SizeOneHead) else torch.zeros(2, 8, dtype=torch.long)
+    plan = shardplan.plan_model(model, {"tp": 1}, example_inputs=(x,), explain=False)
+    assert set(plan.module_styles().values()) == {"replicate"}
+    assert plan.regions == [] and plan.warnings == [] and plan.estimate.comm_bytes_per_step == 0
+    result = simulate(model, plan, (x,))  # forward and backward on a fake group of 1
+    assert result.matches
+
+
+def test_a_tp_larger_than_every_weight_dimension_is_refused_before_tracing():
+    import time
+
+    model = build_preset("llama3-8b")
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"tp=1000000 is more ranks .* largest dimension is 128256 \(tok_embeddings\.weight\)"):
+        shardplan.plan_model(model, {"tp": 1_000_000}, explain=False)
+    assert time.perf_counter() - start < 1.0
