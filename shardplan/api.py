@@ -116,6 +116,8 @@ def plan_model(
     axes = mesh_axes(mesh)
     tp_axis = _tp_axis(axes, extra.get("tp_axis"))
     _check_tp_size(model, axes[tp_axis])
+    if axes[tp_axis] == 1:  # nothing is split: no sequence or vocabulary shards either
+        opts = opts.model_copy(update={"sequence_parallel": False, "loss_parallel": False})
     hardware = cost.get_hardware(opts.hardware)
     if example_inputs is None:
         # the CLI's presets default to batch 2 as well: one model, one default shape

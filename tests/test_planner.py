@@ -380,3 +380,16 @@ def test_a_tp_larger_than_every_weight_dimension_is_refused_before_tracing():
     with pytest.raises(ValueError, match=r"tp=1000000 is more ranks .* largest dimension is 128256 \(tok_embeddings\.weight\)"):
         shardplan.plan_model(model, {"tp": 1_000_000}, explain=False)
     assert time.perf_counter() - start < 1.0
+
+
+def test_tp1_with_sequence_parallel_asked_for_still_replicates():
+    plan = shardplan.plan_model(build_preset("gpt2-debug"), {"tp": 1}, explain=False, sequence_parallel=True)
+    assert set(plan.module_styles().values()) == {"replicate"}
+
+
+@pytest.mark.parametrize("module", [nn.Linear(8, 16), nn.Embedding(64, 16)])
+def test_a_bare_weight_module_is_a_model_too(module):
+    x = torch.zeros(2, 8) if isinstance(module, nn.Linear) else torch.zeros(2, 8, dtype=torch.long)
+    plan = shardplan.plan_model(module, {"tp": 2}, example_inputs=(x,), explain=False)
+    assert list(plan.module_styles()) == [""] and plan.module_styles()[""] != "replicate"
+    assert simulate(module, plan, (x,)).matches

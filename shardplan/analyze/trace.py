@@ -451,6 +451,9 @@ def _strip_root(graph: torch.fx.Graph, model: nn.Module, tracer: _ShardTracer) -
     for node in graph.nodes:
         if node.op in ("call_module", "get_attr") and isinstance(node.target, str):
             node.target = node.target[2:] if node.target.startswith("m.") else node.target
+            if node.op == "call_module" and node.target == "m":
+                node.target = ""  # the model is itself a weight module (a bare nn.Linear)
+
     def user_fqn(fqn: str) -> str:
         return "" if fqn == "m" else fqn[2:]
 
