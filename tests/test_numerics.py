@@ -100,6 +100,9 @@ CASES = [
     Case("llama3-debug", 2, {"sequence_parallel": True}),
     Case("parallel-debug", 2),
     Case("llama3-debug", 2, {"loss_parallel": True}),
+    # a learned position embedding beside sequence-sharded tokens: replicated, its output sliced
+    Case("gpt2-debug", 2, {"sequence_parallel": True}),
+    Case("parallel-debug", 2, {"sequence_parallel": True}),
 ]
 _BY_ID = {c.id: c for c in CASES}
 assert len(_BY_ID) == len(CASES)

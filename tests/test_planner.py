@@ -393,3 +393,11 @@ def test_a_bare_weight_module_is_a_model_too(module):
     plan = shardplan.plan_model(module, {"tp": 2}, example_inputs=(x,), explain=False)
     assert list(plan.module_styles()) == [""] and plan.module_styles()[""] != "replicate"
     assert simulate(module, plan, (x,)).matches
+
+
+@pytest.mark.parametrize("name", ["gpt2-debug", "parallel-debug"])
+def test_sequence_parallel_plans_a_learned_position_embedding_by_slicing_it(name):
+    plan = plan_for(name, 2, explain=False, sequence_parallel=True)
+    wpe = plan.rule_for("wpe")
+    assert (wpe.style, wpe.output_layouts) == ("replicate", "Shard(0)")  # wpe(arange(s)) is [s, h]
+    assert simulate(build_preset(name, device="meta"), plan, get_preset(name).example_inputs(device="meta")).matches

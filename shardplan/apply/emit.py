@@ -66,7 +66,7 @@ def _style(rule: Rule, *, conv1d: bool = False) -> ParallelStyle:
     if rule.style == "moe_tp_experts":
         return MoEExpertsParallel()
     if rule.style == "replicate":
-        return ReplicateParallel()
+        return ReplicateParallel(output_layouts=out)
     raise ValueError(f"style {rule.style!r} of {rule.module!r} has no emitter; expected one of colwise, rowwise, ...")
 
 

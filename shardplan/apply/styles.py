@@ -61,8 +61,20 @@ class ReplicateParallel(ParallelStyle):
     inputs computes the same thing on every rank, and its gradients need no collective.
     """
 
+    def __init__(self, *, output_layouts: Any = None) -> None:
+        super().__init__()
+        # Shard(d): hand on this rank's slice of the (replicated) output, as a position
+        # embedding beside sequence-sharded tokens; Replicate -> Shard is a local slice
+        # forward and an all-gather of the gradient backward
+        self.output_layouts = output_layouts
+
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        return distribute_module(module, device_mesh, None, _inputs_to_replicate, _outputs_to_local)
+        layout = self.output_layouts
+
+        def to_shard(_module, outputs, mesh):  # distribute_module wants exactly 3 arguments
+            return outputs.redistribute(mesh, [layout]).to_local() if isinstance(outputs, DTensor) else outputs
+
+        return distribute_module(module, device_mesh, None, _inputs_to_replicate, _outputs_to_local if layout is None else to_shard)
 
 
 def _inputs_to_replicate(module, inputs, device_mesh):

@@ -207,7 +207,25 @@ def _embedding(op: Op, graph: OpGraph, module: nn.Embedding, tp: int, sp: bool) 
             ))
     if module.embedding_dim % tp == 0:
         out.append(Strategy("colwise", ("R",), f"S{last}", param_bytes=pbytes / tp, act_bytes=y.nbytes / tp, layouts={"weight": "S1"}))
+    out += _sliced_replicate(op, graph, module, tp) if sp else []
     return out
+
+
+def _sliced_replicate(op: Op, graph: OpGraph, module: nn.Module, tp: int) -> list[Strategy]:
+    """A replicated embedding whose output is sharded on a non-feature dim (a learned
+    position embedding, ``wpe(arange(s))`` -> [s, h], beside sequence-sharded tokens).
+    Replicate -> Shard(d) is a local slice: no forward collective. Its backward is Shard(d)
+    -> Replicate, an all-gather of the output's gradient, after which the embedding's
+    weight gradient is whole on every rank."""
+    y = graph.values[op.output]
+    base = _replicate(op, graph, module)
+    # [s, h] (positions without a batch) slices dim 0; [b, s, h] the sequence dims, never the batch
+    dims = _seq_dims(y.shape, tp) if len(y.shape) > 2 else [0] if y.shape[0] % tp == 0 and y.shape[0] >= tp else []
+    return [
+        replace(base, output=f"S{d}", bwd=(("all_gather", y.nbytes),), act_bytes=y.nbytes / tp,
+                layouts={"weight": "R", "output": f"S{d}"})
+        for d in dims
+    ]
 
 
 def _experts(op: Op, graph: OpGraph, module: nn.Module, tp: int) -> list[Strategy]:
