@@ -152,7 +152,7 @@ def plan_model(
                 continue
         try:
             if extra.get("check", True):
-                check_local_shapes(graph, plan, solution.placements)
+                check_local_shapes(graph, plan, solution.placements, mesh=mesh)
             break
         except LocalShapeError as exc:
             if (exc.module is None or exc.module in whole) and not extra.get("strict"):

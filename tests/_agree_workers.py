@@ -37,3 +37,13 @@ def planner_fails_on_one_rank(rank: int, world_size: int) -> tuple[str, str, flo
     inputs = (torch.zeros(2, 128),)
     return _timed(lambda: shardplan.auto_parallelize(model, make_mesh({"tp": world_size}), example_inputs=inputs,
                                                      memory_budget=budget, explain=False))
+
+
+def plan_under_the_process_group(rank: int, world_size: int) -> str:
+    """The plan ``auto_parallelize`` would apply, made on this rank under its gloo group."""
+    from tests.portability.heads import HardCodedHeads
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(HardCodedHeads(), torch.nn.LayerNorm(32))
+    mesh = make_mesh({"tp": world_size})
+    return shardplan.plan_model(model, mesh, example_inputs=(torch.zeros(2, 8, 32, device="meta"),)).to_yaml()

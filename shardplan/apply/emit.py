@@ -40,8 +40,8 @@ from .styles import (
 )
 
 __all__ = [
-    "ReplicateParallel", "MoEExpertsParallel", "unpack_experts", "unpack_packed", "to_parallelize_plan", "apply_plan", "tp_mesh",
-    "check_fingerprint",
+    "ReplicateParallel", "MoEExpertsParallel", "unpack_experts", "unpack_packed", "to_parallelize_plan", "apply_plan", "shard",
+    "tp_mesh", "check_fingerprint",
 ]
 
 
@@ -207,6 +207,13 @@ def apply_plan(model: nn.Module, device_mesh, plan: Plan, *, check: bool = True)
 
         for finding in check_findings(plan, model):  # a rule that matches nothing, a weight no rule covers
             warnings.warn(f"apply_plan: {finding}", stacklevel=2)
+    return shard(model, device_mesh, plan)
+
+
+def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
+    """The thin loop itself: ``parallelize_module`` with the plan's styles, output regions,
+    re-tied weights, gradient hooks. No checks and no exchange between ranks; on a meta
+    model nothing is communicated, which is how the planner's local check runs it."""
     mesh = tp_mesh(device_mesh, plan)
     if mesh.size() != plan.tp:
         raise ValueError(f"the plan was made for tp={plan.tp} but the mesh's tp axis has {mesh.size()} ranks; re-plan for this mesh")

@@ -4,19 +4,20 @@ Contract
 --------
 ``check_local_shapes(graph, plan)`` applies ``plan`` to a meta-device copy of each
 representative block (the whole model when nothing repeats) under a temporary fake process
-group of the plan's tp size, and runs it once on the example shapes the tracer recorded.
+group of the plan's tp size (or, under the caller's process group, on the caller's mesh:
+meta tensors communicate nothing), and runs it once on the example shapes the tracer recorded.
 Model code that hard-codes a global size (``view(b, s, self.num_heads, d)`` where the
 local tensor holds ``num_heads / tp`` heads) fails here, and the check raises
 :class:`~shardplan.decide.solve.PlanningError` naming the module and the source line, instead of
-handing the user a plan that crashes on the cluster. It needs no process group of the
-caller's; when one already exists it cannot borrow the default group and skips (apply-time
-errors then surface as usual).
+handing the user a plan that crashes on the cluster. The plan is therefore the same with or
+without a process group.
 """
 
 from __future__ import annotations
 
 import copy
 import traceback
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,10 @@ from ..analyze.graph import OpGraph
 from ..analyze.trace import is_internal, portable_path
 from ..plan.model import Plan, expand_pattern
 from ..decide.solve import PlanningError
+from .emit import shard
+from .mesh import fake_process_group, make_mesh
 
-__all__ = ["check_local_shapes", "LocalShapeError"]
+__all__ = ["check_local_shapes", "LocalShapeError", "LocalCheckUnavailable"]
 
 
 class LocalShapeError(PlanningError):
@@ -107,29 +110,56 @@ def _culprit(block: nn.Module, stack: list[str], target: str) -> str | None:
     return target or None  # the whole model: no submodule to run whole
 
 
-def check_local_shapes(graph: OpGraph, plan: Plan, placements: dict[int, str]) -> None:
-    if plan.tp == 1 or dist.is_initialized() or graph.traced.notes:
-        return  # nothing split / the default group is the caller's / shapes were assumed
-    from .emit import apply_plan
-    from .mesh import fake_process_group, make_mesh
+def check_local_shapes(graph: OpGraph, plan: Plan, placements: dict[int, str], *, mesh: Any = None) -> None:
+    """Run each block's shards on meta tensors; raise :class:`LocalShapeError` where they fail.
 
-    with fake_process_group(plan.tp):
-        mesh = make_mesh({"tp": plan.tp})
-        for target in _targets(graph):
-            call = graph.traced.calls[target][0]
-            block = _meta_copy(graph.model.get_submodule(target))
-            apply_plan(block, mesh, _sub_plan(plan, target), check=False)
-            args, kwargs = _local_args(call, placements, plan.tp)
-            stack = _track_modules(block)
-            try:
-                with torch.no_grad():
-                    block(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
-                culprit = _culprit(block, stack, target)
-                raise LocalShapeError(
-                    f"{culprit or type(graph.model).__name__}: running its shards at tp={plan.tp} fails at "
-                    f"{_user_frame(exc)}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}. The code uses a "
-                    "global size (a head count or width) where a shard holds 1/tp of it: compute it from the "
-                    "tensor (view(b, s, -1, head_dim)), or let that module run whole (the default without strict)",
-                    culprit,
-                ) from None
+    Without a process group it makes a fake one of the plan's tp size. Under the caller's
+    process group (``auto_parallelize`` under torchrun) it runs on ``mesh``'s tp axis
+    instead: DTensor on meta tensors computes shapes only and communicates nothing, so the
+    check, and the plan, are the same with or without a process group."""
+    if plan.tp == 1 or graph.traced.notes:
+        return  # nothing split / shapes were assumed
+    if not dist.is_initialized():
+        with fake_process_group(plan.tp):
+            _run_blocks(graph, plan, placements, make_mesh({"tp": plan.tp}))
+        return
+    tp_group = _caller_tp_mesh(mesh, plan)
+    if tp_group is None:
+        raise LocalCheckUnavailable(
+            f"a process group exists and the mesh was given as sizes {dict(plan.mesh.axes)}, not as a DeviceMesh of "
+            f"tp={plan.tp}; pass the DeviceMesh (as auto_parallelize does) so the plan is checked as without one")
+    _run_blocks(graph, plan, placements, tp_group)
+
+
+class LocalCheckUnavailable(PlanningError):
+    """The local check cannot run here (a process group exists, but no mesh of the plan's tp)."""
+
+
+def _caller_tp_mesh(mesh: Any, plan: Plan) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        return None
+    sub = mesh[plan.mesh.tp_axis] if mesh.ndim > 1 else mesh
+    return sub if sub.size() == plan.tp else None
+
+
+def _run_blocks(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any) -> None:
+    for target in _targets(graph):
+        call = graph.traced.calls[target][0]
+        block = _meta_copy(graph.model.get_submodule(target))
+        shard(block, mesh, _sub_plan(plan, target))
+        args, kwargs = _local_args(call, placements, plan.tp)
+        stack = _track_modules(block)
+        try:
+            with torch.no_grad():
+                block(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
+            culprit = _culprit(block, stack, target)
+            raise LocalShapeError(
+                f"{culprit or type(graph.model).__name__}: running its shards at tp={plan.tp} fails at "
+                f"{_user_frame(exc)}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}. The code uses a "
+                "global size (a head count or width) where a shard holds 1/tp of it: compute it from the "
+                "tensor (view(b, s, -1, head_dim)), or let that module run whole (the default without strict)",
+                culprit,
+            ) from None
