@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardplan
+import shardplan.apply.mesh
 from shardplan.models import LlamaConfig, Transformer, build_preset, get_preset
 from shardplan.plan.model import Plan
 from shardplan.tools.simulate import simulate
@@ -142,8 +143,8 @@ def test_local_shapes_after_apply(tp):
     plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=(ids,), explain=False)
     full = {n: tuple(p.shape) for n, p in model.named_parameters()}
     styles = plan.module_styles()
-    with shardplan.tools.launch.fake_process_group(tp):
-        shardplan.apply_plan(model, shardplan.tools.launch.make_mesh({"tp": tp}), plan)
+    with shardplan.apply.mesh.fake_process_group(tp):
+        shardplan.apply_plan(model, shardplan.apply.mesh.make_mesh({"tp": tp}), plan)
         for name, p in model.named_parameters():
             module, _, kind = name.rpartition(".")
             expect = list(full[name])
