@@ -243,7 +243,7 @@ def _check_tp_size(model: nn.Module, tp: int) -> None:
     ways, and building a fake group that large to check the plan would take minutes."""
     sizes = [(max(p.shape), name) for name, p in model.named_parameters() if p.dim()]
     if not sizes:
-        raise ValueError(f"{type(model).__name__} has no parameters: there is nothing to shard")
+        raise PlanningError(f"{type(model).__name__} has no parameters: there is nothing to shard")
     largest, name = max(sizes)
     if tp > largest:
         raise ValueError(f"tp={tp} is more ranks than any weight of {type(model).__name__} can be split into: its "
