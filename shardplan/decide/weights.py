@@ -149,6 +149,11 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
         out.append(Strategy(
             "packed_colwise", ("R",), packed(last, k), entry=("R",), layouts={"weight": f"S0p{k}", "packed": k}, **col,
         ))
+        for d in _seq_dims(x.shape, tp) if sp else []:  # a sequence-sharded input is all-gathered on entry
+            out.append(Strategy(
+                "packed_colwise", (f"S{d}",), packed(last, k), entry=(f"S{d}",),
+                layouts={"weight": f"S0p{k}", "packed": k, "input": f"S{d}"}, **col,
+            ))
     if n_in % tp == 0:
         out += _rowwise(x, y, module, pbytes, flops, tp, sp, row_w)
     return out

@@ -19,6 +19,7 @@ model (:mod:`shardplan.plan.model`) validates.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections import deque
 from pathlib import Path
@@ -31,6 +32,11 @@ __all__ = ["PlanFileError", "load_mapping", "key_lines", "read_text", "describe"
 
 MAX_DEPTH = 32  # a plan file nests 5 deep; anything far deeper is not a plan
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_BRACKETS = re.compile(r"[\[\]{}]")
+_DEEP_INDENT = re.compile(r"^ {%d}" % (8 * MAX_DEPTH), re.M)
+# the only tags a plan file's values take; the others (!!python/..., !!set, !!timestamp,
+# the << merge key, custom !tags) are refused before anything is constructed
+_PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "seq", "map")}
 _MAX_ERRORS = 5
 
 
@@ -38,9 +44,27 @@ class PlanFileError(ValueError):
     """A plan file that cannot be used; the message names the file, the key and what to do."""
 
 
+def _too_deep(text: str) -> int | None:
+    """The line where flow brackets or indentation nest far past any plan file, checked
+    before libyaml parses (deep enough nesting crashes its recursive parser)."""
+    depth = 0
+    for m in _BRACKETS.finditer(text):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > 4 * MAX_DEPTH:
+            return text.count("\n", 0, m.start()) + 1
+    deep = _DEEP_INDENT.search(text)
+    return None if deep is None else text.count("\n", 0, deep.start()) + 1
+
+
 def _compose(text: str, source: str) -> yaml.Node | None:
+    deep = _too_deep(text)
+    if deep is not None:
+        raise PlanFileError(f"{source}:{deep}: nested deeper than a plan file can be (at most {MAX_DEPTH} levels)")
     try:
         return yaml.compose(text, Loader=_LOADER)
+    except UnicodeError:
+        raise PlanFileError(f"{source}: holds characters that are not valid UTF-8 text (a lone surrogate); "
+                            "a plan file is YAML text written by `shardplan plan -o`") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
@@ -68,6 +92,9 @@ def _walk(root: yaml.Node, source: str) -> dict[tuple, int]:
             raise PlanFileError(f"{source}:{node.start_mark.line + 1}: nested deeper than a plan file can be "
                                 f"(at most {MAX_DEPTH} levels)")
         lines.setdefault(path, node.start_mark.line + 1)
+        if node.tag not in _PLAIN_TAGS:
+            raise PlanFileError(f"{source}:{node.start_mark.line + 1}: {_key(path)}: YAML tag {node.tag.split(':')[-1]!r} is "
+                                "not allowed in plan files; write a plain string, number, list or mapping")
         if isinstance(node, yaml.MappingNode):
             queue.extend(_mapping_children(node, path, lines, source))
         elif isinstance(node, yaml.SequenceNode):
@@ -79,8 +106,11 @@ def _mapping_children(node: yaml.MappingNode, path: tuple, lines: dict[tuple, in
     first: dict[Any, int] = {}
     children = []
     for k, v in node.value:
-        name = k.value if isinstance(k, yaml.ScalarNode) else repr(k.value)
         line = k.start_mark.line + 1
+        if not isinstance(k, yaml.ScalarNode) or k.tag not in _PLAIN_TAGS:
+            raise PlanFileError(f"{source}:{line}: {_key(path)}: a key must be a plain name, got "
+                                f"{'a ' + type(k).__name__.replace('Node', '').lower() if not isinstance(k, yaml.ScalarNode) else repr(k.value)}")
+        name = k.value
         if name in first:
             raise PlanFileError(f"{source}:{line}: {_key(path + (name,))}: key given twice (lines {first[name]} and "
                                 f"{line}); keep one")
@@ -96,7 +126,13 @@ def load_mapping(text: str, *, source: str = "<string>") -> tuple[dict, dict[tup
         got = "nothing" if root is None else type(root).__name__.replace("Node", "").lower()
         raise PlanFileError(f"{source}: a plan file is a YAML mapping with 'version', 'mesh', 'rules'; got {got}")
     lines = _walk(root, source)
-    return SafeConstructor().construct_document(root), lines
+    try:
+        return SafeConstructor().construct_document(root), lines
+    except (yaml.YAMLError, ValueError, KeyError, TypeError, OverflowError) as exc:  # e.g. `!!int abc`
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise PlanFileError(f"{source}{where}: a value cannot be read ({type(exc).__name__}: "
+                            f"{str(getattr(exc, 'problem', None) or exc)[:120]}); write plain values") from None
 
 
 def read_text(path: Path) -> str:

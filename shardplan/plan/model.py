@@ -56,7 +56,8 @@ def _check_layout(value: str) -> str:
     return value
 
 
-AxisSize = Annotated[int, Field(strict=True, ge=1)]  # strict: `tp: true` is not tp=1
+AxisSize = Annotated[int, Field(strict=True, ge=1, le=2**31 - 1)]  # strict: `tp: true` is not tp=1
+Count = Annotated[int, Field(strict=True, ge=1)]
 
 
 Layout = Annotated[str, AfterValidator(_check_layout)]
@@ -120,6 +121,8 @@ def portable(value: float, *, seconds: bool) -> float:
 class _Estimated(_Strict):
     """A record of predicted figures: ``*_s`` fields are seconds, the other floats bytes."""
 
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
     @model_validator(mode="before")
     @classmethod
     def _portable(cls, data: object) -> object:
@@ -165,8 +168,8 @@ class Decision(_Estimated):
 class ModelInfo(_Strict):
     class_name: str
     fingerprint: str
-    num_params: int
-    repeats: dict[str, int | list[str]] = Field(default_factory=dict)
+    num_params: Annotated[int, Field(strict=True, ge=0)]
+    repeats: dict[str, Count | list[str]] = Field(default_factory=dict)  # container -> its children's count or names
 
 
 class MeshInfo(_Strict):
