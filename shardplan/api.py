@@ -11,12 +11,14 @@ data. It never needs a process group: ``mesh`` may be a ``DeviceMesh`` or axis s
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from .decide import cost
@@ -81,7 +83,12 @@ def _options(opts: dict[str, Any]) -> tuple[PlanOptions, dict[str, Any]]:
         opts["memory_budget"] = cost.parse_bytes(opts["memory_budget"])
     if "dtype" in opts:
         cost.dtype_bytes(opts["dtype"])
-    return PlanOptions(**opts), extra
+    try:
+        return PlanOptions(**opts), extra
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = ".".join(str(p) for p in err["loc"])
+        raise ValueError(f"plan_model option {name}={err.get('input')!r}: {err['msg']}") from None
 
 
 def _state_shards(axes: dict[str, int], tp_axis: str, data_parallel: str) -> int:
@@ -110,6 +117,9 @@ def plan_model(
     model: nn.Module, mesh: Any, *, example_inputs: tuple | None = None, example_kwargs: dict | None = None, **options: Any
 ) -> Plan:
     """Decide the tensor-parallel plan of ``model`` on ``mesh``; see the module docstring."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"plan_model needs an nn.Module; got {type(model).__name__} {model!r:.60}. Build the model "
+                         "first (on the meta device it costs no memory), e.g. shardplan.models.build_preset('mlp')")
     opts, extra = _options(dict(options))
     if opts.dtype is None:
         opts = opts.model_copy(update={"dtype": _model_dtype(model)})
@@ -263,6 +273,8 @@ def _check_pins(model: nn.Module, styles: Mapping[str, Any]) -> None:
     modules = [name for name, _ in model.named_modules()]
     for key, value in styles.items():
         name = value[0] if isinstance(value, tuple) else value
+        if isinstance(value, tuple):
+            _check_layout_pin(key, value)
         if name not in STYLES:
             raise ValueError(f"price_styles: {key!r} is pinned to {name!r}, which is not a style; expected one of "
                              f"{', '.join(STYLES)}")
@@ -270,6 +282,19 @@ def _check_pins(model: nn.Module, styles: Mapping[str, Any]) -> None:
             example = next((m for m in modules if m), "")
             raise ValueError(f"price_styles: {key!r} matches no module of {type(model).__name__} (module names look "
                              f"like {example!r}; use '*' for layer indices)")
+
+
+_PIN_PLACEMENT = re.compile(r"^(R|P|S-?\d+)$")
+
+
+def _check_layout_pin(key: str, value: tuple) -> None:
+    if len(value) != 2 or not isinstance(value[1], Mapping):
+        raise ValueError(f"price_styles: {key!r} is pinned to {value!r}; expected a style or (style, {{'input': 'S1'}})")
+    for k, v in value[1].items():
+        if k not in ("input", "output"):
+            raise ValueError(f"price_styles: {key!r} pins layout {k!r}; the layouts are 'input' and 'output'")
+        if not isinstance(v, str) or not _PIN_PLACEMENT.match(v):
+            raise ValueError(f"price_styles: {key!r} pins {k} to {v!r}; placements are written R, P or S<d> (S1, S-1)")
 
 
 def _pin(graph: OpGraph, styles: dict) -> dict[int, Any]:

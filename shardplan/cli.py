@@ -44,6 +44,7 @@ from typing import Any
 __all__ = ["main", "build_parser", "parse_mesh"]
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+_MAX_COUNT = 2**31 - 1
 _AXIS_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)=([1-9][0-9]*)")
 _MESH_EXAMPLE = "e.g. --mesh tp=8 or --mesh dp=16,tp=8"
 _TRACEBACK_ENV = "SHARDPLAN_TRACEBACK"  # set: unexpected errors show their traceback
@@ -72,6 +73,8 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if value > _MAX_COUNT:  # a batch or sequence no tensor can hold (torch sizes are int64)
+        raise argparse.ArgumentTypeError(f"{text} is too large; expected at most {_MAX_COUNT}")
     return value
 
 
@@ -277,10 +280,20 @@ def _output_format(args: argparse.Namespace) -> str:
     return "json" if Path(args.output).suffix.lower() == ".json" else "yaml"
 
 
+def _check_output_path(path: Path, *, force: bool) -> None:
+    if path.is_dir():
+        raise ValueError(f"-o {path}: is a directory; give a file name, e.g. -o {path / 'plan.yaml'}")
+    if path.exists() and not force:
+        raise FileExistsError(f"{path} exists; pass --force to overwrite it")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"-o {path}: {parent} is a file, not a directory; write the plan somewhere else")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     fmt = _output_format(args)
-    if args.output and not args.force and Path(args.output).exists():  # fail before the slow part
-        raise FileExistsError(f"{args.output} exists; pass --force to overwrite it")
+    if args.output:  # fail before the slow part
+        _check_output_path(Path(args.output), force=args.force)
     plan, model, name = _make_plan(args, explain=not args.no_explain)
     if args.output:
         from .plan.fileio import atomic_write

@@ -521,10 +521,14 @@ def parse_bytes(text: str | int) -> int:
         raise ValueError(
             f"cannot parse byte size {text!r}; expected e.g. '80GB', '80GiB' or '4096'"
         )
-    value = float(match.group(1)) * 10 ** int(match.group(2) or 0) * unit
-    if unit == 1 and value != int(value):
+    try:
+        value = float(match.group(1)) * 10 ** int(match.group(2) or 0) * unit
+        whole = int(round(value))
+    except (OverflowError, ValueError):  # 1e400: no device has that many bytes
+        raise ValueError(f"byte size {text!r} is out of range; give a device's memory, e.g. '80GB'") from None
+    if unit == 1 and value != whole:
         raise ValueError(f"byte size {text!r} is not a whole number of bytes; e.g. '1.5GB'")
-    return int(round(value))
+    return whole
 
 
 def format_bytes(num_bytes: float) -> str:

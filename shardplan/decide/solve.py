@@ -142,7 +142,8 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
 
 def _forced_match(s: Strategy, want: str | tuple[str, dict[str, str]]) -> bool:
     name, layouts = (want, {}) if isinstance(want, str) else want
-    return s.name == name and all(s.layouts.get(k) == v for k, v in layouts.items())
+    own = {"input": s.inputs[0] if s.inputs else None, "output": s.output}  # what a strategy does not restate
+    return s.name == name and all(s.layouts.get(k, own.get(k)) == v for k, v in layouts.items())
 
 
 def _rows(prog: _Program) -> tuple[list[dict[int, float]], list[float], list[float]]:
@@ -361,6 +362,9 @@ def _solution(prog: _Program, x: np.ndarray, time, params, memory) -> Solution:
 
 def _no_strategy_message(op: Op, ctx: SolveContext) -> str:
     forced = ctx.forced.get(op.index)
+    if isinstance(forced, tuple):
+        return (f"{op.target!r} cannot take style {forced[0]!r} with layouts {forced[1]} at tp={ctx.tp}: no strategy "
+                "of that style has them (or a dimension it splits does not divide)")
     if forced:
         return f"{op.target!r} cannot take style {forced!r} at tp={ctx.tp}: a dimension it splits is not divisible by {ctx.tp}"
     return f"op {op.target!r} in {op.owner or 'the top level'!r} has no valid placement at tp={ctx.tp}"

@@ -63,7 +63,18 @@ def hf_config(tf: Any, model_type: str | None, path: Path | None) -> Any:
         raise ValueError(f"unknown Hugging Face model type {model_type!r}: expected a transformers model_type{hint}") from None
 
 
+def _check_sizes(cfg: Any, spec: str) -> None:
+    """A config whose sizes are not positive fails deep inside a constructor; name the key."""
+    values = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    for keys, _ in _SIZES:
+        for key in keys:
+            value = values.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+                raise ValueError(f"{spec}: config {key} is {value}; sizes (heads, widths, layers) must be positive")
+
+
 def hf_build(tf: Any, cfg: Any, spec: str, *, device: str | torch.device) -> nn.Module:
+    _check_sizes(cfg, spec)
     with torch.device(device):
         try:
             return _from_config(tf, cfg, spec)

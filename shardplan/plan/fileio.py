@@ -34,6 +34,7 @@ MAX_DEPTH = 32  # a plan file nests 5 deep; anything far deeper is not a plan
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _BRACKETS = re.compile(r"[\[\]{}]")
 _DEEP_INDENT = re.compile(r"^ {%d}" % (8 * MAX_DEPTH), re.M)
+_DEEP_DASHES = re.compile(r"(?:- +){%d}" % (4 * MAX_DEPTH))  # `- - - ... x`: sequences nested on one line
 # the only tags a plan file's values take; the others (!!python/..., !!set, !!timestamp,
 # the << merge key, custom !tags) are refused before anything is constructed
 _PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "seq", "map")}
@@ -52,7 +53,7 @@ def _too_deep(text: str) -> int | None:
         depth += 1 if m.group() in "[{" else -1
         if depth > 4 * MAX_DEPTH:
             return text.count("\n", 0, m.start()) + 1
-    deep = _DEEP_INDENT.search(text)
+    deep = _DEEP_INDENT.search(text) or _DEEP_DASHES.search(text)
     return None if deep is None else text.count("\n", 0, deep.start()) + 1
 
 

@@ -184,11 +184,11 @@ class MeshInfo(_Strict):
 
 
 class PlanOptions(_Strict):
-    batch_size: int | None = None
-    seq_len: int | None = None
+    batch_size: Annotated[int, Field(ge=1)] | None = None
+    seq_len: Annotated[int, Field(ge=1)] | None = None
     dtype: str | None = None  # training dtype; None: the model's parameter dtype
     hardware: str = "h100-nvlink"
-    memory_budget: int | None = None
+    memory_budget: Annotated[int, Field(ge=1)] | None = None
     sequence_parallel: bool | None = None  # None: let the optimizer decide
     loss_parallel: bool = False
     optimizer: Literal["adamw", "adamw-mixed", "adam", "sgd-momentum", "sgd", "none"] = "adamw"  # memory model

@@ -25,16 +25,19 @@ what was expected and what to try.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..analyze.trace import portable_path
 from ..interop.hf_models import hf_build, hf_config, transformers_module
 
 __all__ = ["resolve_model", "SPEC_HELP"]
@@ -53,6 +56,8 @@ def resolve_model(
     from ..models import PRESETS
 
     spec = spec.strip()
+    if not spec:
+        raise ValueError(_unknown_message(spec, list(PRESETS)))
     if spec in PRESETS:
         return _preset(spec, device=device, batch_size=batch_size, seq_len=seq_len)
     if spec.startswith("hf:"):
@@ -99,7 +104,7 @@ def _from_callable(spec: str, *, device: str | torch.device) -> nn.Module:
     if not callable(fn):
         raise ValueError(f"{spec}: {attr} is a {type(fn).__name__}, not a callable; point at a function or class")
     try:
-        with torch.device(device):
+        with torch.device(device), _no_hard_exit():
             model = fn()
     except (Exception, SystemExit) as exc:  # the user's code: a bad spec, not a crash (nor a silent exit)
         raise ValueError(
@@ -122,7 +127,7 @@ def _import_attr(module_name: str, attr: str, spec: str) -> Any:
             f"{spec}: cannot import module {module_name!r} ({exc}); check the spelling and that it is on PYTHONPATH"
         ) from None
     except SyntaxError as exc:
-        raise ValueError(f"{spec}: module {module_name!r} has a syntax error at {exc.filename}:{exc.lineno} "
+        raise ValueError(f"{spec}: module {module_name!r} has a syntax error at {portable_path(exc.filename or '?')}:{exc.lineno} "
                          f"({exc.msg}); fix it and retry") from None
     except (Exception, SystemExit) as exc:  # the module's own code raised while it was imported
         raise ValueError(f"{spec}: importing module {module_name!r} raised {type(exc).__name__}: {exc}"
@@ -134,6 +139,22 @@ def _import_attr(module_name: str, attr: str, spec: str) -> Any:
     return obj
 
 
+@contextlib.contextmanager
+def _no_hard_exit() -> Iterator[None]:
+    """While the user's builder runs, ``os._exit`` raises ``SystemExit`` instead: a builder
+    that ends the process would otherwise make ``shardplan plan`` exit 0 with no plan."""
+    real = os._exit
+
+    def refuse(code: int) -> None:
+        raise SystemExit(f"os._exit({code})")
+
+    os._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
 def _user_site(exc: BaseException) -> str:
     """`` at file:line`` of the innermost frame of the user's code in ``exc``'s traceback."""
     import traceback
@@ -141,7 +162,7 @@ def _user_site(exc: BaseException) -> str:
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename
               and not f.filename.endswith(("/importlib/__init__.py", "<frozen importlib._bootstrap>"))
               and "shardplan/tools/sources.py" not in f.filename.replace(os.sep, "/")]
-    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return f" at {portable_path(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
 
 
 # --------------------------------------------------------------------------- Hugging Face
