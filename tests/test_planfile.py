@@ -63,3 +63,19 @@ def test_a_root_rule_is_written_with_its_empty_module() -> None:
     plan = shardplan.plan_model(build(), {"tp": 2}, example_inputs=(torch.zeros(4, 16),), explain=False)
     again = shardplan.Plan.from_yaml(plan.to_yaml())
     assert again == plan and "" in [r.module for r in again.rules]
+
+
+def test_a_file_of_many_repeated_rules_is_checked_fast_and_the_repeats_named(tmp_path) -> None:
+    import yaml
+
+    from shardplan.plan.validate import check_findings
+
+    model = build_preset("llama3-8b")
+    data = shardplan.plan_model(model, {"tp": 8}, explain=False).to_data()
+    data["rules"] = [dict(r) for _ in range(2000) for r in data["rules"]]  # 24,000 rules
+    start = time.perf_counter()
+    plan = shardplan.Plan.from_yaml(yaml.safe_dump(data, sort_keys=False))
+    findings = check_findings(plan, model)
+    assert time.perf_counter() - start < 30
+    assert findings[0].startswith("rule tok_embeddings (embedding_rowwise): the module pattern of rule 0 again")
+    assert findings[-1] == f"... and {len(data['rules']) - 12 - 20} more rules that repeat a module pattern"

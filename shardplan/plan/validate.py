@@ -110,16 +110,44 @@ def check_findings(plan: Any, model: Any, *, where: Any = None) -> list[str]:
                         f"{plan.model.fingerprint}, the model is a {type(model).__name__} with {got}; "
                         "re-plan it with `shardplan plan`")
     modules = dict(model.named_modules())
-    for i, rule in enumerate(plan.rules):
-        hits = [fqn for fqn in modules if matches(rule.module, fqn)]
-        if not hits:
-            findings.append(f"{at(('rules', i, 'module'))}rule {rule.module} ({rule.style}): matches no module of the model")
-        findings += [at(("rules", i, "module")) + f for f in _wrong_kind(rule, hits, modules)]
-        findings += [at(("rules", i, "style")) + f for f in _divisibility(rule, hits, modules, plan.tp)] if hits else []
+    findings += _rule_findings(plan, modules, at)
     for i, region in enumerate(plan.regions):
         if not any(matches(region.module, fqn) for fqn in modules):
             findings.append(f"{at(('regions', i, 'module'))}region {region.module}: matches no module of the model")
+    covered = {fqn for rule in {r.module for r in plan.rules} for fqn in modules if matches(rule, fqn)}
     for fqn, mod in modules.items():
-        if _owns_params(mod) and not any(matches(r.module, fqn) for r in plan.rules):
+        if _owns_params(mod) and fqn not in covered:
             findings.append(f"{fqn or '<root>'} ({type(mod).__name__}): owns parameters but no rule covers it")
     return findings
+
+
+_MAX_REPEATS_LISTED = 20
+
+
+def _rule_findings(plan: Any, modules: dict[str, Any], at: Any) -> list[str]:
+    """Each distinct rule is judged once (a file of a million copies of one rule is checked
+    in the time of one); a module pattern given twice is a finding, since the last wins."""
+    findings, verdicts, first, repeats = [], {}, {}, 0
+    for i, rule in enumerate(plan.rules):
+        if rule.module in first:
+            repeats += 1
+            if repeats <= _MAX_REPEATS_LISTED:
+                findings.append(f"{at(('rules', i, 'module'))}rule {rule.module} ({rule.style}): the module pattern of "
+                                f"rule {first[rule.module]} again; the last one given wins: keep one")
+            continue
+        first[rule.module] = i
+        key = (rule.module, rule.style, rule.output_layouts)
+        if key not in verdicts:
+            verdicts[key] = _judge(rule, modules, plan.tp)
+        findings += [at(("rules", i, field)) + f for field, f in verdicts[key]]
+    if repeats > _MAX_REPEATS_LISTED:
+        findings.append(f"... and {repeats - _MAX_REPEATS_LISTED} more rules that repeat a module pattern")
+    return findings
+
+
+def _judge(rule: Any, modules: dict[str, Any], tp: int) -> list[tuple[str, str]]:
+    hits = [fqn for fqn in modules if matches(rule.module, fqn)]
+    if not hits:
+        return [("module", f"rule {rule.module} ({rule.style}): matches no module of the model")]
+    return ([("module", f) for f in _wrong_kind(rule, hits, modules)]
+            + [("style", f) for f in _divisibility(rule, hits, modules, tp)])
