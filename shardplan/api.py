@@ -146,7 +146,7 @@ def plan_model(
     whole: dict[str, str] = {}  # module -> why it runs on whole activations
     squeezed, pending = 0, None
     while True:
-        solution, pending = pending or solve(graph, ctx), None
+        solution, pending = pending or _solve_explained(graph, ctx), None
         entries, blocks = find_regions(graph, solution), find_partial_blocks(graph, solution)
         plan = _assemble(model, graph, solution, ctx, entries, blocks, opts=_record_shapes(opts, example_inputs),
                          axes=axes, tp_axis=tp_axis, strict=extra.get("strict", False), whole=whole)
@@ -180,6 +180,25 @@ def plan_model(
         plan = plan.model_copy(update={"decisions": decisions, "rules": assemble.rules(
             graph, solution, decisions, entries, blocks)})
     return plan
+
+
+def _solve_explained(graph: OpGraph, ctx: SolveContext):
+    """``solve``; when sequence parallel was asked for and no plan has it, say which norms
+    the model keeps off sequence shards rather than blaming tp."""
+    try:
+        return solve(graph, ctx)
+    except PlanningError:
+        if ctx.opts is None or ctx.opts.sequence_parallel is not True:
+            raise
+        auto = _solve_or_none(graph, replace(ctx, opts=ctx.opts.model_copy(update={"sequence_parallel": None})))
+        if auto is None:
+            raise
+        kept = [op.target for op in graph.ops if op.module_kind == "norm" and auto.strategies[op.index].name == "replicate"]
+        raise PlanningError(
+            f"sequence_parallel=True has no valid plan at tp={ctx.tp}: no placement puts every norm on sequence shards "
+            f"(a value between them cannot be split along the sequence; {', '.join(kept[:3]) or 'some norms'} stay whole "
+            "when the planner decides). Use sequence_parallel=None (--sequence-parallel auto) to let it choose"
+        ) from None
 
 
 def _solve_or_none(graph: OpGraph, ctx: SolveContext):

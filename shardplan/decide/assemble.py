@@ -208,7 +208,9 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
             out.append(f"{name}: {type(module).__name__} has no tensor-parallel style; replicated")
         elif op.module_kind in ("linear", "conv1d", "embedding", "experts") and style == "replicate":
             shapes = [list(p.shape) for p in module.parameters(recurse=False) if p.dim() >= 2]
-            why = ("replicated for speed within the memory budget" if budget
+            sliced = (solution.strategies[op.index].output or "").startswith("S")
+            why = ("kept whole, its output sliced along the sequence instead (sequence parallel)" if sliced
+                   else "replicated for speed within the memory budget" if budget
                    else f"no style splits it evenly at tp={tp}")
             out.append(f"{name}: weight {shapes[0] if len(shapes) == 1 else shapes} not sharded: {why}")
         elif style == "colwise_gather_output" and op.output not in output_values:
