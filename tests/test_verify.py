@@ -277,3 +277,12 @@ def test_moe_packed_experts(user_models: str) -> None:
     assert result.passed, "\n".join(f"{r}" for r in result.rows) + "\n" + "\n".join(result.problems)
     assert result.row("weights").max_abs == 0.0
     assert result.sharded_params > 0 and result.worst_param
+
+
+def test_sequence_parallel_around_a_block_that_runs_whole_matches_one_process() -> None:
+    """6 heads at tp=4: attention runs whole, its output projection slices its input and
+    reduce-scatters back onto sequence shards (rowwise_split_input -> Shard(1))."""
+    result = verify("tests.portability.root_param:six_heads", nproc=4, seq_len=16, sequence_parallel=True, timeout_s=240)
+    rule = result.plan.rule_for("layers.0.attention.wo")
+    assert (rule.style, rule.output_layouts) == ("rowwise_split_input", "Shard(1)")
+    assert result.passed, "\n".join(f"{r}" for r in result.rows) + "\n" + "\n".join(result.problems)

@@ -191,6 +191,12 @@ def _rowwise(x, y, module: nn.Module, pbytes: int, flops: float, tp: int, sp: bo
             "rowwise", (in_shard,), f"S{d}", fwd=(("reduce_scatter", y.nbytes),), bwd=(("all_gather", y.nbytes),),
             act_bytes=y.nbytes / tp, layouts={"weight": row_w, "output": f"S{d}"}, **row,
         ))
+        # after a block that ran whole (heads tp does not divide), back onto sequence shards
+        out.append(Strategy(
+            "rowwise_split_input", ("R",), f"S{d}", fwd=(("reduce_scatter", y.nbytes),),
+            bwd=(("all_gather", y.nbytes), ("all_gather", x.nbytes)), act_bytes=y.nbytes / tp,
+            layouts={"weight": row_w, "input": "R", "output": f"S{d}"}, **row,
+        ))
     return out
 
 

@@ -16,3 +16,11 @@ class RootOwnsAParameter(nn.Module):
 
 def build() -> nn.Module:
     return RootOwnsAParameter()
+
+
+def six_heads() -> nn.Module:
+    """A small Llama whose 6 heads tp=4 does not divide: its attention runs whole."""
+    from shardplan.models import LlamaConfig, Transformer
+
+    return Transformer(LlamaConfig(dim=48, n_layers=2, n_heads=6, n_kv_heads=6, vocab_size=512, multiple_of=32,
+                                   max_seq_len=64))
