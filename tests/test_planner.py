@@ -14,6 +14,8 @@ from torch import nn
 
 import shardplan
 import shardplan.apply.mesh
+from tests.portability.heads import HardCodedHeads
+from tests.portability.root_param import RootOwnsAParameter
 from shardplan.models import LlamaConfig, Transformer, build_preset, get_preset
 from shardplan.plan.model import Plan
 from shardplan.tools.simulate import simulate
@@ -272,19 +274,7 @@ def test_parallel_branch_block_uses_one_collective_each_way():
         assert per_block == {"all_reduce": 1, "all_gather": 0, "reduce_scatter": 0, "all_to_all": 0}, phase
 
 
-class _HardCodedHeads(nn.Module):
-    """Attention that reshapes with its stored head count: wrong on a 1/tp shard."""
-
-    def __init__(self, dim: int = 32, heads: int = 4) -> None:
-        super().__init__()
-        self.heads, self.hd = heads, dim // heads
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = (m(x).view(b, s, self.heads, self.hd).transpose(1, 2) for m in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v)
-        return self.o(y.transpose(1, 2).reshape(b, s, self.heads * self.hd))
+_HardCodedHeads = HardCodedHeads  # attention that reshapes with its stored head count
 
 
 def test_hard_coded_head_count_runs_whole_or_is_refused_with_the_source_line():
@@ -294,8 +284,8 @@ def test_hard_coded_head_count_runs_whole_or_is_refused_with_the_source_line():
     plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(x,), explain=False)
     styles = plan.module_styles()
     assert {styles[f"0.{n}"] for n in "qkvo"} == {"colwise_gather_output"}  # weights sharded, code sees whole
-    assert any(re.search(r"^0: runs on whole activations.*test_planner\.py:\d+ .*view\(b, s, self\.heads", w) for w in plan.warnings)
-    with pytest.raises(shardplan.PlanningError, match=r"test_planner\.py:\d+ .*view\(b, s, self\.heads"):
+    assert any(re.search(r"^0: runs on whole activations.*heads\.py:\d+ .*view\(b, s, self\.heads", w) for w in plan.warnings)
+    with pytest.raises(shardplan.PlanningError, match=r"heads\.py:\d+ .*view\(b, s, self\.heads"):
         shardplan.plan_model(model, {"tp": 2}, example_inputs=(x,), explain=False, strict=True)
 
 
@@ -313,14 +303,7 @@ def test_activation_memory_follows_korthikanti_per_block(sp):
     assert 0 <= rest < 0.05 * 32 * per_layer  # embedding output and logits outside the blocks
 
 
-class _RootOwnsAParameter(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(16))
-        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
-
-    def forward(self, x):
-        return self.b(torch.relu(self.a(x * self.scale)))
+_RootOwnsAParameter = RootOwnsAParameter
 
 
 def test_a_model_that_owns_parameters_itself_is_covered_and_counted():
