@@ -385,3 +385,28 @@ def test_sequence_parallel_plans_a_learned_position_embedding_by_slicing_it(name
     wpe = plan.rule_for("wpe")
     assert (wpe.style, wpe.output_layouts) == ("replicate", "Shard(0)")  # wpe(arange(s)) is [s, h]
     assert simulate(build_preset(name, device="meta"), plan, get_preset(name).example_inputs(device="meta")).matches
+
+
+def test_a_stack_of_two_kinds_of_block_folds_into_one_rule_per_kind(tmp_path):
+    from tests.portability.root_param import mixed_stack
+
+    x = torch.zeros(2, 8, 16)
+    plan = shardplan.plan_model(mixed_stack(), {"tp": 2}, example_inputs=(x,))
+    modules = [r.module for r in plan.rules]
+    assert modules == ["layers.{0-1,4}.norm", "layers.{0-1,4}.up", "layers.{0-1,4}.down",
+                       "layers.{2-3}.norm", "layers.{2-3}.up", "layers.{2-3}.down"]
+    assert plan.module_styles()["layers.4.up"] == "colwise" and plan.explain("layers.3.down").style == "rowwise"
+    again = shardplan.Plan.from_yaml(plan.to_yaml())
+    assert again == plan
+    from shardplan.plan.validate import check_findings
+
+    assert check_findings(again, mixed_stack()) == []
+    assert simulate(mixed_stack(), again, (x,)).matches  # the emitter expands {..} for parallelize_module
+    assert set(plan.to_hf_tp_plan()) >= {"layers.0.up", "layers.4.up", "layers.2.down"}
+
+
+def test_an_index_set_that_is_not_one_is_a_plan_file_error():
+    text = shardplan.plan_model(build_preset("mlp"), {"tp": 2}, explain=False).to_yaml().replace(
+        "- module: layers.0\n", "- module: layers.{0-x}\n", 1)
+    with pytest.raises(shardplan.PlanFileError, match=r"segment '\{0-x\}' is not an index set"):
+        shardplan.Plan.from_yaml(text)

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from ..plan.model import Plan, Region, Rule, expand_pattern
+from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern
 
 from .agree import agree
 from .styles import (
@@ -98,7 +98,13 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
             styles[rule.module] = ContainerParams(adopted[rule.module])  # its children carry their own styles
         elif not _never_called(rule) or not any(c == "" or rule.module.startswith(c + ".") for c in adopted):
             styles[rule.module] = _style(rule, conv1d=rule.module in conv1d)
-    return styles
+    return _fnmatch_keys(styles)
+
+
+def _fnmatch_keys(styles: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """``parallelize_module`` matches keys segment by segment with fnmatch, which has no
+    index sets: a folded rule's ``{3-60}`` becomes one key per index."""
+    return {key: style for pattern, style in styles.items() for key in expand_braces(pattern)}
 
 
 def _never_called(rule: Rule) -> bool:
@@ -225,7 +231,7 @@ def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
         if rule.copy_output:
             outputs[rule.module] = combine(outputs.get(rule.module), CopyOutput())
     if outputs:
-        parallelize_module(model, mesh, outputs)
+        parallelize_module(model, mesh, _fnmatch_keys(outputs))
     for group in tied:
         # re-tie to the copy a sharding style produced (a replicated or plain copy would
         # silently un-shard the other owner)

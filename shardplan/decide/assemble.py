@@ -17,7 +17,7 @@ from torch import nn
 
 from . import cost
 from ..analyze.graph import OpGraph
-from ..plan.model import Region, Rule
+from ..plan.model import Region, Rule, brace_ranges
 from .regions import Entry, PartialBlock
 from .solve import Solution
 from .strategies import placement_str
@@ -45,6 +45,10 @@ def patterned(fqn: str, graph: OpGraph, pmap: dict[str, str]) -> list[str]:
             if pattern:
                 return [pattern + fqn[len(rep):]]
             insts = [i for i, r in graph.traced.folded.items() if r == rep]
+            container, _, first = rep.rpartition(".")
+            names = [first] + [i.rpartition(".")[2] for i in insts]
+            if container and all(n.isdigit() for n in names):  # one rule per kind of block
+                return [f"{container}.{brace_ranges([int(n) for n in names])}{fqn[len(rep):]}"]
             return [fqn] + [i + fqn[len(rep):] for i in insts]
     return [fqn]
 

@@ -13,11 +13,12 @@ tensor-parallel styles or plans anything; it is plain data, read and written.
 from .fileio import PlanFileError
 from .model import (
     LAYOUT_RE, SIGNIFICANT_DIGITS, STYLES, Alternative, Collectives, Decision, Estimate, MeshInfo, ModelInfo, Plan,
-    PlanOptions, Region, Rule, expand_pattern, fingerprint, load_plan, matches, portable,
+    PlanOptions, Region, Rule, brace_members, brace_ranges, expand_braces, expand_pattern, fingerprint, load_plan,
+    matches, portable,
 )
 
 __all__ = [
     "PlanFileError", "LAYOUT_RE", "SIGNIFICANT_DIGITS", "STYLES", "Alternative", "Collectives", "Decision", "Estimate",
     "MeshInfo", "ModelInfo", "Plan", "PlanOptions", "Region", "Rule", "expand_pattern", "fingerprint", "load_plan",
-    "matches", "portable",
+    "matches", "portable", "brace_members", "brace_ranges", "expand_braces",
 ]

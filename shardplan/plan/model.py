@@ -27,7 +27,7 @@ from .fileio import PlanFileError, atomic_write, describe, load_mapping, read_te
 
 __all__ = [
     "STYLES", "Rule", "Region", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
-    "PlanOptions", "Plan", "load_plan", "load_plan_with_lines", "fingerprint", "PlanFileError", "LAYOUT_RE", "portable", "SIGNIFICANT_DIGITS",
+    "PlanOptions", "Plan", "load_plan", "load_plan_with_lines", "expand_braces", "brace_ranges", "brace_members", "fingerprint", "PlanFileError", "LAYOUT_RE", "portable", "SIGNIFICANT_DIGITS",
 ]
 
 STYLES = (
@@ -63,8 +63,18 @@ Count = Annotated[int, Field(strict=True, ge=1)]
 Layout = Annotated[str, AfterValidator(_check_layout)]
 
 
+def _check_module_pattern(value: str) -> str:
+    bad = next((part for part in value.split(".") if "{" in part or "}" in part), None) if value else None
+    if bad is not None and brace_members(bad) is None:
+        raise ValueError(f"segment {bad!r} is not an index set; write layer indices as {{0-2,5}}")
+    return value
+
+
+ModulePattern = Annotated[str, AfterValidator(_check_module_pattern)]
+
+
 class Rule(_Strict):
-    module: str  # fnmatch pattern per path segment, as parallelize_module matches
+    module: ModulePattern  # fnmatch pattern per path segment, as parallelize_module matches; {0-2,5} index sets
     style: Style
     input_layouts: Layout | None = None
     output_layouts: Layout | None = None
@@ -80,7 +90,7 @@ class Region(_Strict):
     input (PrepareModuleInput) or, for ``input: output``, the module's output
     (PrepareModuleOutput)."""
 
-    module: str
+    module: ModulePattern
     input: int | str  # positional index, keyword name, or "output"
     num_inputs: int  # positional arguments of the traced call
     input_layouts: Layout = "Replicate"
@@ -264,7 +274,7 @@ class Plan(_Strict):
 
     def to_hf_tp_plan(self) -> dict[str, str]:
         """Hugging Face ``tp_plan`` mapping (patterns use ``*`` for layer indices)."""
-        return {r.module: r.style for r in self.rules if r.style != "replicate"}
+        return {key: r.style for r in self.rules if r.style != "replicate" for key in expand_braces(r.module)}
 
 
 def _set_keys(item: dict, kind: type[BaseModel]) -> dict:
@@ -282,14 +292,61 @@ def load_plan_with_lines(path: str | Path) -> tuple[Plan, dict[tuple, int]]:
     return Plan.from_yaml_with_lines(read_text(p), source=str(p))
 
 
+_BRACES = re.compile(r"^\{(\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)\}$")
+
+
+def brace_members(part: str) -> list[str] | None:
+    """``{0-2,5}`` -> ``['0', '1', '2', '5']``: the layer indices a folded rule stands for
+    (a stack of several kinds of block writes one rule per kind); ``None`` for any other part."""
+    m = _BRACES.match(part)
+    if not m:
+        return None
+    out: list[str] = []
+    for item in m.group(1).split(","):
+        lo, _, hi = item.partition("-")
+        out += [str(i) for i in range(int(lo), int(hi or lo) + 1)]
+    return out
+
+
+def brace_ranges(indices: list[int]) -> str:
+    """The inverse: ``[0, 1, 2, 5]`` -> ``{0-2,5}``."""
+    runs: list[list[int]] = []
+    for i in sorted(set(indices)):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return "{" + ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs) + "}"
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Every pattern a ``{...}`` segment stands for, other segments kept (``*`` included)."""
+    out = [""]
+    for part in pattern.split("."):
+        members = brace_members(part) or [part]
+        out = [f"{o}.{m}" if o else m for o in out for m in members]
+    return out if pattern else [""]
+
+
 def matches(pattern: str, fqn: str) -> bool:
-    """Segment-wise fnmatch, as ``parallelize_module`` resolves plan keys."""
+    """Segment-wise fnmatch, as ``parallelize_module`` resolves plan keys, plus ``{a-b,c}``
+    index sets."""
     ps, fs = pattern.split("."), fqn.split(".")
-    return len(ps) == len(fs) and all(fnmatch.fnmatchcase(f, p) for p, f in zip(ps, fs))
+    return len(ps) == len(fs) and all(_segment(p, f) for p, f in zip(ps, fs))
+
+
+def _segment(part: str, name: str) -> bool:
+    members = brace_members(part)
+    return name in members if members is not None else fnmatch.fnmatchcase(name, part)
 
 
 def expand_pattern(pattern: str, repeats: dict[str, int | list[str]]) -> list[str]:
-    """Expand ``*`` segments through the container sizes recorded in ``repeats``."""
+    """Expand ``*`` segments through the container sizes recorded in ``repeats``, and
+    ``{a-b,c}`` segments to their indices."""
+    return [fqn for expanded in expand_braces(pattern) for fqn in _expand_stars(expanded, repeats)]
+
+
+def _expand_stars(pattern: str, repeats: dict[str, int | list[str]]) -> list[str]:
     parts = pattern.split(".")
     prefixes = [""]
     for part in parts:
