@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TINY", "shrink_config", "build_hf_model", "positional", "hf_config", "hf_build", "transformers_module"]
+__all__ = ["TINY", "shrink_config", "build_hf_model", "positional", "hf_config", "hf_build", "transformers_module",
+           "config_dtype"]
 
 
 def transformers_module() -> Any:
@@ -73,11 +74,12 @@ def _check_sizes(cfg: Any, spec: str) -> None:
                 raise ValueError(f"{spec}: config {key} is {value}; sizes (heads, widths, layers) must be positive")
 
 
-def hf_build(tf: Any, cfg: Any, spec: str, *, device: str | torch.device) -> nn.Module:
+def hf_build(tf: Any, cfg: Any, spec: str, *, device: str | torch.device, dtype: torch.dtype | None = None) -> nn.Module:
+    """The model of ``cfg`` on ``device``, in ``dtype`` (``None``: transformers' default, fp32)."""
     _check_sizes(cfg, spec)
     with torch.device(device):
         try:
-            return _from_config(tf, cfg, spec)
+            return _from_config(tf, cfg, spec, dtype=dtype)
         except ValueError:
             raise
         except Exception as exc:  # noqa: BLE001 - the config's values broke the model's constructor
@@ -88,13 +90,22 @@ def hf_build(tf: Any, cfg: Any, spec: str, *, device: str | torch.device) -> nn.
             ) from None
 
 
-def _from_config(tf: Any, cfg: Any, spec: str) -> nn.Module:
+def config_dtype(cfg: Any) -> torch.dtype:
+    """The dtype a config says its weights are in (``dtype``, formerly ``torch_dtype``), else bf16."""
+    value = cfg.to_dict().get("dtype") or cfg.to_dict().get("torch_dtype") if hasattr(cfg, "to_dict") else None
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.bfloat16
+
+
+def _from_config(tf: Any, cfg: Any, spec: str, *, dtype: torch.dtype | None = None) -> nn.Module:
+    kwargs = {"dtype": dtype} if dtype is not None else {}
     try:
-        return tf.AutoModelForCausalLM.from_config(cfg)
+        return tf.AutoModelForCausalLM.from_config(cfg, **kwargs)
     except ValueError:
         pass
     try:
-        return tf.AutoModel.from_config(cfg)
+        return tf.AutoModel.from_config(cfg, **kwargs)
     except ValueError as exc:
         raise ValueError(
             f"{spec}: transformers has no model class for {type(cfg).__name__} "

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..analyze.trace import portable_path
-from ..interop.hf_models import hf_build, hf_config, transformers_module
+from ..interop.hf_models import config_dtype, hf_build, hf_config, transformers_module
 
 __all__ = ["resolve_model", "SPEC_HELP"]
 
@@ -189,7 +189,10 @@ def _hf_model(
     cfg = hf_config(tf, model_type, path)
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False  # a KV cache object in the outputs cannot be traced
-    model = hf_build(tf, cfg, spec, device=device)
+    # a spec on the command line is planned in the dtype it trains in: the config's own, else
+    # bf16, not transformers' fp32 default (which prices every matmul and byte at twice its size)
+    dtype = config_dtype(cfg) if torch.device(device).type == "meta" else None
+    model = hf_build(tf, cfg, spec, device=device, dtype=dtype)
     max_pos = getattr(cfg, "max_position_embeddings", None) or _HF_SEQ_LEN
     shape = (batch_size or 2, seq_len or min(_HF_SEQ_LEN, max_pos))  # batch 2, as presets and plan_model
     return model, (torch.zeros(shape, dtype=torch.long, device=device),), spec
