@@ -40,3 +40,16 @@ def test_the_plan_is_the_same_with_or_without_a_process_group():
     assert "runs on whole activations" in alone
     ranks = run_on_gloo(workers.plan_under_the_process_group, world_size=2, timeout_s=90)
     assert ranks == [alone, alone]
+
+
+def test_torchtitan_grouped_experts_split_inside_every_expert_match_one_process():
+    """w1, w3 [E, I, H] split on I like the up projection, w2 [E, H, I] on I like the down one."""
+    import torch
+
+    from tests.portability.root_param import tiny_moe
+
+    plan = shardplan.plan_model(tiny_moe(), {"tp": 2}, example_inputs=(torch.zeros(2, 8, 16),), explain=False)
+    assert plan.module_styles()["experts"] == "moe_tp_experts"
+    for diffs in run_on_gloo(workers.moe_numerics, world_size=2, args=(plan.to_yaml(),), timeout_s=90):
+        assert diffs.pop("sharded") == 1.0
+        assert max(diffs.values()) < 1e-5, diffs

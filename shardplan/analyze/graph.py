@@ -105,23 +105,43 @@ class ExpertParams:
     packed: bool  # gate and up in one weight, split by chunk(2)
     up_dim: int
     down_dim: int
+    gate: str | None = None  # a separate gate weight shaped as ``up`` (torchtitan's w1 beside w3)
 
 
 def expert_params(module: nn.Module) -> ExpertParams | None:
     """Recognized by shapes alone, over the same E experts: up [E, X, H] with down [E, H, I]
     (F.linear layout), or up [E, H, X] with down [E, I, H] (bmm layout, Llama 4), where
-    X == I, or X == 2*I for gate and up packed."""
+    X == I, or X == 2*I for gate and up packed; or three weights, gate and up of one shape
+    and down its transpose (torchtitan's GroupedExperts: w1, w3 [E, I, H], w2 [E, H, I])."""
     params = {n: p for n, p in module.named_parameters(recurse=False)}
-    if len(params) != 2 or any(p.dim() != 3 for p in params.values()):
+    if len(params) not in (2, 3) or any(p.dim() != 3 for p in params.values()):
         return None
+    if len(params) == 3:
+        return _three_weight_bank(params)
     (a, pa), (b, pb) = params.items()
-    for up, pu, down, pd in ((a, pa, b, pb), (b, pb, a, pa)):
-        if pu.shape[0] != pd.shape[0]:
-            continue
-        if pd.shape[1] == pu.shape[2] and pu.shape[1] in (pd.shape[2], 2 * pd.shape[2]):
-            return ExpertParams(up, down, pu.shape[1] == 2 * pd.shape[2], 1, 2)
-        if pd.shape[2] == pu.shape[1] and pu.shape[2] in (pd.shape[1], 2 * pd.shape[1]):
-            return ExpertParams(up, down, pu.shape[2] == 2 * pd.shape[1], 2, 1)
+    return _up_down(a, pa, b, pb) or _up_down(b, pb, a, pa)
+
+
+def _up_down(up: str, pu: torch.Tensor, down: str, pd: torch.Tensor, gate: str | None = None) -> ExpertParams | None:
+    if pu.shape[0] != pd.shape[0]:
+        return None
+    packable = gate is None  # a separate gate means up is not packed
+    if pd.shape[1] == pu.shape[2] and (pu.shape[1] == pd.shape[2] or packable and pu.shape[1] == 2 * pd.shape[2]):
+        return ExpertParams(up, down, pu.shape[1] == 2 * pd.shape[2], 1, 2, gate)
+    if pd.shape[2] == pu.shape[1] and (pu.shape[2] == pd.shape[1] or packable and pu.shape[2] == 2 * pd.shape[1]):
+        return ExpertParams(up, down, pu.shape[2] == 2 * pd.shape[1], 2, 1, gate)
+    return None
+
+
+def _three_weight_bank(params: dict[str, torch.Tensor]) -> ExpertParams | None:
+    """The two weights of one shape are gate and up (in declaration order), the third down."""
+    names = list(params)
+    for down in names:
+        gate, up = (n for n in names if n != down)
+        if params[gate].shape == params[up].shape:
+            found = _up_down(up, params[up], down, params[down], gate=gate)
+            if found is not None:
+                return found
     return None
 
 

@@ -179,11 +179,14 @@ class MoEExpertsParallel(ParallelStyle):
         local = _packed_slice(whole.to_local(), parts=2 if ep.packed else 1, dim=ep.up_dim, tp=tp, rank=rank)
         up_param = DTensor.from_local(local, device_mesh, [Shard(ep.up_dim)], run_check=False)
         module.register_parameter(up, nn.Parameter(up_param, requires_grad=getattr(module, up).requires_grad))
-        down_param = distribute_tensor(getattr(module, down).detach(), device_mesh, [Shard(ep.down_dim)], src_data_rank=self.src_data_rank)
-        module.register_parameter(down, nn.Parameter(down_param, requires_grad=getattr(module, down).requires_grad))
+        split = [(down, ep.down_dim)] + ([(ep.gate, ep.up_dim)] if ep.gate else [])  # a gate splits as up does
+        for name, dim in split:
+            param = distribute_tensor(getattr(module, name).detach(), device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(param, requires_grad=getattr(module, name).requires_grad))
+        names = (up, down) + ((ep.gate,) if ep.gate else ())
         group = device_mesh.get_group().group_name
-        module.register_forward_pre_hook(partial(_experts_enter, names=(up, down), group=group), with_kwargs=True)
-        module.register_forward_hook(partial(_experts_leave, names=(up, down), group=group))
+        module.register_forward_pre_hook(partial(_experts_enter, names=names, group=group), with_kwargs=True)
+        module.register_forward_hook(partial(_experts_leave, names=names, group=group))
         return module
 
 

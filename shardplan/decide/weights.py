@@ -253,7 +253,7 @@ def _experts(op: Op, graph: OpGraph, module: nn.Module, tp: int) -> list[Strateg
     tokens = y.shape[0] if len(y.shape) == 2 else y.nbytes // y.shape[-1] // y.dtype.itemsize
     k = graph.values[op.inputs[1]].shape[-1] if len(op.inputs) > 1 and graph.values[op.inputs[1]].shape else 1
     hidden = getattr(module, up).shape[3 - ep.up_dim]
-    flops = 3 * 2 * tokens * k * hidden * inner * (3 if packed else 2)  # each token visits k experts
+    flops = 3 * 2 * tokens * k * hidden * inner * (3 if packed or ep.gate else 2)  # each token visits k experts
     out = [_replicate(op, graph, module, flops)]
     if inner % tp == 0:
         grads = tuple(

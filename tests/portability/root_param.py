@@ -50,3 +50,33 @@ class MixedStack(nn.Module):
 
 def mixed_stack() -> nn.Module:
     return MixedStack()
+
+
+class GroupedExperts(nn.Module):
+    """torchtitan's expert bank layout: w1 and w3 [E, I, H], w2 [E, H, I] (every token
+    visits every expert here, weighted by a softmax router, so it traces on meta)."""
+
+    def __init__(self, experts: int = 4, dim: int = 16, inner: int = 32) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, inner, dim) * dim**-0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, inner) * inner**-0.5)
+        self.w3 = nn.Parameter(torch.randn(experts, inner, dim) * dim**-0.5)
+
+    def forward(self, x, scores):
+        h = torch.nn.functional.silu(torch.einsum("th,eih->eti", x, self.w1)) * torch.einsum("th,eih->eti", x, self.w3)
+        return torch.einsum("eti,ehi,te->th", h, self.w2, scores)
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.norm, self.router, self.experts = nn.LayerNorm(dim), nn.Linear(dim, 4), GroupedExperts(dim=dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.norm(x).reshape(b * s, d)
+        return x + self.experts(h, self.router(h).softmax(-1)).reshape(b, s, d)
+
+
+def tiny_moe() -> nn.Module:
+    return TinyMoE()
