@@ -21,6 +21,7 @@ import pytest
 
 import shardplan
 from shardplan.cli import main
+from shardplan.plan import SIGNIFICANT_DIGITS
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "plans" / "llama3-8b.tp8.yaml"
@@ -47,7 +48,7 @@ def test_estimates_are_written_with_six_significant_digits() -> None:
     for line in text.splitlines():
         if line.strip().startswith("step_time_s:") and "null" not in line:
             digits = line.split(":")[1].strip().lstrip("0.").replace(".", "").rstrip("0")
-            assert len(digits) <= shardplan.plan.SIGNIFICANT_DIGITS, line
+            assert len(digits) <= SIGNIFICANT_DIGITS, line
 
 
 def test_source_lines_are_found_in_a_folder_named_shardplan(tmp_path: Path) -> None:

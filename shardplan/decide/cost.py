@@ -4,7 +4,8 @@ Contract
 --------
 Everything here is a pure function of plain Python numbers (no torch import,
 no I/O, no global state beyond the read-only tables ``DTYPE_BYTES`` and
-``HARDWARE``). Units are SI throughout: bytes, seconds, FLOPs, bytes/s.
+``HARDWARE`` of :mod:`.hardware`, re-exported here). Units are SI throughout: bytes,
+seconds, FLOPs, bytes/s.
 
 * Collective times follow the alpha-beta model of ring algorithms
   (Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication
@@ -30,7 +31,9 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from .hardware import DTYPE_BYTES, HARDWARE, Hardware, Link, canonical_dtype, dtype_bytes, get_hardware
 
 __all__ = [
     "COLLECTIVES",
@@ -54,252 +57,6 @@ __all__ = [
     "parse_bytes",
     "training_bytes_per_param",
 ]
-
-# --------------------------------------------------------------------------
-# dtypes
-# --------------------------------------------------------------------------
-
-DTYPE_BYTES: dict[str, int] = {
-    "fp32": 4,
-    "float32": 4,
-    "bf16": 2,
-    "bfloat16": 2,
-    "fp16": 2,
-    "float16": 2,
-    "fp8": 1,
-}
-
-# Long names fold onto the short ones used as keys of Hardware.peak_flops.
-_CANONICAL_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def _canonical_dtype(name: str) -> str:
-    """``"torch.bfloat16"`` / ``"bfloat16"`` / ``"bf16"`` -> ``"bf16"``."""
-    key = str(name).strip().lower().removeprefix("torch.")
-    if key not in DTYPE_BYTES:
-        valid = ", ".join(sorted(DTYPE_BYTES))
-        raise ValueError(f"unknown dtype {name!r}; expected one of: {valid}")
-    return _CANONICAL_DTYPE.get(key, key)
-
-
-def dtype_bytes(name: str) -> int:
-    """Bytes per element of dtype ``name`` (``str(torch.float32)`` also works)."""
-    return DTYPE_BYTES[_canonical_dtype(name)]
-
-
-# --------------------------------------------------------------------------
-# hardware profiles
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Link:
-    """One interconnect in the alpha-beta model.
-
-    ``alpha_s`` is the latency of one algorithm step; ``bandwidth`` is bytes/s
-    per direction per device, so the per-byte cost beta is ``1 / bandwidth``.
-    """
-
-    alpha_s: float
-    bandwidth: float
-
-    def __post_init__(self) -> None:
-        if not (self.alpha_s >= 0 and math.isfinite(self.alpha_s)):
-            raise ValueError(f"Link.alpha_s must be finite and >= 0, got {self.alpha_s!r}")
-        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
-            raise ValueError(f"Link.bandwidth must be finite and > 0, got {self.bandwidth!r}")
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Per-device figures of one cluster type.
-
-    Bandwidths are bytes/s per direction per device; ``peak_flops`` maps a
-    canonical dtype (``fp32``, ``bf16``, ``fp16``, ``fp8``) to dense peak
-    FLOP/s, without structured sparsity.
-    """
-
-    name: str
-    description: str
-    devices_per_node: int
-    intra_alpha_s: float
-    intra_bandwidth: float
-    inter_alpha_s: float
-    inter_bandwidth: float
-    # Excluded from the hash (dicts are unhashable) so profiles can key caches.
-    peak_flops: dict[str, float] = field(hash=False)
-    matmul_efficiency: float
-    memory_bytes: int
-    memory_bandwidth: float
-
-    def __post_init__(self) -> None:
-        if self.devices_per_node < 1:
-            raise ValueError(f"{self.name}: devices_per_node must be >= 1")
-        if not 0 < self.matmul_efficiency <= 1:
-            raise ValueError(f"{self.name}: matmul_efficiency must be in (0, 1]")
-        if self.memory_bytes <= 0 or self.memory_bandwidth <= 0:
-            raise ValueError(f"{self.name}: memory figures must be > 0")
-        for dtype, flops in self.peak_flops.items():
-            if _canonical_dtype(dtype) != dtype or flops <= 0:
-                raise ValueError(f"{self.name}: bad peak_flops entry {dtype!r}: {flops!r}")
-        Link(alpha_s=self.intra_alpha_s, bandwidth=self.intra_bandwidth)  # validates
-        Link(alpha_s=self.inter_alpha_s, bandwidth=self.inter_bandwidth)
-
-    @property
-    def intra_link(self) -> Link:
-        """Link between devices of one node."""
-        return Link(alpha_s=self.intra_alpha_s, bandwidth=self.intra_bandwidth)
-
-    @property
-    def inter_link(self) -> Link:
-        """Link between nodes, per device."""
-        return Link(alpha_s=self.inter_alpha_s, bandwidth=self.inter_bandwidth)
-
-
-# Shared figures and their sources.
-#
-# Latency per ring step (alpha): NCCL's tuning model (NVIDIA/nccl,
-# src/graph/tuning.cc, table hwLat, Ring/Simple protocol) charges 3.4 us per
-# step over NVLink, 5.7 us over PCIe and 9.6-14 us over the network (value
-# depends on NCCL version), plus a one-off base latency of 8.4 us. Spreading
-# that base over the 2(p-1) = 14 steps of an 8-GPU all_reduce adds ~0.6 us:
-# NVLink ~4 us, PCIe ~6 us, network ~15 us per step.
-_NVLINK_ALPHA_S = 4e-6
-_PCIE_ALPHA_S = 6e-6
-_NET_ALPHA_S = 15e-6
-
-# Dense-GEMM efficiency: large cuBLAS GEMMs reach roughly 60-80% of dense
-# peak; 0.6 is the conservative end. It scales every matmul equally, so it
-# moves absolute step times but not the ranking of plans on one profile.
-_GPU_MATMUL_EFFICIENCY = 0.6
-
-# NVIDIA H100 SXM5 datasheet (nvidia.com/en-us/data-center/h100): BF16/FP16
-# Tensor 1,979 TFLOPS and FP8 3,958 TFLOPS *with sparsity* -> halved for dense;
-# FP32 (non-tensor) 67 TFLOPS; 80 GB HBM3 at 3.35 TB/s; NVLink 4 900 GB/s
-# total = 450 GB/s per direction. nccl-tests typically reach ~80-90% of that
-# as bus bandwidth, so communication estimates are on the optimistic side.
-_H100_NODE = dict(
-    devices_per_node=8,
-    intra_alpha_s=_NVLINK_ALPHA_S,
-    intra_bandwidth=450e9,
-    peak_flops={"fp32": 67e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
-    matmul_efficiency=_GPU_MATMUL_EFFICIENCY,
-    memory_bytes=80 * 10**9,
-    memory_bandwidth=3.35e12,
-)
-# DGX H100: one ConnectX-7 NIC per GPU at 400 Gb/s (NDR) = 50 GB/s per
-# direction per device.
-_IB_NDR = dict(inter_alpha_s=_NET_ALPHA_S, inter_bandwidth=50e9)
-
-
-def _profiles() -> dict[str, Hardware]:
-    """Build the built-in profiles (one place, so sources sit beside figures)."""
-    profiles = [
-        Hardware(
-            name="h100-nvlink",
-            description="8x H100 SXM5 in one NVLink 4 node; inter-node figures "
-            "are the 400 Gb/s IB ones of h100-ib, used only if an axis spans nodes",
-            **_H100_NODE,
-            **_IB_NDR,
-        ),
-        Hardware(
-            name="h100-ib",
-            description="H100 SXM5 cluster: NVLink 4 inside 8-GPU nodes, "
-            "one 400 Gb/s ConnectX-7 (NDR InfiniBand) per GPU between nodes",
-            **_H100_NODE,
-            **_IB_NDR,
-        ),
-        _a100(),
-        _l40s_pcie(),
-        _cpu_gloo(),
-    ]
-    return {hw.name: hw for hw in profiles}
-
-
-def _a100() -> Hardware:
-    # NVIDIA A100 80GB SXM datasheet: BF16/FP16 Tensor 312 TFLOPS dense (624
-    # sparse), FP32 19.5 TFLOPS, no FP8; HBM2e 2,039 GB/s; NVLink 3 600 GB/s
-    # total = 300 GB/s per direction. DGX A100: one ConnectX-6 HDR 200 Gb/s
-    # NIC per GPU = 25 GB/s per direction.
-    return Hardware(
-        name="a100",
-        description="A100 80GB SXM4 cluster: NVLink 3 inside 8-GPU nodes, "
-        "one 200 Gb/s HDR InfiniBand NIC per GPU between nodes",
-        devices_per_node=8,
-        intra_alpha_s=_NVLINK_ALPHA_S,
-        intra_bandwidth=300e9,
-        inter_alpha_s=_NET_ALPHA_S,
-        inter_bandwidth=25e9,
-        peak_flops={"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12},
-        matmul_efficiency=_GPU_MATMUL_EFFICIENCY,
-        memory_bytes=80 * 10**9,
-        memory_bandwidth=2.039e12,
-    )
-
-
-def _l40s_pcie() -> Hardware:
-    # NVIDIA L40S datasheet: BF16/FP16 Tensor 362.05 TFLOPS dense (733 sparse),
-    # FP8 733 dense (1,466 sparse), FP32 91.6 TFLOPS; 48 GB GDDR6 at 864 GB/s;
-    # no NVLink, PCIe Gen4 x16 = 64 GB/s bidirectional, 32 GB/s per direction
-    # raw, ~25 GB/s after 128b/130b encoding and TLP overhead. Between nodes:
-    # a 200 Gb/s NIC per GPU (25 GB/s), typical of PCIe inference servers.
-    return Hardware(
-        name="pcie",
-        description="8x L40S on PCIe Gen4 x16 per node (no NVLink), "
-        "200 Gb/s network per GPU between nodes",
-        devices_per_node=8,
-        intra_alpha_s=_PCIE_ALPHA_S,
-        intra_bandwidth=25e9,
-        inter_alpha_s=_NET_ALPHA_S,
-        inter_bandwidth=25e9,
-        peak_flops={"fp32": 91.6e12, "bf16": 362e12, "fp16": 362e12, "fp8": 733e12},
-        matmul_efficiency=_GPU_MATMUL_EFFICIENCY,
-        memory_bytes=48 * 10**9,
-        memory_bandwidth=864e9,
-    )
-
-
-def _cpu_gloo() -> Hardware:
-    # Measured on the development machine (2-core AMD EPYC VM with AVX-512,
-    # 24 GB RAM, torch 2.13.0+cpu) by `python benchmarks/calibrate_gloo.py`
-    # on 2026-11-29; median of three runs (ranges: alpha 116-126 us,
-    # bandwidth 1.97-2.38 GB/s, fp32 105-115 GFLOP/s, bf16 490-507 GFLOP/s).
-    # Two gloo ranks over localhost TCP; alpha/beta fitted on all_reduce from
-    # 4 KB to 64 MB (the fit is within ~1.2x from 4 KB to 64 MB; large gloo
-    # all_gathers run 2-4x slower than this model). FLOP/s are best 1024^3
-    # matmuls on one thread, as each rank gets one core (two threads measure
-    # ~2x); they are achieved large-matmul rates, hence matmul_efficiency 1.0.
-    # Memory: RAM split over the two ranks; bandwidth from a 256 MB
-    # single-thread copy (read + write). There is no second node: inter-node
-    # figures repeat the loopback ones.
-    alpha_s, bandwidth = 1.24e-4, 2.0e9
-    return Hardware(
-        name="cpu-gloo",
-        description="2 gloo ranks on one 2-core CPU host (localhost TCP); "
-        "figures measured by benchmarks/calibrate_gloo.py",
-        devices_per_node=2,
-        intra_alpha_s=alpha_s,
-        intra_bandwidth=bandwidth,
-        inter_alpha_s=alpha_s,
-        inter_bandwidth=bandwidth,
-        peak_flops={"fp32": 1.13e11, "bf16": 5.02e11},
-        matmul_efficiency=1.0,
-        memory_bytes=12_638_255_104,
-        memory_bandwidth=3.8e10,
-    )
-
-
-HARDWARE: dict[str, Hardware] = _profiles()
-
-
-def get_hardware(name: str) -> Hardware:
-    """The built-in profile called ``name``."""
-    try:
-        return HARDWARE[name]
-    except KeyError:
-        valid = ", ".join(sorted(HARDWARE))
-        raise ValueError(f"unknown hardware profile {name!r}; expected one of: {valid}") from None
-
 
 # --------------------------------------------------------------------------
 # collectives
@@ -376,7 +133,7 @@ def axis_links(hardware: Hardware, axis_sizes: Mapping[str, int]) -> dict[str, L
 
 def matmul_time(flops: float, *, hardware: Hardware, dtype: str) -> float:
     """Seconds for ``flops`` of matmul work: flops / (peak[dtype] * efficiency)."""
-    key = _canonical_dtype(dtype)
+    key = canonical_dtype(dtype)
     if key not in hardware.peak_flops:
         valid = ", ".join(sorted(hardware.peak_flops))
         raise ValueError(f"{hardware.name} has no peak FLOP/s for {dtype!r}; it has: {valid}")
