@@ -96,7 +96,7 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
 
 
 def _add_model_options(p: argparse.ArgumentParser, *, mesh_default: str | None = "tp=8") -> None:
-    from .decide.cost import HARDWARE
+    from .decide.hardware import HARDWARE
     from .models import PRESET_NAMES
 
     p.add_argument("model", metavar="MODEL", help=(

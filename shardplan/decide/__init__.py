@@ -4,8 +4,9 @@ Contract
 --------
 :mod:`.placements` is the strategy record; :mod:`.strategies` lists the placements each
 plain op runs under shard-locally and :mod:`.weights` the styles of each weight module
-(colwise, rowwise, packed, vocab-parallel, sequence parallel, experts). :mod:`.cost` is the
-alpha-beta communication, memory and compute model of a hardware profile. :mod:`.solve`
+(colwise, rowwise, packed, vocab-parallel, sequence parallel, experts). :mod:`.hardware`
+holds the dtypes and hardware profiles, :mod:`.cost` the alpha-beta communication, memory
+and compute model over them. :mod:`.solve`
 builds the placement program (one binary per op and strategy, consistency between
 producer and consumer) and solves it with HiGHS: least weight bytes per device first, then
 the fastest plan among those. :mod:`.regions` finds values whose collective several Linears
@@ -13,5 +14,5 @@ can share; :mod:`.estimate` predicts memory, bytes, collectives and step time;
 :mod:`.explain` prices each rejected alternative; :mod:`.assemble` writes the rules,
 regions and warnings of the :class:`~shardplan.plan.Plan`. Everything here is a pure
 function of the graph and the options: no process group, no rank, no BLAS-dependent sums.
-Importing this package loads nothing heavy (the CLI reads :mod:`.cost`'s profiles for help).
+Importing this package loads nothing heavy (the CLI reads :mod:`.hardware`'s profiles for help).
 """
