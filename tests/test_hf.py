@@ -331,3 +331,12 @@ def test_tiny_tp_matches_unsharded_on_gloo(family: Family, gloo_results) -> None
         assert not bad, f"{where} differs from the unsharded model:\n" + "\n".join(f"  {c}: {m}" for c, m in bad.items())
     r0 = gloo_results[0][family.id]
     print(f"\n{family.id}: " + "  ".join(f"{c}={r0[c]['max_abs']:.1e}" for c in workers.CATEGORIES))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "mixtral"])
+def test_hf_tiny_specs_simulate_with_the_predicted_collectives(model_type, capsys):
+    """hf-tiny:<type> builds the type's own classes at TINY sizes, so simulate runs them."""
+    from shardplan.cli import main
+
+    assert main(["simulate", f"hf-tiny:{model_type}", "--mesh", "tp=2"]) == 0
+    assert "DIFFERS" not in capsys.readouterr().out

@@ -12,7 +12,8 @@ should let :func:`shardplan.plan_model` infer them. ``spec`` is one of
   and called with no arguments under ``torch.device(device)``; it must return an
   ``nn.Module``. The current directory is importable, as with ``python -m``;
 * ``hf:<model_type>`` (``hf:llama``): a Hugging Face ``transformers`` model built from the
-  default config of that type;
+  default config of that type; ``hf-tiny:<model_type>`` the same classes with the config
+  shrunk to :data:`shardplan.interop.hf_models.TINY` sizes (for ``simulate`` and ``verify``);
 * a path to a Hugging Face ``config.json`` (or a directory holding one).
 
 Hugging Face models are built on ``device`` (meta by default: nothing is allocated) with
@@ -38,15 +39,16 @@ import torch
 from torch import nn
 
 from ..analyze.trace import portable_path
-from ..interop.hf_models import config_dtype, hf_build, hf_config, transformers_module
+from ..interop.hf_models import config_dtype, hf_build, hf_config, shrink_config, transformers_module
 
 __all__ = ["resolve_model", "SPEC_HELP"]
 
 SPEC_HELP = (
     "a preset name (e.g. llama3-8b; see `shardplan plan --help`), 'package.module:callable', "
-    "'hf:<model_type>' (e.g. hf:llama) or a path to a Hugging Face config.json"
+    "'hf:<model_type>' (e.g. hf:llama; hf-tiny:<model_type> for a small copy) or a path to a Hugging Face config.json"
 )
 _HF_SEQ_LEN = 2048
+TINY_PREFIX = "hf-tiny:"  # hf-tiny:<model_type>: the type's classes at interop.hf_models.TINY sizes
 
 
 def resolve_model(
@@ -62,6 +64,8 @@ def resolve_model(
         return _preset(spec, device=device, batch_size=batch_size, seq_len=seq_len)
     if spec.startswith("hf:"):
         return _hf_model(spec[3:], spec, device=device, batch_size=batch_size, seq_len=seq_len)
+    if spec.startswith(TINY_PREFIX):
+        return _hf_model(spec[len(TINY_PREFIX):], spec, device=device, batch_size=batch_size, seq_len=seq_len, tiny=True)
     if _looks_like_path(spec):
         return _hf_model(None, spec, device=device, batch_size=batch_size, seq_len=seq_len, path=_config_path(spec))
     if ":" in spec:
@@ -183,15 +187,18 @@ def _config_path(spec: str) -> Path:
 
 def _hf_model(
     model_type: str | None, spec: str, *, device: str | torch.device, batch_size: int | None,
-    seq_len: int | None, path: Path | None = None,
+    seq_len: int | None, path: Path | None = None, tiny: bool = False,
 ) -> tuple[nn.Module, tuple, str]:
     tf = transformers_module()
     cfg = hf_config(tf, model_type, path)
+    if tiny:  # small enough to simulate, verify and run on CPU; the same classes and layer kinds
+        shrink_config(cfg)
     if hasattr(cfg, "use_cache"):
         cfg.use_cache = False  # a KV cache object in the outputs cannot be traced
     # a spec on the command line is planned in the dtype it trains in: the config's own, else
     # bf16, not transformers' fp32 default (which prices every matmul and byte at twice its size)
-    dtype = config_dtype(cfg) if torch.device(device).type == "meta" else None
+    # (hf-tiny: is for running on CPU, where models stay fp32)
+    dtype = config_dtype(cfg) if torch.device(device).type == "meta" and not tiny else None
     model = hf_build(tf, cfg, spec, device=device, dtype=dtype)
     max_pos = getattr(cfg, "max_position_embeddings", None) or _HF_SEQ_LEN
     shape = (batch_size or 2, seq_len or min(_HF_SEQ_LEN, max_pos))  # batch 2, as presets and plan_model
