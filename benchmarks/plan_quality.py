@@ -12,7 +12,7 @@ and for each the predicted step time, the bytes each device sends per step, the
 parameter bytes per device and the collectives per step are printed, with the ratios
 auto/tt-sp (target <= 1.0) and a check that parameter bytes per device are within 1% of
 (total parameter bytes)/tp. Everything runs twice: at plan_model's default batch
-(batch 1 x seq 2048) and at batch 8, to show whether the sequence-parallel decision
+(batch 2 x seq 2048) and at batch 8, to show whether the sequence-parallel decision
 changes with activation size.
 
 These are predictions of one model, not measurements: auto <= torchtitan here says the
