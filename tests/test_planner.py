@@ -410,3 +410,21 @@ def test_an_index_set_that_is_not_one_is_a_plan_file_error():
         "- module: layers.0\n", "- module: layers.{0-x}\n", 1)
     with pytest.raises(shardplan.PlanFileError, match=r"segment '\{0-x\}' is not an index set"):
         shardplan.Plan.from_yaml(text)
+
+
+def test_sequence_parallel_norm_gradients_are_replicate_after_to_empty():
+    """Built on meta, applied, then materialized with to_empty (which swaps every parameter):
+    the norms' gradients still arrive Replicate, not Partial (a hook on the parameter died)."""
+    from torch.distributed.tensor import DTensor
+
+    plan = plan_for("llama3-debug", 2, explain=False, sequence_parallel=True)
+    model = build_preset("llama3-debug", device="meta")
+    with shardplan.apply.mesh.fake_process_group(2):
+        shardplan.apply_plan(model, shardplan.apply.mesh.make_mesh({"tp": 2}), plan)
+        model.to_empty(device="cpu")
+        for p in model.parameters():
+            torch.nn.init.normal_(p.to_local() if isinstance(p, DTensor) else p)
+        (x,) = get_preset("llama3-debug").example_inputs(device="cpu")
+        model(x).float().sum().backward()
+        norms = {n: p.grad.placements for n, p in model.named_parameters() if "norm" in n}
+    assert norms and all(not pl[0].is_partial() for pl in norms.values()), norms

@@ -17,7 +17,6 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -35,7 +34,8 @@ from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern
 
 from .agree import agree
 from .styles import (
-    Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, MoEExpertsParallel, PackedColwise, ReplicateParallel,
+    Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, MoEExpertsParallel, PackedColwise, ReplicateGrads,
+    ReplicateParallel,
     combine, placement, unpack_experts, unpack_packed,
 )
 
@@ -178,14 +178,6 @@ def _tied_groups(model: nn.Module) -> list[list[tuple[str, str]]]:
     return [group for group in owners.values() if len(group) > 1]
 
 
-def _reduce_partial_grad(param: torch.Tensor) -> None:
-    """Sequence-parallel norm weights get Partial gradients (a sum over the local tokens);
-    make them Replicate once per backward instead of inside every optimizer kernel."""
-    grad = param.grad
-    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-        param.grad = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
-
-
 def _check_arguments(model: Any, device_mesh: Any, plan: Any) -> None:
     if not isinstance(model, nn.Module):
         raise ValueError(f"apply_plan needs an nn.Module; got {type(model).__name__}")
@@ -241,6 +233,5 @@ def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
             setattr(model.get_submodule(fqn), name, shared)
     for fqn, style in plan.module_styles().items():
         if style in ("sequence_parallel", "replicated_with_grad_allreduce"):
-            for p in model.get_submodule(fqn).parameters(recurse=False):
-                p.register_post_accumulate_grad_hook(_reduce_partial_grad)
+            ReplicateGrads()._apply(model.get_submodule(fqn), mesh)
     return model
