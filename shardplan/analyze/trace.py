@@ -26,6 +26,7 @@ import hashlib
 import inspect
 import operator
 import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -368,7 +369,7 @@ def _user_line(node: torch.fx.Node) -> str:
         if not text.startswith("File ") or "<shardplan-root>" in text:
             continue
         path = text.split(",")[0][5:].strip(chr(34))
-        if "/torch/" in path or is_internal(path):
+        if _machinery(path):
             continue
         code = lines[i + 1].strip() if i + 1 < len(lines) else ""
         return f"{portable_path(path)}:{text.split('line ')[1].split(',')[0]} `{code}`"
@@ -386,6 +387,16 @@ def is_internal(path: str) -> bool:
     """Whether a source file is shardplan's own machinery (not its built-in models)."""
     full = os.path.abspath(path)
     return full.startswith(_PACKAGE_DIR + os.sep) and not full.startswith(_MODELS_DIR + os.sep)
+
+
+def _machinery(path: str) -> bool:
+    """torch's, shardplan's own (not its built-in models) or the import system's source."""
+    return "/torch/" in path or is_internal(path) or path.startswith("<frozen ") or path.endswith("/importlib/__init__.py")
+
+
+def user_frame(tb: Any) -> traceback.FrameSummary | None:
+    """The innermost frame of traceback ``tb`` that runs the user's code, if any."""
+    return next((f for f in reversed(traceback.extract_tb(tb)) if not _machinery(f.filename)), None)
 
 
 def portable_path(path: str) -> str:

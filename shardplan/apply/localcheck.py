@@ -16,7 +16,6 @@ without a process group.
 from __future__ import annotations
 
 import copy
-import traceback
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..analyze.graph import OpGraph
-from ..analyze.trace import is_internal, portable_path
+from ..analyze.trace import portable_path, user_frame
 from ..plan.model import Plan, expand_pattern
 from ..decide.solve import PlanningError
 from .emit import shard
@@ -65,10 +64,8 @@ def _meta_copy(module: nn.Module) -> nn.Module:
 
 
 def _user_frame(exc: BaseException) -> str:
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if "/torch/" not in frame.filename and not is_internal(frame.filename):
-            return f"{portable_path(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`"
-    return "an unknown line"
+    frame = user_frame(exc.__traceback__)
+    return f"{portable_path(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else "an unknown line"
 
 
 def _local_args(call, placements: dict[int, str], tp: int) -> tuple[tuple, dict]:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..analyze.trace import portable_path
+from ..analyze.trace import portable_path, user_frame
 from ..interop.hf_models import config_dtype, hf_build, hf_config, shrink_config, transformers_module
 
 __all__ = ["resolve_model", "SPEC_HELP"]
@@ -161,12 +161,8 @@ def _no_hard_exit() -> Iterator[None]:
 
 def _user_site(exc: BaseException) -> str:
     """`` at file:line`` of the innermost frame of the user's code in ``exc``'s traceback."""
-    import traceback
-
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename
-              and not f.filename.endswith(("/importlib/__init__.py", "<frozen importlib._bootstrap>"))
-              and "shardplan/tools/sources.py" not in f.filename.replace(os.sep, "/")]
-    return f" at {portable_path(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+    frame = user_frame(exc.__traceback__)
+    return f" at {portable_path(frame.filename)}:{frame.lineno}" if frame else ""
 
 
 # --------------------------------------------------------------------------- Hugging Face
