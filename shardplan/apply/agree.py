@@ -72,9 +72,7 @@ def agree(plan: Plan | BaseException) -> Plan:
         return plan
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, _payload(plan))
-    message = _message(gathered)
+    message = _message(gathered)  # never None when this rank sent an error
     if message is not None:
         raise RankDisagreement(message)
-    if isinstance(plan, BaseException):  # unreachable: its own error is in the gathered list
-        raise plan
     return plan

@@ -92,7 +92,8 @@ def hf_build(tf: Any, cfg: Any, spec: str, *, device: str | torch.device, dtype:
 
 def config_dtype(cfg: Any) -> torch.dtype:
     """The dtype a config says its weights are in (``dtype``, formerly ``torch_dtype``), else bf16."""
-    value = cfg.to_dict().get("dtype") or cfg.to_dict().get("torch_dtype") if hasattr(cfg, "to_dict") else None
+    values = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    value = values.get("dtype") or values.get("torch_dtype")
     if isinstance(value, str):
         value = getattr(torch, value.removeprefix("torch."), None)
     return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.bfloat16

@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 from yaml.constructor import SafeConstructor
 
-__all__ = ["PlanFileError", "load_mapping", "key_lines", "read_text", "describe", "atomic_write", "MAX_DEPTH"]
+__all__ = ["PlanFileError", "load_mapping", "read_text", "describe", "atomic_write", "MAX_DEPTH"]
 
 MAX_DEPTH = 32  # a plan file nests 5 deep; anything far deeper is not a plan
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -145,14 +145,6 @@ def read_text(path: Path) -> str:
     except UnicodeDecodeError as exc:
         raise PlanFileError(f"{path}: not a UTF-8 text file (byte {exc.start} is 0x{exc.object[exc.start]:02x}); "
                             "a plan file is YAML text written by `shardplan plan -o`") from None
-
-
-def key_lines(text: str) -> dict[tuple, int]:
-    """Map each key path to its 1-based line; empty when the text is not a usable plan file."""
-    try:
-        return load_mapping(text)[1]
-    except PlanFileError:
-        return {}
 
 
 def _key(loc: tuple) -> str:

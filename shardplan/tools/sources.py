@@ -58,8 +58,6 @@ def resolve_model(
     from ..models import PRESETS
 
     spec = spec.strip()
-    if not spec:
-        raise ValueError(_unknown_message(spec, list(PRESETS)))
     if spec in PRESETS:
         return _preset(spec, device=device, batch_size=batch_size, seq_len=seq_len)
     if spec.startswith("hf:"):
@@ -169,7 +167,7 @@ def _user_site(exc: BaseException) -> str:
 
 
 def _looks_like_path(spec: str) -> bool:
-    return spec.endswith(".json") or os.sep in spec or spec.startswith(".") or Path(spec).is_dir()
+    return bool(spec) and (spec.endswith(".json") or os.sep in spec or spec.startswith(".") or Path(spec).is_dir())
 
 
 def _config_path(spec: str) -> Path:
