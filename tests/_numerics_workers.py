@@ -153,14 +153,20 @@ def _run_case(case: dict[str, Any], mesh, tols: dict[str, tuple[float, float]]) 
 
 
 def run_cases(rank: int, world_size: int, cases: list[dict[str, Any]], tols: dict[str, tuple[float, float]]) -> dict[str, Any]:
-    """Run every case on this rank; a case that raises is recorded and ends the run
-    (the ranks agree on that after every case, so none waits in a stray collective)."""
+    """Run every case on this rank (see :func:`run_each`)."""
+    return run_each(rank, world_size, cases, lambda case, mesh: _run_case(case, mesh, tols))
+
+
+def run_each(rank: int, world_size: int, cases: list[dict[str, Any]], run: Any) -> dict[str, Any]:
+    """``run(case, mesh)`` for every case on this rank, over a 1-D ``tp`` mesh of the world;
+    a case that raises is recorded and ends the run (the ranks agree on that after every
+    case, so none waits in a stray collective)."""
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     out: dict[str, Any] = {}
     for case in cases:
         try:
-            out[case["id"]] = _run_case(case, mesh, tols)
+            out[case["id"]] = run(case, mesh)
         except Exception:
             out[case["id"]] = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
         ok: list[Any] = [None] * world_size

@@ -14,17 +14,15 @@ Kept apart from the test module so the spawned children import neither pytest no
 
 from __future__ import annotations
 
-import traceback
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import shardplan
 from shardplan.apply.emit import unpack_packed
+from tests._numerics_workers import run_each
 from tests._property_models import PropConfig, build, example_ids
 
 _TARGET_SEED = 4321
@@ -91,18 +89,5 @@ def _run_case(case: dict[str, Any], mesh) -> dict[str, Any]:
 
 
 def run_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every case on this rank; one that raises is recorded and ends the run (the ranks
-    agree after each case, so none waits in a stray collective)."""
-    torch.manual_seed(0)
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    out: dict[str, Any] = {}
-    for case in cases:
-        try:
-            out[case["id"]] = _run_case(case, mesh)
-        except Exception:
-            out[case["id"]] = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
-        ok: list[Any] = [None] * world_size
-        dist.all_gather_object(ok, "error" not in out[case["id"]])
-        if not all(ok):
-            break
-    return out
+    """Every case on this rank (``tests._numerics_workers.run_each``)."""
+    return run_each(rank, world_size, cases, _run_case)
