@@ -22,6 +22,7 @@ _EXPORTS = {
     "plan_model": "api", "apply_plan": "api", "auto_parallelize": "api", "price_styles": "api",
     "PlanningError": "api", "TraceError": "api",
     "Plan": "plan.model", "PlanFileError": "plan.fileio", "load_plan": "plan.model",
+    "full_state_dict": "apply.state", "load_full_state_dict": "apply.state",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -21,7 +21,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported, in the sp
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -73,33 +72,6 @@ def _compare(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], atol: float, r
 
 
 
-def _global_order(ref: nn.Module, plan: shardplan.Plan, tp: int) -> dict[str, Any]:
-    """Parameter name -> function turning its ``full_tensor()`` into the module's own layout.
-    A packed weight (``packed_colwise``: a fused [gate; up] Linear; ``moe_tp_experts``: an
-    expert bank's packed gate/up) keeps per-rank [gate_r, up_r] blocks, so its global DTensor
-    view is [gate_0, up_0, gate_1, up_1] (see ``shardplan.apply.emit.unpack_packed``)."""
-    from shardplan.plan.model import expand_pattern
-
-    fix: dict[str, Any] = {}
-    for rule in plan.rules:
-        if rule.style == "packed_colwise":
-            from shardplan.apply.emit import unpack_packed
-
-            parts = getattr(rule, "packed", None) or 2
-            for fqn in expand_pattern(rule.module, plan.model.repeats):
-                for pname, _ in ref.get_submodule(fqn).named_parameters(recurse=False):
-                    fix[f"{fqn}.{pname}"] = lambda t, parts=parts: unpack_packed(t, tp=tp, parts=parts, dim=0)
-        elif rule.style == "moe_tp_experts":
-            from shardplan.apply.emit import unpack_experts
-            from shardplan.analyze.graph import expert_params
-
-            for fqn in expand_pattern(rule.module, plan.model.repeats):
-                found = expert_params(ref.get_submodule(fqn))
-                if found.packed:
-                    fix[f"{fqn}.{found.up}"] = lambda t, d=found.up_dim: unpack_experts(t, tp=tp, dim=d)
-    return fix
-
-
 def _run_case(case: dict[str, Any], mesh, tols: dict[str, tuple[float, float]]) -> dict[str, Any]:
     t0 = time.perf_counter()
     plan = shardplan.Plan.from_yaml(case["plan_yaml"])
@@ -141,12 +113,10 @@ def _run_case(case: dict[str, Any], mesh, tols: dict[str, tuple[float, float]]) 
         n for n, p in tp_params.items()
         if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)
     )
-    order = _global_order(ref, plan, mesh.size())
-    checks["reordered"] = sorted(order)
     common = [n for n in ref_params if n in tp_params and tp_params[n].grad is not None and ref_params[n].grad is not None]
     checks["num_grads"] = len(common)
     res["grad"] = _compare(
-        [(n, order.get(n, lambda t: t)(_full(tp_params[n].grad)), ref_params[n].grad) for n in common], *tols["grad"]
+        [(n, _full(tp_params[n].grad), ref_params[n].grad) for n in common], *tols["grad"]
     )
     # the TP model must train with a stock foreach optimizer (it cannot mix DTensor and plain tensors)
     try:

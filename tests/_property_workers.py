@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import shardplan
-from shardplan.apply.emit import unpack_packed
 from tests._numerics_workers import run_each
 from tests._property_models import PropConfig, build, example_ids
 
@@ -46,7 +45,6 @@ def _run_case(case: dict[str, Any], mesh) -> dict[str, Any]:
     ref = build(cfg, device="cpu", seed=0)
     tp = build(cfg, device="cpu", seed=0)
     shardplan.apply_plan(tp, mesh, plan)
-    world = mesh.size()
     ids = example_ids(cfg, batch=2, seq=8, device="cpu", seed=1)
     target = torch.randint(0, cfg.vocab_size, ids.shape, generator=torch.Generator().manual_seed(_TARGET_SEED))
 
@@ -62,7 +60,6 @@ def _run_case(case: dict[str, Any], mesh) -> dict[str, Any]:
         F.cross_entropy(out_tp.flatten(0, -2), target.flatten()).backward()
 
     ref_params, tp_params = dict(ref.named_parameters()), dict(tp.named_parameters())
-    styles = plan.module_styles()
     grads = {}
     for name, p in ref_params.items():
         q = tp_params.get(name)
@@ -70,9 +67,6 @@ def _run_case(case: dict[str, Any], mesh) -> dict[str, Any]:
             grads[name] = None
             continue
         got = _full(q.grad)
-        fqn = name.rpartition(".")[0]
-        if styles.get(fqn) == "packed_colwise":  # its global view is [a_0, b_0, a_1, b_1, ...]
-            got = unpack_packed(got, tp=world, parts=plan.rule_for(fqn).packed or 2)
         grads[name] = _max_abs(got, p.grad)
     worst = max((k for k in grads if grads[k] is not None), key=lambda k: grads[k], default=None)
     return {

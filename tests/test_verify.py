@@ -4,7 +4,7 @@ Input problems are refused before any process starts (cheap). The end-to-end cas
 start real gloo ranks (a few seconds of spawn + import each on 2 CPU cores), so there are
 few of them: a plan that matches (llama3-debug, through the CLI), a plan edited to be wrong
 (exit 1, the guilty gradient named), a rank that raises and a run that times out (exit 2,
-one line), and a Mixtral-style MoE whose packed expert weights need ``unpack_experts``.
+one line), and a Mixtral-style MoE whose packed expert weights compare exactly as gathered.
 """
 
 from __future__ import annotations
@@ -133,24 +133,30 @@ def test_tolerances_are_test_numerics_float32_numbers() -> None:
     assert TOLERANCES["weights"] == (0.0, 0.0)
 
 
-def test_packed_colwise_parameters_are_unpacked(user_models: str) -> None:
-    """A packed Linear's gathered parameter is [gate_0, up_0, gate_1, up_1]; verify compares
-    it with the module's [gate; up] only after putting it back in order."""
-    from shardplan.plan.model import STYLES
-    from shardplan.tools.sources import resolve_model
-    from shardplan.tools.verify import _unpackers
+@pytest.mark.parametrize("rank", [0, 1])
+def test_packed_colwise_keeps_the_modules_order(user_models: str, rank: int) -> None:
+    """A packed Linear keeps [gate_r; up_r] on rank r, and its placement says so: the
+    DTensor's global view is the module's own [gate; up], so verify (and checkpoints)
+    compare the gathered weight with the module's as it is. On the fake group each rank's
+    slice is cut locally (``src_data_rank=None``), checked against slicing by hand."""
+    from torch.distributed.tensor import distribute_tensor
 
-    if "packed_colwise" not in STYLES:
-        pytest.skip("this planner has no packed_colwise style")
+    from shardplan.apply.mesh import fake_process_group, make_mesh
+    from shardplan.apply.state import _strided_chunks
+    from shardplan.apply.styles import packed_placement
+    from shardplan.tools.sources import resolve_model
+
     model, _, _ = resolve_model(f"{user_models}:fused", device="cpu")
     plan = shardplan.plan_model(resolve_model(f"{user_models}:fused")[0], {"tp": 2}, explain=False, seq_len=16)
     assert plan.rule_for("gate_up").style == "packed_colwise"
-    unpack = _unpackers(plan, model, tp=2)
-    assert sorted(unpack) == ["gate_up.bias", "gate_up.weight"]
-    for name, p in model.gate_up.named_parameters():
-        gate, up = p.detach().chunk(2, 0)
-        gathered = torch.cat([torch.cat([gate.chunk(2, 0)[r], up.chunk(2, 0)[r]]) for r in range(2)])
-        assert not torch.equal(gathered, p) and torch.equal(unpack[f"gate_up.{name}"](gathered), p)
+    with fake_process_group(2, rank=rank):
+        mesh = make_mesh({"tp": 2})
+        for _, p in model.gate_up.named_parameters():
+            d = distribute_tensor(p.detach(), mesh, [packed_placement(parts=2, dim=0)], src_data_rank=None)
+            gate, up = p.detach().chunk(2, 0)
+            assert torch.equal(d.to_local(), torch.cat([gate.chunk(2, 0)[rank], up.chunk(2, 0)[rank]]))
+            half, quarter = p.shape[0] // 2, p.shape[0] // 4  # DCP sees two chunks per rank, one in each part
+            assert _strided_chunks(d) == [(0, rank * quarter, 0, quarter), (0, half + rank * quarter, quarter, quarter)]
 
 
 # --------------------------------------------------------------------------- refused before launch
@@ -269,7 +275,7 @@ def test_rank_that_hangs_times_out(user_models: str, capsys: pytest.CaptureFixtu
 
 
 def test_moe_packed_experts(user_models: str) -> None:
-    """moe_tp_experts packs gate/up per rank: weights compare exactly only after unpack_experts."""
+    """moe_tp_experts packs gate/up per rank; the gathered weights equal the module's exactly."""
     pytest.importorskip("transformers")
     result = verify(f"{user_models}:tiny_mixtral", nproc=2, timeout_s=240)
     styles = set(result.plan.module_styles().values())

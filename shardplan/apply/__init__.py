@@ -9,5 +9,6 @@ axis, re-ties shared weights and installs the gradient hooks sequence parallel n
 These two are the only modules that import torch's TP styles. :mod:`.mesh` makes the fake
 process group and named meshes; :mod:`.localcheck` applies a plan on a fake group to a
 meta copy of the model and runs it, so a split that the model's own code cannot run
-(a hard-coded head count) is found while planning.
+(a hard-coded head count) is found while planning. :mod:`.state` gives and takes a sharded
+model's state in the unsharded model's layout.
 """

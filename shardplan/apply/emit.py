@@ -36,11 +36,11 @@ from .agree import agree
 from .styles import (
     Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, MoEExpertsParallel, PackedColwise, ReplicateGrads,
     ReplicateParallel,
-    combine, placement, unpack_experts, unpack_packed,
+    combine, placement,
 )
 
 __all__ = [
-    "ReplicateParallel", "MoEExpertsParallel", "unpack_experts", "unpack_packed", "to_parallelize_plan", "apply_plan", "shard",
+    "ReplicateParallel", "MoEExpertsParallel", "to_parallelize_plan", "apply_plan", "shard",
     "tp_mesh", "check_fingerprint",
 ]
 

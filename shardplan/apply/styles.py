@@ -9,12 +9,13 @@ Each class here is a ``torch.distributed.tensor.parallel.style.ParallelStyle`` t
 * ``ReplicateParallel``: parameters become ``Replicate`` DTensors, activations stay plain,
   so optimizers' foreach kernels never mix DTensor and plain parameters;
 * ``PackedColwise``: a fused projection (``[gate; up]``) split so each rank keeps its slice
-  of every part; ``unpack_packed`` restores the module's own row order;
+  of every part, with a placement (``packed_placement``) whose global view is the module's
+  own row order, so checkpoints and full state dicts reshard without loss;
 * ``Conv1DColwise``/``Conv1DRowwise``: Hugging Face's ``Conv1D``, which stores ``W`` as
   ``[in, out]`` (the transpose of ``nn.Linear``'s), so each split is on the other dim;
 * ``MoEExpertsParallel``: tensor parallel inside every expert of a 3-D expert bank (up and
   gate on their output features, down on its input features) with one all-reduce of the
-  output forward; ``unpack_experts`` restores a packed up projection's order;
+  output forward; a packed up projection is placed as ``PackedColwise``'s weight;
 * ``ContainerParams``, ``CopyOutput``, ``Both``: a module's own parameters beside styled
   children, a copy of an output that is modified in place downstream, two styles on one module.
 
@@ -32,10 +33,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
     "placement", "ReplicateParallel", "PackedColwise", "Conv1DColwise", "Conv1DRowwise", "MoEExpertsParallel",
-    "unpack_packed", "unpack_experts", "ContainerParams", "CopyOutput", "Both", "combine", "ReplicateGrads",
+    "packed_placement", "ContainerParams", "CopyOutput", "Both", "combine", "ReplicateGrads",
 ]
 
 
@@ -163,64 +165,64 @@ class MoEExpertsParallel(ParallelStyle):
     The up projection [E, X, H] is split on X, the down projection [E, H, I] on I (or the
     bmm layout [E, H, X] / [E, I, H] on the same features); when X is
     gate and up packed (X = 2I, split by ``chunk(2)``), each rank keeps matching slices of
-    both halves (packed). The parameters are DTensors (Shard(1) / Shard(2)); the forward runs
-    on their local shards, sums the partial outputs with one all-reduce, and all-reduces the
-    gradients of the inputs it consumed whole. The packed weight's global DTensor view holds
-    [gate_0, up_0, gate_1, up_1, ...]; ``unpack_experts`` restores the module's own order.
+    both halves (``packed_placement``, whose global view is the module's own [gate; up]).
+    The parameters are DTensors (Shard(1) / Shard(2)); the forward runs on their local
+    shards, sums the partial outputs with one all-reduce, and all-reduces the gradients of
+    the inputs it consumed whole.
     """
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         from ..analyze.graph import expert_params
 
         ep = expert_params(module)
-        up, down = ep.up, ep.down
-        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
-        whole = distribute_tensor(getattr(module, up).detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
-        local = _packed_slice(whole.to_local(), parts=2 if ep.packed else 1, dim=ep.up_dim, tp=tp, rank=rank)
-        up_param = DTensor.from_local(local, device_mesh, [Shard(ep.up_dim)], run_check=False)
-        module.register_parameter(up, nn.Parameter(up_param, requires_grad=getattr(module, up).requires_grad))
-        split = [(down, ep.down_dim)] + ([(ep.gate, ep.up_dim)] if ep.gate else [])  # a gate splits as up does
-        for name, dim in split:
-            param = distribute_tensor(getattr(module, name).detach(), device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank)
+        # a packed up projection [gate; up] keeps [gate_r; up_r] on rank r (packed_placement)
+        up_placement = packed_placement(parts=2, dim=ep.up_dim) if ep.packed else Shard(ep.up_dim)
+        split = [(ep.up, up_placement), (ep.down, Shard(ep.down_dim))]
+        split += [(ep.gate, Shard(ep.up_dim))] if ep.gate else []  # a gate splits as up does
+        for name, where in split:
+            param = distribute_tensor(getattr(module, name).detach(), device_mesh, [where], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(param, requires_grad=getattr(module, name).requires_grad))
-        names = (up, down) + ((ep.gate,) if ep.gate else ())
+        names = tuple(name for name, _ in split)
         group = device_mesh.get_group().group_name
         module.register_forward_pre_hook(partial(_experts_enter, names=names, group=group), with_kwargs=True)
         module.register_forward_hook(partial(_experts_leave, names=names, group=group))
         return module
 
 
-def _packed_slice(full: torch.Tensor, *, parts: int, dim: int, tp: int, rank: int) -> torch.Tensor:
-    """This rank's slice of every part, concatenated: [gate_r, up_r]."""
-    return torch.cat([p.chunk(tp, dim=dim)[rank] for p in full.chunk(parts, dim=dim)], dim=dim).contiguous()
+def packed_placement(*, parts: int, dim: int) -> _StridedShard:
+    """The placement of a weight packing ``parts`` projections along ``dim`` ([gate; up]):
+    split into its parts first, then each part into tp chunks, rank r keeping
+    [gate_r; up_r], so the chunks a downstream ``chunk(parts)`` takes locally are each
+    part's own shard. In DTensor's terms that is a right-to-left sharding, ``_StridedShard``
+    with ``split_factor=parts``: the global view stays the module's own [gate; up] at every
+    tp, so ``full_tensor()``, DCP (resharding to another tp) and full state dicts see the
+    weight as the unsharded model has it (DCP needs :mod:`.state`'s chunk methods for it)."""
+    from .state import _install_dcp_chunks
 
-
-def unpack_packed(full: torch.Tensor, *, tp: int, parts: int = 2, dim: int = 0) -> torch.Tensor:
-    """The module's own order ([gate; up]) from a packed parameter's ``full_tensor()``, whose
-    global view is [gate_0, up_0, gate_1, up_1, ...]."""
-    shards = full.chunk(tp, dim=dim)
-    return torch.cat([torch.cat([s.chunk(parts, dim=dim)[b] for s in shards], dim=dim) for b in range(parts)], dim=dim)
-
-
-def unpack_experts(full: torch.Tensor, *, tp: int, blocks: int = 2, dim: int = 1) -> torch.Tensor:
-    """``unpack_packed`` for an experts bank's up projection ([E, 2I, H]: dim 1; bmm layout: 2)."""
-    return unpack_packed(full, tp=tp, parts=blocks, dim=dim)
+    _install_dcp_chunks()
+    return _StridedShard(dim, split_factor=parts)
 
 
 class PackedColwise(ColwiseParallel):
-    """ColwiseParallel for a fused projection split by ``chunk(parts, -1)`` downstream."""
+    """ColwiseParallel for a fused projection split by ``chunk(parts, -1)`` downstream. The
+    weight is ``packed_placement`` on its output features, so ``y = x W^T`` comes out
+    ``_StridedShard(-1)`` with no collective, and its local tensor is [gate_r, up_r]: the
+    slices the downstream ``chunk`` needs, handed on as they are (a redistribute to
+    ``Shard(-1)`` would be an all-to-all for nothing)."""
 
     def __init__(self, *, parts: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.parts = parts
 
     def _partition_linear_fn(self, name, module, device_mesh):
-        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
         for pname, param in list(module.named_parameters(recurse=False)):
-            whole = distribute_tensor(param.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
-            local = _packed_slice(whole.to_local(), parts=self.parts, dim=0, tp=tp, rank=rank)
-            dist = DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False)
+            where = packed_placement(parts=self.parts, dim=0)
+            dist = distribute_tensor(param.detach(), device_mesh, [where], src_data_rank=self.src_data_rank)
             module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local() if use_local_output else outputs
 
 
 def _experts_enter(module, args, kwargs, *, names, group):

@@ -31,9 +31,8 @@ seq_len=None, max_params=MAX_PARAMS, **plan_options) -> VerifyResult``
   ``loss``    cross-entropy against fixed random targets when the input is token ids
               and the output is per-token logits, else the mean of squared outputs
   ``grad``    every parameter's gradient after ``loss.backward()`` (``full_tensor()``;
-              a tied weight once; packed parameters -- a ``moe_tp_experts`` gate/up
-              projection, a ``packed_colwise`` Linear -- put back in the module's order
-              with :func:`shardplan.apply.styles.unpack_experts` / ``unpack_packed``)
+              a tied weight once; a packed parameter's global view is already the
+              module's own order, see :func:`shardplan.apply.styles.packed_placement`)
   ==========  =====================================================================
 
   with float32 tolerances ``|tp - ref| <= atol + rtol * |ref|`` per element
@@ -400,40 +399,6 @@ def _gathered(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _unpackers(plan: Plan, model: nn.Module, tp: int) -> dict[str, Any]:
-    """Parameter name -> function putting a packed parameter's ``full_tensor()`` back in the
-    module's own order: the gate/up projection of a ``moe_tp_experts`` bank
-    (:func:`shardplan.apply.styles.unpack_experts`) and the parameters of a ``packed_colwise``
-    Linear, whose output dim holds ``rule.packed`` parts (``unpack_packed``, dim 0)."""
-    from functools import partial
-
-    from ..analyze.graph import expert_params
-
-    out: dict[str, Any] = {}
-    for fqn, style in plan.module_styles().items():
-        if style not in ("moe_tp_experts", "packed_colwise"):
-            continue
-        try:
-            module = model.get_submodule(fqn)
-        except AttributeError:
-            continue
-        prefix = f"{fqn}." if fqn else ""
-        if style == "moe_tp_experts":
-            from ..apply.emit import unpack_experts
-
-            found = expert_params(module)
-            if found and found.packed:
-                out[prefix + found.up] = partial(unpack_experts, tp=tp, dim=found.up_dim)
-        else:
-            from ..apply.emit import unpack_packed
-
-            rule = plan.rule_for(fqn)
-            parts = getattr(rule, "packed", None) or 2
-            for name, _ in module.named_parameters(recurse=False):
-                out[prefix + name] = partial(unpack_packed, tp=tp, parts=parts, dim=0)
-    return out
-
-
 def _quiet_stderr(path: Path) -> None:
     """Send this rank's stderr (warnings, and launch's traceback echo) to a log file: the
     parent reports a failure in one line and keeps the traceback in ``VerifyError.details``."""
@@ -465,20 +430,15 @@ def _verify_rank(rank: int, world_size: int, spec: str, plan_yaml: str, inputs: 
     apply_plan(tp, mesh, plan, check=False)
 
     ref_params, tp_params = dict(ref.named_parameters()), dict(tp.named_parameters())
-    unpack = _unpackers(plan, ref, world_size)
     problems = []
     if sorted(ref_params) != sorted(tp_params):
         missing, extra = sorted(set(ref_params) - set(tp_params)), sorted(set(tp_params) - set(ref_params))
         problems.append(f"parameter names changed: missing {missing[:3]}, new {extra[:3]}")
     common = [n for n in ref_params if n in tp_params]
 
-    def full(n: str, t: torch.Tensor) -> torch.Tensor:
-        t = _gathered(t)
-        return unpack[n](t) if n in unpack else t
-
     res: dict[str, Any] = {}
     with torch.no_grad():
-        res["weights"] = compare([(n, full(n, tp_params[n]), ref_params[n]) for n in common], *tols["weights"])
+        res["weights"] = compare([(n, _gathered(tp_params[n]), ref_params[n]) for n in common], *tols["weights"])
 
     out_ref = _output_tensor(ref(*inputs))
     out_tp = _output_tensor(tp(*inputs))
@@ -498,7 +458,7 @@ def _verify_rank(rank: int, world_size: int, spec: str, plan_yaml: str, inputs: 
             continue
         if isinstance(g_tp, DTensor) and any(p.is_partial() for p in g_tp.placements):
             problems.append(f"{n}: gradient left Partial after backward (an optimizer would step on a partial sum)")
-        pairs.append((n, full(n, g_tp), g_ref))
+        pairs.append((n, _gathered(g_tp), g_ref))
     res["grad"] = compare(pairs, *tols["grad"])
     for q in QUANTITIES:
         problems += [p for p in res[q].pop("problems") if p not in problems]
