@@ -181,8 +181,8 @@ def worker(rank: int, world: int, args_dict: dict) -> dict:
 
     models = {v: build_model(cfg, seed=0) for v in VARIANTS}
     t0 = time.perf_counter()
-    plan = shardplan.plan_model(
-        models["A"], {"tp": world}, example_inputs=(torch.empty(bs, seq, dtype=torch.long, device="meta"),),
+    plan = shardplan.plan_model(  # the DeviceMesh, not sizes: a process group exists here
+        models["A"], mesh, example_inputs=(torch.empty(bs, seq, dtype=torch.long, device="meta"),),
         hardware="cpu-gloo", explain=False,
     )
     plan_s = time.perf_counter() - t0
@@ -238,8 +238,30 @@ def worker(rank: int, world: int, args_dict: dict) -> dict:
 # --------------------------------------------------------------------------- parent
 
 
-def _predicted(cfg, args_dict: dict) -> dict[str, float | None]:
-    """The cost model's step time (cpu-gloo profile) for each variant's styles."""
+def _print_table(times: dict, med: dict, cpu: dict, predicted: dict) -> None:
+    """Measured vs predicted per variant: wall median (and min, the least disturbed step),
+    CPU-time median, the prediction (with its compute / communication split) and the
+    ratios measured/predicted (target: within 25%, i.e. 0.8-1.25)."""
+    print("# wall = step wall time (max over ranks); cpu = the rank's process CPU time for the step"
+          " (max over ranks): less sensitive to other jobs on the 2 cores")
+    print("# pred = cost model (cpu-gloo), comp/comm its compute and communication parts;"
+          " ratios are measured / predicted")
+    print(f"{'variant':<22} {'median s':>9} {'min s':>7} {'max s':>7} {'n':>3} {'cpu med s':>9} "
+          f"{'pred s':>7} {'comp':>6} {'comm':>6} {'wall/pred':>9} {'min/pred':>8} {'cpu/pred':>8}")
+    for v in VARIANTS:
+        est = predicted.get(v)
+        if est is None:
+            cells = f"{'-':>7} {'-':>6} {'-':>6} {'-':>9} {'-':>8} {'-':>8}"
+        else:
+            pred = est.step_time_s
+            cells = (f"{pred:>7.4f} {est.compute_time_s:>6.3f} {est.comm_time_s:>6.3f} {med[v] / pred:>9.2f} "
+                     f"{min(times[v]) / pred:>8.2f} {cpu[v] / pred:>8.2f}")
+        print(f"{v + ' ' + NAMES[v]:<22} {med[v]:>9.4f} {min(times[v]):>7.4f} {max(times[v]):>7.4f} "
+              f"{len(times[v]):>3} {cpu[v]:>9.4f} {cells}")
+
+
+def _predicted(cfg, args_dict: dict) -> dict[str, object]:
+    """The cost model's estimate (cpu-gloo profile) for each variant's styles, or None."""
     import shardplan
 
     from plan_quality import NO_SP, TORCHTITAN  # the same style tables as the pricing benchmark
@@ -247,14 +269,14 @@ def _predicted(cfg, args_dict: dict) -> dict[str, float | None]:
     model = build_model(cfg, device="meta")
     inputs = (torch.empty(args_dict["batch"], args_dict["seq"], dtype=torch.long, device="meta"),)
     common = dict(example_inputs=inputs, hardware="cpu-gloo")
-    out: dict[str, float | None] = {}
+    out: dict[str, object] = {}
     for v, call in (
         ("A", lambda: shardplan.plan_model(model, {"tp": 2}, explain=False, **common)),
         ("B", lambda: shardplan.price_styles(model, {"tp": 2}, TORCHTITAN, **common)),
         ("C", lambda: shardplan.price_styles(model, {"tp": 2}, NO_SP, sequence_parallel=False, **common)),
     ):
         try:
-            out[v] = call().estimate.step_time_s
+            out[v] = call().estimate
         except Exception as exc:  # pricing is informative only; never fail the measurement
             print(f"# pricing {v} failed: {type(exc).__name__}: {exc}")
             out[v] = None
@@ -311,16 +333,7 @@ def main() -> None:
     print(f"# auto plan uses sequence parallel at this size: {'yes' if uses_sp else 'no'}")
     print()
     cpu = {v: statistics.median(r0["cpu"][v]) for v in VARIANTS}
-    print("# wall = step wall time (max over ranks); cpu = the rank's process CPU time for the step"
-          " (max over ranks): less sensitive to other jobs on the 2 cores")
-    print(f"{'variant':<22} {'median s':>9} {'min s':>7} {'max s':>7} {'n':>3} {'cpu med s':>9} "
-          f"{'predicted s':>11} {'meas/pred':>9}")
-    for v in VARIANTS:
-        pred = predicted.get(v)
-        pred_s = f"{pred:>11.4f}" if pred else f"{'-':>11}"
-        ratio = f"{med[v] / pred:>9.2f}" if pred else f"{'-':>9}"
-        print(f"{v + ' ' + NAMES[v]:<22} {med[v]:>9.4f} {min(times[v]):>7.4f} {max(times[v]):>7.4f} "
-              f"{len(times[v]):>3} {cpu[v]:>9.4f} {pred_s} {ratio}")
+    _print_table(times, med, cpu, predicted)
     print("collectives per step (CommDebugMode, rank 0): " + "; ".join(
         f"{v} " + ", ".join(f"{k} {n}" for k, n in sorted(r0["comms"][v].items())) for v in VARIANTS))
     best_hand = min(("B", "C"), key=lambda v: med[v])

@@ -23,6 +23,8 @@ _EXPORTS = {
     "PlanningError": "api", "TraceError": "api",
     "Plan": "plan.model", "PlanFileError": "plan.fileio", "load_plan": "plan.model",
     "full_state_dict": "apply.state", "load_full_state_dict": "apply.state",
+    "set_requires_gradient_sync": "apply.gradsync", "compile_blocks": "apply.compile",
+    "materialize": "apply.load", "load_checkpoint": "apply.load",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -6,7 +6,15 @@ Contract
 meta tensors, builds the op graph, solves the placement program and returns the plan as
 data. It never needs a process group: ``mesh`` may be a ``DeviceMesh`` or axis sizes
 (``{"tp": 8}``, ``{"dp": 16, "tp": 8}``); tensor parallelism runs on the axis named
-``tp`` (else the last axis). Same model, mesh and options -> byte-identical plan.
+``tp`` (else the last axis that is not a data axis). The other axes must be data axes
+(:data:`DATA_AXES`); any other axis larger than 1 (``pp``, ``cp``, ``ep``) is a
+``ValueError``, since nothing would price it. Same model, mesh and options -> byte-identical plan.
+
+``plan_model(model, world_size=N)`` (and :func:`compare_meshes`, which returns every
+candidate) plans each ``{"dp": N // tp, "tp": tp}`` split, tracing once, and picks the one
+with the most samples per second (``dp * batch / step_time_s``) whose predicted peak memory
+fits the budget (``memory_budget``, else the hardware's device memory). The chosen plan is
+byte-identical to ``plan_model(model, that_split)`` with the same options.
 """
 
 from __future__ import annotations
@@ -30,9 +38,13 @@ from .apply.localcheck import LocalShapeError, check_local_shapes
 from .plan.model import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint
 from .decide.regions import find_partial_blocks, find_regions
 from .decide.solve import PlanningError, SolveContext, solve
+from .decide.splits import MeshCandidate, MeshComparison, choose, dp_tp_splits
 from .analyze.trace import TraceError, trace_model
 
-__all__ = ["plan_model", "apply_plan", "auto_parallelize", "price_styles", "mesh_axes", "PlanningError", "TraceError"]
+__all__ = [
+    "plan_model", "apply_plan", "auto_parallelize", "price_styles", "mesh_axes", "compare_meshes", "MeshComparison",
+    "MeshCandidate", "DATA_AXES", "PlanningError", "TraceError",
+]
 
 _EXTRA_OPTIONS = ("explain", "tp_axis", "fold_repeated", "strict", "check", "_pinned")
 _OPTION_NAMES = set(PlanOptions.model_fields) | set(_EXTRA_OPTIONS)
@@ -53,12 +65,51 @@ def mesh_axes(mesh: Any) -> dict[str, int]:
     return {k: int(v) for k, v in axes.items()}
 
 
+# Mesh axes the planner prices as data parallel: each holds a replica of the tp group's
+# model working on its own batch. Under FSDP the last of them shards parameter, gradient and
+# optimizer state and any before it replicate (HSDP: what fully_shard does on a 2-D mesh);
+# ``dp_replicate`` (torchtitan's name for that outer axis) never shards, even alone (DDP).
+DATA_AXES = ("dp", "dp_shard", "dp_replicate", "fsdp")
+_REPLICATE_AXES = ("dp_replicate",)
+_UNMODELLED = {  # axes people name in torchtitan-style meshes, and what to do instead
+    "pp": ("pipeline parallelism", "plan one pipeline stage's module on the remaining axes"),
+    "cp": ("context parallelism", "plan without it (activation memory is then that of the whole sequence)"),
+    "ep": ("expert parallelism", "put those ranks on 'tp' (experts are split there, moe_tp_experts) or on 'dp'"),
+}
+
+
 def _tp_axis(axes: dict[str, int], requested: str | None) -> str:
     if requested is not None:
         if requested not in axes:
             raise ValueError(f"tp_axis {requested!r} is not a mesh axis; the mesh has {list(axes)}")
         return requested
-    return "tp" if "tp" in axes else list(axes)[-1]
+    if "tp" in axes:
+        return "tp"
+    others = [name for name in axes if name not in DATA_AXES]
+    if not others:
+        raise ValueError(f"mesh {axes} has no tensor-parallel axis, only data axes ({', '.join(DATA_AXES)}); add one, "
+                         f"e.g. {({**axes, 'tp': 1})} for data parallelism alone, or name one with tp_axis=")
+    return others[-1]
+
+
+def _check_axes(axes: dict[str, int], tp_axis: str) -> None:
+    """Every axis but the tensor-parallel one must be a data axis the cost model prices;
+    an axis of size 1 does nothing, so its name does not matter."""
+    for name, size in axes.items():
+        if name == tp_axis or name in DATA_AXES or size == 1:
+            continue
+        rest = {k: v for k, v in axes.items() if k != name}
+        what, instead = _UNMODELLED.get(name, (None, None))
+        if what is None:
+            raise ValueError(
+                f"mesh axis {name!r} (size {size}) is neither the tensor-parallel axis {tp_axis!r} nor a data axis "
+                f"({', '.join(DATA_AXES)}), so the planner cannot price it; name data-parallel axes one of those "
+                f"(e.g. {{'dp': {size}, {tp_axis!r}: {axes[tp_axis]}}}; mesh_dim_names= for a DeviceMesh), or pass "
+                f"tp_axis={name!r} if it is the tensor-parallel one")
+        raise ValueError(
+            f"mesh axis {name!r} (size {size}) is {what}, which the planner does not model: it plans tensor "
+            f"parallelism on {tp_axis!r} and prices {', '.join(DATA_AXES)} as data parallel, and would misprice "
+            f"{name!r} as either; {instead}, e.g. on {rest}")
 
 
 def infer_example_inputs(model: nn.Module, *, batch_size: int, seq_len: int) -> tuple:
@@ -92,12 +143,12 @@ def _options(opts: dict[str, Any]) -> tuple[PlanOptions, dict[str, Any]]:
 
 
 def _state_shards(axes: dict[str, int], tp_axis: str, data_parallel: str) -> int:
-    if data_parallel == "ddp":
+    """Ranks that split parameter, gradient and optimizer state beyond tp: the last data axis
+    under FSDP (see DATA_AXES), none under DDP."""
+    data = [name for name in axes if name != tp_axis and name in DATA_AXES]
+    if data_parallel == "ddp" or not data or data[-1] in _REPLICATE_AXES:
         return 1
-    n = 1
-    for name, size in axes.items():
-        n *= size if name != tp_axis else 1
-    return n
+    return axes[data[-1]]
 
 
 def _trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None, fold: bool):
@@ -114,29 +165,64 @@ def _trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
 
 
 def plan_model(
-    model: nn.Module, mesh: Any, *, example_inputs: tuple | None = None, example_kwargs: dict | None = None, **options: Any
+    model: nn.Module, mesh: Any = None, *, example_inputs: tuple | None = None, example_kwargs: dict | None = None,
+    world_size: int | None = None, **options: Any,
 ) -> Plan:
-    """Decide the tensor-parallel plan of ``model`` on ``mesh``; see the module docstring."""
+    """Decide the tensor-parallel plan of ``model`` on ``mesh``, or on the best dp x tp split
+    of ``world_size`` devices; see the module docstring."""
+    if world_size is not None or mesh is None:
+        if mesh is not None:
+            raise ValueError(f"plan_model got both a mesh and world_size={world_size!r}; give the mesh to plan on "
+                             "it, or world_size alone to let the planner choose the dp x tp split")
+        if world_size is None:
+            raise ValueError("plan_model needs a mesh (axis sizes like {'tp': 8} or a DeviceMesh) or world_size=N "
+                             "to choose the dp x tp split of N devices")
+        return compare_meshes(model, world_size, example_inputs=example_inputs, example_kwargs=example_kwargs,
+                              **options).plan
+    _check_model(model)
+    opts, extra = _options(dict(options))
+    axes = mesh_axes(mesh)
+    tp_axis = _tp_axis(axes, extra.get("tp_axis"))
+    _check_axes(axes, tp_axis)
+    _check_tp_size(model, axes[tp_axis])
+    opts, example_inputs = _defaults(model, opts, example_inputs)
+    graph = _graph(model, example_inputs, example_kwargs, extra)
+    return _plan_on(model, graph, axes, tp_axis, opts, extra, mesh=mesh, example_inputs=example_inputs)
+
+
+def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise ValueError(f"plan_model needs an nn.Module; got {type(model).__name__} {model!r:.60}. Build the model "
                          "first (on the meta device it costs no memory), e.g. shardplan.models.build_preset('mlp')")
-    opts, extra = _options(dict(options))
+
+
+def _defaults(model: nn.Module, opts: PlanOptions, example_inputs: Any) -> tuple[PlanOptions, tuple]:
+    """The model's dtype when none is given, and example inputs as a tuple (inferred if absent)."""
+    cost.get_hardware(opts.hardware)  # an unknown profile fails before the trace
     if opts.dtype is None:
         opts = opts.model_copy(update={"dtype": _model_dtype(model)})
-    axes = mesh_axes(mesh)
-    tp_axis = _tp_axis(axes, extra.get("tp_axis"))
-    _check_tp_size(model, axes[tp_axis])
-    if axes[tp_axis] == 1:  # nothing is split: no sequence or vocabulary shards either
-        opts = opts.model_copy(update={"sequence_parallel": False, "loss_parallel": False})
-    hardware = cost.get_hardware(opts.hardware)
     if example_inputs is None:
         # the CLI's presets default to batch 2 as well: one model, one default shape
         example_inputs = infer_example_inputs(model, batch_size=opts.batch_size or 2, seq_len=opts.seq_len or 2048)
     elif not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
+    return opts, example_inputs
+
+
+def _graph(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None, extra: dict[str, Any]) -> OpGraph:
+    """The op graph: it depends on the model and inputs only, never on the mesh."""
     graph = build_graph(_trace(model, example_inputs, example_kwargs, extra.get("fold_repeated", True)))
     if not any(op.kind == "module" for op in graph.ops):
         raise PlanningError(f"{type(model).__name__} has no weight modules called in forward: nothing to shard")
+    return graph
+
+
+def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: str, opts: PlanOptions,
+             extra: dict[str, Any], *, mesh: Any, example_inputs: tuple) -> Plan:
+    """Solve, assemble and check the plan of ``graph`` on ``axes`` (validated by the caller)."""
+    if axes[tp_axis] == 1:  # nothing is split: no sequence or vocabulary shards either
+        opts = opts.model_copy(update={"sequence_parallel": False, "loss_parallel": False})
+    hardware = cost.get_hardware(opts.hardware)
     ctx = SolveContext(
         tp=axes[tp_axis], hardware=hardware, link=cost.axis_links(hardware, axes)[tp_axis],
         dtype=opts.dtype, memory_budget=opts.memory_budget, opts=opts,
@@ -180,6 +266,54 @@ def plan_model(
         plan = plan.model_copy(update={"decisions": decisions, "rules": assemble.rules(
             graph, solution, decisions, entries, blocks)})
     return plan
+
+
+def compare_meshes(model: nn.Module, world_size: int, *, example_inputs: tuple | None = None,
+                   example_kwargs: dict | None = None, **options: Any) -> MeshComparison:
+    """Plan ``model`` on every ``{"dp": world_size // tp, "tp": tp}`` split, tracing once, and
+    choose the one with the most samples per second whose predicted peak memory fits
+    (``memory_budget``, else the hardware's device memory); see :mod:`.decide.splits`. Options
+    are ``plan_model``'s, except ``tp_axis``."""
+    _check_model(model)
+    splits = dp_tp_splits(world_size)
+    opts, extra = _options(dict(options))
+    if "tp_axis" in extra:
+        raise ValueError("tp_axis does not apply with world_size: the splits' axes are named 'dp' and 'tp'; "
+                         "plan on a mesh of your own axes instead")
+    _check_tp_size(model, 1)  # a model with no parameters has nothing to compare
+    if extra.get("check", True) and torch.distributed.is_available() and torch.distributed.is_initialized():
+        # each split's local check needs a fake group of its tp, which cannot be made under
+        # a real one; refuse rather than let the process group decide the table
+        raise PlanningError("world_size planning checks each split on a temporary fake process group, which cannot "
+                            "be made while a process group exists; plan before init_process_group (or on one process "
+                            "and save the plan), or pass check=False")
+    opts, example_inputs = _defaults(model, opts, example_inputs)
+    hardware = cost.get_hardware(opts.hardware)
+    limit = opts.memory_budget or hardware.memory_bytes
+    source = "memory budget" if opts.memory_budget else f"{hardware.name}'s device memory"
+    graph = _graph(model, example_inputs, example_kwargs, extra)
+    quick = {**extra, "explain": False}  # explain only the chosen split: its re-solves are most of the time
+    candidates = [_candidate(model, graph, axes, opts, quick, example_inputs, limit) for axes in splits]
+    chosen, best = choose(candidates), None
+    if chosen is not None:
+        best = candidates[chosen].plan
+        if extra.get("explain", True):
+            axes = candidates[chosen].axes
+            best = _plan_on(model, graph, axes, "tp", opts, extra, mesh=axes, example_inputs=example_inputs)
+    return MeshComparison(world_size=world_size, memory_limit=int(limit), limit_source=source,
+                          candidates=candidates, chosen=chosen, plan_of_chosen=best)
+
+
+def _candidate(model, graph, axes, opts, extra, example_inputs, limit) -> MeshCandidate:
+    try:
+        _check_tp_size(model, axes["tp"])
+    except ValueError as exc:  # a tp beyond every weight dimension: listed, not planned
+        return MeshCandidate(axes=axes, plan=None, error=str(exc))
+    try:
+        plan = _plan_on(model, graph, axes, "tp", opts, extra, mesh=axes, example_inputs=example_inputs)
+    except PlanningError as exc:  # no plan at this tp (strict, sequence parallel, ...); others may have one
+        return MeshCandidate(axes=axes, plan=None, error=str(exc))
+    return MeshCandidate(axes=axes, plan=plan, fits=plan.estimate.peak_memory_bytes <= limit)
 
 
 def _solve_explained(graph: OpGraph, ctx: SolveContext):
@@ -233,7 +367,7 @@ def _assemble(model, graph, solution, ctx, entries, blocks, *, opts, axes, tp_ax
         options=opts,
         rules=assemble.rules(graph, solution, [], entries, blocks),
         regions=assemble.regions(graph, entries) + assemble.block_regions(graph, blocks),
-        estimate=estimate(graph, solution, entries, ctx, blocks=blocks),
+        estimate=estimate(graph, solution, entries, ctx, blocks=blocks, mesh=MeshInfo(axes=axes, tp_axis=tp_axis)),
         warnings=notes,
     )
     device = ctx.hardware.memory_bytes
@@ -336,17 +470,31 @@ def _record_shapes(opts: PlanOptions, example_inputs: tuple) -> PlanOptions:
     return opts.model_copy(update={"batch_size": int(first.shape[0]), "seq_len": None if seq is None else int(seq)})
 
 
-def apply_plan(model: nn.Module, device_mesh: Any, plan: Plan) -> nn.Module:
-    """Apply ``plan`` with ``parallelize_module``; see :mod:`shardplan.apply.emit`."""
+def apply_plan(model: nn.Module, device_mesh: Any, plan: Plan, *, fsdp: Any = False) -> nn.Module:
+    """Apply ``plan`` with ``parallelize_module`` (:mod:`shardplan.apply.emit`); with ``fsdp``
+    (``True`` or a :class:`shardplan.apply.fsdp.FSDPOptions`), then ``fully_shard`` on the
+    data axes (:func:`shardplan.apply.fsdp.fully_shard_plan`): TP first, as FSDP2 requires."""
     from .apply.emit import apply_plan as _apply
 
-    return _apply(model, device_mesh, plan)
+    if not isinstance(fsdp, bool):
+        from .apply.fsdp import FSDPOptions
+
+        if not isinstance(fsdp, FSDPOptions):
+            raise ValueError(f"fsdp must be True, False or a shardplan.apply.fsdp.FSDPOptions; got {type(fsdp).__name__} "
+                             f"{fsdp!r:.60}. E.g. fsdp=FSDPOptions(reshard_after_forward='always')")
+    _apply(model, device_mesh, plan)
+    if fsdp is not False:
+        from .apply.fsdp import FSDPOptions, fully_shard_plan
+
+        fully_shard_plan(model, device_mesh, plan, options=FSDPOptions() if fsdp is True else fsdp)
+    return model
 
 
-def auto_parallelize(model: nn.Module, device_mesh: Any, *, example_inputs: tuple | None = None, **options: Any) -> nn.Module:
+def auto_parallelize(model: nn.Module, device_mesh: Any, *, example_inputs: tuple | None = None, fsdp: Any = False,
+                     **options: Any) -> nn.Module:
     """``plan_model`` then ``apply_plan``, on every rank. A rank whose planner fails makes
     every rank raise its message (one small exchange), instead of the others waiting for it
-    until the process group times out."""
+    until the process group times out. ``fsdp`` is :func:`apply_plan`'s."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from .apply.agree import agree
@@ -362,6 +510,6 @@ def auto_parallelize(model: nn.Module, device_mesh: Any, *, example_inputs: tupl
         raise
     for w in plan.warnings:
         warnings.warn(w, stacklevel=2)
-    return apply_plan(model, device_mesh, plan)
+    return apply_plan(model, device_mesh, plan, fsdp=fsdp)
 
 

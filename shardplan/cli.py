@@ -21,8 +21,12 @@ sets ``SHARDPLAN_TRACEBACK=1``. argparse's own usage errors also exit 2. Every c
 ``--help`` ends with examples.
 
 ``--mesh`` is ``axis=size`` pairs separated by commas (``tp=8``, ``dp=16,tp=8``); tensor
-parallelism runs on ``tp`` (else the last axis). Only the planning options given on the
-command line reach :func:`shardplan.plan_model`, so its defaults stay the defaults.
+parallelism runs on ``tp`` (else the last axis that is not a data axis). ``plan
+--world-size N`` (exclusive with ``--mesh``) prints every dp x tp split of N devices in one
+table (:func:`shardplan.api.compare_meshes`; on stderr when stdout carries YAML/JSON), then
+outputs the chosen split's plan as ``--mesh`` would, or fails when none fits. Only the
+planning options given on the command line reach :func:`shardplan.plan_model`, so its
+defaults stay the defaults.
 ``verify`` plans for ``--mesh tp=NPROC`` unless ``--mesh`` or ``--plan`` says otherwise, and
 the plan's tp must equal ``--nproc`` (see :mod:`shardplan.tools.verify`).
 """
@@ -95,7 +99,7 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
     return argparse.RawDescriptionHelpFormatter(prog, max_help_position=32)
 
 
-def _add_model_options(p: argparse.ArgumentParser, *, mesh_default: str | None = "tp=8") -> None:
+def _add_model_options(p: argparse.ArgumentParser, *, mesh_default: str | None = "tp=8", world_size: bool = False) -> None:
     from .decide.hardware import HARDWARE
     from .models import PRESET_NAMES
 
@@ -103,7 +107,11 @@ def _add_model_options(p: argparse.ArgumentParser, *, mesh_default: str | None =
         f"a preset ({', '.join(PRESET_NAMES)}), 'package.module:callable', 'hf:<model_type>' or a path to a config.json"))
     g = p.add_argument_group("planning options")
     default = f"default: {mesh_default}" if mesh_default else "default: tp=NPROC"
-    g.add_argument("--mesh", default=mesh_default, help=f"device mesh axes ({default}); {_MESH_EXAMPLE}")
+    axes = g.add_mutually_exclusive_group() if world_size else g
+    axes.add_argument("--mesh", default=mesh_default, help=f"device mesh axes ({default}); {_MESH_EXAMPLE}")
+    if world_size:
+        axes.add_argument("--world-size", type=_positive_int, metavar="N", help=(
+            "instead of --mesh: compare every dp x tp split of N devices and plan the fastest that fits"))
     g.add_argument("--batch", type=_positive_int, metavar="N", help="batch size per data-parallel rank")
     g.add_argument("--seq", type=_positive_int, metavar="N", help="sequence length")
     g.add_argument("--dtype", help="training dtype: bf16, fp16, fp32, fp8 (default: the model's parameter dtype)")
@@ -128,10 +136,11 @@ def _subparser(sub: Any, name: str, *, help: str, epilog: str) -> argparse.Argum
 def _add_plan(sub: Any) -> None:
     p = _subparser(sub, "plan", help="decide a tensor-parallel plan for a model", epilog=(
         "  shardplan plan llama3-8b --mesh tp=8\n"
+        "  shardplan plan llama3-8b --world-size 64 --no-explain\n"
         "  shardplan plan llama3-70b --mesh dp=16,tp=8 --seq 2048 --memory-budget 80GB -o plan.yaml\n"
         "  shardplan plan mypkg.models:build_model --mesh tp=4 --format json\n"
         "  shardplan plan hf:llama --mesh tp=8 --why"))
-    _add_model_options(p)
+    _add_model_options(p, world_size=True)
     out = p.add_argument_group("output")
     out.add_argument("--format", choices=("table", "yaml", "json"), help="table (default on stdout), yaml or json")
     out.add_argument("-o", "--output", metavar="FILE", help="write the plan to FILE (YAML, or JSON for .json)")
@@ -290,18 +299,36 @@ def _check_output_path(path: Path, *, force: bool) -> None:
         raise ValueError(f"-o {path}: {parent} is a file, not a directory; write the plan somewhere else")
 
 
+def _choose_split(args: argparse.Namespace, *, explain: bool, fmt: str) -> tuple[Any, Any, str]:
+    """(plan, model, name) of the split ``--world-size`` chose, after printing every split."""
+    from .api import compare_meshes
+    from .tools.report import make_console, render_splits
+
+    opts = _plan_options(args, explain=explain)
+    with _progress(f"tracing {args.model} and planning each dp x tp split of {args.world_size} devices ..."):
+        model, inputs, name = _resolve(args)
+        comparison = compare_meshes(model, args.world_size, example_inputs=inputs, **opts)
+    # the table is data, but stdout may carry the plan itself
+    render_splits(comparison, console=make_console(stderr=fmt != "table" and not args.output))
+    return comparison.plan, model, name
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     fmt = _output_format(args)
     if args.output:  # fail before the slow part
         _check_output_path(Path(args.output), force=args.force)
-    plan, model, name = _make_plan(args, explain=not args.no_explain)
+    if args.world_size:
+        plan, model, name = _choose_split(args, explain=not args.no_explain, fmt=fmt)
+    else:
+        plan, model, name = _make_plan(args, explain=not args.no_explain)
     if args.output:
         from .plan.fileio import atomic_write
 
         atomic_write(Path(args.output), plan.to_json() + "\n" if fmt == "json" else plan.to_yaml(), force=args.force)
         step = f", predicted step {_seconds(plan.estimate.step_time_s)}" if plan.estimate else ""
         summary = f"{len(plan.rules)} rules{step}"
-        print(f"shardplan: wrote the {name} plan for {args.mesh} to {args.output} ({summary})", file=sys.stderr)
+        mesh = ",".join(f"{k}={v}" for k, v in plan.mesh.axes.items()) if args.world_size else args.mesh
+        print(f"shardplan: wrote the {name} plan for {mesh} to {args.output} ({summary})", file=sys.stderr)
     elif fmt == "table":
         from .tools.report import render_table
 

@@ -43,7 +43,7 @@ How a block runs.
     docs/getting-started.md) is written into that directory as ``NAME.py``, as a reader who
     saved those files would have them, so ``tp_demo:Net`` and ``python tp_demo.py`` work.
     The directory also starts with a copy of the repository's ``plans/`` (the checked-in
-    plan files), so a command written for the repository root (``shardplan check
+    plan files) and ``examples/``, so a command written for the repository root (``shardplan check
     plans/llama3-8b.tp8.yaml llama3-8b``) runs as it does there, and writing into it
     (``-o plans/... --force``) never touches the repository. Blocks with exactly the same
     commands run once and share the result (their directories start the same, and the
@@ -121,7 +121,7 @@ ELLIPSIS = "..."
 TMP_TOKEN = "<tmp>"
 REPO_TOKEN = "<repo>"
 COMMAND_TIMEOUT_S = 600.0
-COPIED_DIRS = ("plans",)  # copied from the repository root into each block's directory
+COPIED_DIRS = ("plans", "examples")  # copied from the repository root into each block's directory
 
 _FENCE_RE = re.compile(r"^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)[^`]*$")
 _DIRECTIVE_RE = re.compile(r"^\s*<!--\s*docs-check:\s*(.*?)\s*-->\s*$")

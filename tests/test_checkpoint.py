@@ -119,3 +119,25 @@ def test_load_full_state_dict_says_what_is_wrong() -> None:
     key = "model.embed_tokens.weight"
     with pytest.raises(ValueError, match=r"has shape \(3,\); the model's is"):
         shardplan.load_full_state_dict(model, {**sd, key: torch.zeros(3)})
+
+
+def test_planning_first_leaves_no_stale_mesh_behind() -> None:
+    """Planning runs a fake group of the same shape (the local check). DTensor caches
+    redistribute planners and sharding decisions by mesh value, holding the mesh they were
+    made with, so a real mesh made afterwards got some parameters placed on the fake one:
+    rank 1's weights then reported rank 0's coordinate, and every slice cut by coordinate
+    (load_full_state_dict, DCP offsets, safetensors loading) took rank 0's rows."""
+    from shardplan.apply.mesh import fake_process_group, make_mesh
+
+    model, _ = w.build("llama", 0)
+    plan = shardplan.Plan.from_yaml(_plan_any("llama", 2))
+    with fake_process_group(2, rank=1):
+        mesh = make_mesh({"tp": 2})
+        shardplan.apply_plan(model, mesh, plan)
+        stale = [n for n, p in model.named_parameters() if p.device_mesh is not mesh or tuple(p.device_mesh.get_coordinate()) != (1,)]
+    assert not stale, f"{len(stale)} parameters on another mesh, e.g. {stale[:3]}"
+
+
+def _plan_any(model_type: str, tp: int) -> str:
+    model, ids = w.build(model_type, 0)
+    return shardplan.plan_model(model, {"tp": tp}, example_inputs=(ids,)).to_yaml()

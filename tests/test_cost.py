@@ -361,3 +361,139 @@ def test_calibration_fit_recovers_alpha_beta() -> None:
     assert fit_alpha == pytest.approx(alpha, rel=1e-6)
     assert 1 / fit_beta == pytest.approx(bandwidth, rel=1e-6)
     assert math.isfinite(calib.measure_matmul_flops(size=64, threads=1, reps=2))
+
+
+# ---------------------------------------------------------------- step-time terms against torch's own counts
+
+
+def _bytes_moved(fn) -> int:
+    """Bytes the aten ops ``fn`` runs read and write, as torch dispatches them: every tensor
+    operand read, every result (or, for an in-place op, every mutated operand) written;
+    views move nothing."""
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    def nbytes(tree) -> int:
+        return sum(t.nbytes for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+    class Count(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            schema = func._schema
+            writes = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+            if not writes and schema.returns and all(r.alias_info is not None for r in schema.returns):
+                return out  # a view
+            named = {**dict(zip((a.name for a in schema.arguments), args)), **kwargs}
+            written = sum(nbytes(named.get(w)) for w in writes) if writes else nbytes(out)
+            Count.total += nbytes((args, kwargs)) + written
+            return out
+
+    with Count():
+        fn()
+    return Count.total
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "make"),
+    [("adamw", lambda ps, torch: torch.optim.AdamW(ps, lr=1e-3, foreach=True)),
+     ("sgd-momentum", lambda ps, torch: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True)),
+     ("sgd", lambda ps, torch: torch.optim.SGD(ps, lr=0.1, foreach=True))],
+)  # fmt: skip
+def test_optimizer_step_bytes_match_torch_foreach_step(optimizer: str, make) -> None:
+    torch = pytest.importorskip("torch")
+    params = [torch.nn.Parameter(torch.randn(512, 512)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = make(params, torch)
+    opt.step()  # the first step creates the state; steady state is what a run repeats
+    per_param = _bytes_moved(opt.step) / sum(p.numel() for p in params)
+    # the per-tensor step counters add a few bytes per tensor, nothing per parameter
+    assert per_param == pytest.approx(cost.optimizer_step_bytes(optimizer=optimizer), rel=1e-3)
+    hw = get_hardware("h100-ib")
+    assert cost.optimizer_time(1e9, hardware=hw, optimizer=optimizer) == pytest.approx(
+        1e9 * per_param / hw.memory_bandwidth, rel=1e-3
+    )
+    assert cost.optimizer_step_bytes(optimizer="none") == 0.0
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        cost.optimizer_step_bytes(optimizer="lion")
+
+
+@pytest.mark.parametrize("op", ["silu", "mul"])
+def test_elementwise_backward_is_about_twice_the_forward_traffic(op: str) -> None:
+    torch = pytest.importorskip("torch")
+    x, y = (torch.randn(256, 1024, requires_grad=True) for _ in range(2))
+    run = (lambda: torch.nn.functional.silu(x)) if op == "silu" else (lambda: x * y)
+    forward = _bytes_moved(lambda: run().detach())
+    both = _bytes_moved(lambda: run().backward(torch.ones(256, 1024)))
+    hw = get_hardware("h100-ib")
+    # silu: 2 tensors forward, 3 backward (dy, x -> dx): 2.5x; mul: 3 and 6: 3x
+    assert cost.elementwise_time(forward, hardware=hw) == pytest.approx(memory_time(both, hardware=hw), rel=0.2)
+
+
+def test_collective_time_call_overhead_and_kind_factor() -> None:
+    link = Link(alpha_s=1e-5, bandwidth=1e9, call_s=1e-4, kind_factor={"reduce_scatter": 3.0})
+    # call once + the ring terms: all_reduce 2(p-1)a + 2(p-1)/p n/B; reduce_scatter 3x its ring
+    assert collective_time("all_reduce", N, group_size=2, link=link) == pytest.approx(1e-4 + 2e-5 + 8e-3)
+    assert collective_time("reduce_scatter", N, group_size=2, link=link) == pytest.approx(1e-4 + 3 * (1e-5 + 4e-3))
+    assert collective_time("all_reduce", N, group_size=1, link=link) == 0.0
+    with pytest.raises(ValueError, match="kind_factor"):
+        Link(alpha_s=1e-5, bandwidth=1e9, kind_factor={"broadcast": 2.0})
+    gloo = get_hardware("cpu-gloo")
+    assert gloo.intra_link.call_s == gloo.collective_overhead_s > 0
+    assert gloo.intra_link.kind_factor == gloo.collective_factor
+
+
+def test_linear_step_time_is_its_flops_update_and_dispatch() -> None:
+    """One Linear planned at tp=2: its predicted compute is FlopCounterMode's count of its
+    forward and backward (dx and dW) over the device's FLOP rate, split over 2 ranks, plus
+    AdamW's pass over the half of the weight a rank holds, plus one module's dispatch."""
+    torch = pytest.importorskip("torch")
+    import shardplan
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False))
+    x = torch.randn(4, 32, 256, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        model(x).sum().backward()
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(x.detach(),), hardware="cpu-gloo", explain=False)
+    hw = get_hardware("cpu-gloo")
+    local_params = 256 * 512 / 2
+    assert plan.estimate.param_bytes_per_device == 4 * local_params
+    expected = (
+        counter.get_total_flops() / 2 / (hw.peak_flops["fp32"] * hw.matmul_efficiency)
+        + cost.optimizer_time(local_params, hardware=hw, optimizer="adamw")
+        + hw.module_overhead_s
+    )
+    assert plan.estimate.compute_time_s == pytest.approx(expected, rel=1e-4)
+
+
+def test_attention_flops_match_torch_flop_counter() -> None:
+    torch = pytest.importorskip("torch")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q = torch.randn(2, 4, 64, 32, requires_grad=True)
+    k = torch.randn(2, 4, 48, 32, requires_grad=True)
+    v = torch.randn(2, 4, 48, 16, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
+    flops = cost.attention_flops(batch=2, heads=4, seq_q=64, seq_k=48, head_dim=32, value_dim=16)
+    assert flops == counter.get_total_flops()
+    with pytest.raises(ValueError, match="seq_k"):
+        cost.attention_flops(batch=2, heads=4, seq_q=64, seq_k=0, head_dim=32)
+
+
+def test_calibration_kind_factors_are_measured_over_ring_model() -> None:
+    pytest.importorskip("torch")
+    calib = _load_calibration_module()
+    alpha, beta, p = 2e-4, 1 / 1.5e9, 2
+    ring = {n: (p - 1) * alpha + (p - 1) / p * n * beta for n in calib.message_sizes(16)}
+    samples = [("all_reduce", n, 2 * t) for n, t in ring.items()]  # all_reduce: twice the steps and bytes
+    samples += [("all_gather", n, 1.4 * t) for n, t in ring.items()]
+    samples += [("reduce_scatter", n, 2.5 * t) for n, t in ring.items()]
+    samples[-1] = ("reduce_scatter", samples[-1][1], 100.0)  # one stalled size: the median ignores it
+    factors = calib.fit_kind_factors(samples, alpha=alpha, beta=beta, world=p)
+    assert factors == pytest.approx({"all_gather": 1.4, "reduce_scatter": 2.5})

@@ -33,8 +33,9 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern
 
 from .agree import agree
+from .gradsync import install_gradient_sync
 from .styles import (
-    Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, MoEExpertsParallel, PackedColwise, ReplicateGrads,
+    Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, MoEExpertsParallel, PackedColwise,
     ReplicateParallel,
     combine, placement,
 )
@@ -231,7 +232,9 @@ def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
         shared = next((c for c in copies if isinstance(c, DTensor) and not c.placements[0].is_replicate()), copies[0])
         for fqn, name in group:
             setattr(model.get_submodule(fqn), name, shared)
-    for fqn, style in plan.module_styles().items():
-        if style in ("sequence_parallel", "replicated_with_grad_allreduce"):
-            ReplicateGrads()._apply(model.get_submodule(fqn), mesh)
+    # their weights see 1/tp of the tokens: Partial gradients, reduced in one bucket when backward ends
+    partial_grads = [f"{fqn}.{name}" for fqn, style in plan.module_styles().items()
+                     if style in ("sequence_parallel", "replicated_with_grad_allreduce")
+                     for name, _ in model.get_submodule(fqn).named_parameters(recurse=False)]
+    install_gradient_sync(model, partial_grads)
     return model

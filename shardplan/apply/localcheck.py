@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from ..analyze.graph import OpGraph
 from ..analyze.trace import portable_path, user_frame
@@ -71,11 +72,13 @@ def _user_frame(exc: BaseException) -> str:
 def _local_args(call, placements: dict[int, str], tp: int) -> tuple[tuple, dict]:
     """The call's example arguments as one rank holds them (a Shard(d) input is 1/tp on d)."""
     def local(node, value):
-        if node is None or not isinstance(value, torch.Tensor):
-            return value
-        p = placements.get(node.meta.get("shardplan_op"), "R")
+        if not isinstance(value, torch.Tensor) or isinstance(node, (list, tuple)):
+            # on meta as the copy's weights are: a model built on a real device hands its
+            # blocks real buffers (a RoPE table), which a meta block cannot mix with
+            return tree_map_only(torch.Tensor, _on_meta, value)
+        p = placements.get(node.meta.get("shardplan_op"), "R") if node is not None else "R"
         if not p.startswith("S"):
-            return value
+            return _on_meta(value)
         shape = list(value.shape)
         shape[int(p[1:])] //= tp
         return torch.empty(shape, dtype=value.dtype, device="meta")
@@ -85,6 +88,10 @@ def _local_args(call, placements: dict[int, str], tp: int) -> tuple[tuple, dict]
         tuple(local(n, v) for n, v in zip(call.args, args)),
         {k: local(call.kwargs.get(k), v) for k, v in kwargs.items()},
     )
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_meta else torch.empty_like(t, device="meta")
 
 
 def _track_modules(block: nn.Module) -> list[str]:

@@ -51,6 +51,20 @@ def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[None]:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """DTensor caches sharding decisions and redistribute planners by mesh *value* (shape and
+    axis names), and the cached entries hold the mesh object they were made with. A later real
+    mesh of the same shape would get this fake group's mesh back, with the fake rank's
+    coordinate: parameters whose global offsets are wrong on every rank but 0 (found through
+    ``load_full_state_dict`` after planning on each rank). Drop them with the group."""
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
 
 
 def make_mesh(axis_sizes: Mapping[str, int], *, device_type: str = "cpu") -> DeviceMesh:

@@ -37,7 +37,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
     "placement", "ReplicateParallel", "PackedColwise", "Conv1DColwise", "Conv1DRowwise", "MoEExpertsParallel",
-    "packed_placement", "ContainerParams", "CopyOutput", "Both", "combine", "ReplicateGrads",
+    "packed_placement", "ContainerParams", "CopyOutput", "Both", "combine",
 ]
 
 
@@ -235,44 +235,6 @@ def _experts_enter(module, args, kwargs, *, names, group):
 def _experts_leave(module, args, output, *, names, group):
     _restore_params(module, args, output, names=names)
     return _ReduceFromTP.apply(output, group)
-
-
-class _GradToReplicate(torch.autograd.Function):
-    """Identity forward; backward turns a Partial gradient into a Replicate one."""
-
-    @staticmethod
-    def forward(ctx, weight):  # noqa: ANN001, ANN205 - autograd's signature
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            grad = grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim)
-        return grad
-
-
-class ReplicateGrads(ParallelStyle):
-    """A sequence-parallel norm's weight sees 1/tp of the tokens, so its gradient is Partial
-    (a sum over the local tokens): all-reduce it to Replicate in backward, once per backward,
-    instead of inside every optimizer kernel. Module hooks route each forward's use of the
-    weights through an identity whose backward does that; they look the parameters up at
-    every call, so they survive ``to_empty``, ``.to`` and anything else that swaps them (a
-    hook on the parameter itself dies with it)."""
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        names = [name for name, _ in module.named_parameters(recurse=False)]
-        module.register_forward_pre_hook(partial(_route_grads, names=names))
-        module.register_forward_hook(partial(_restore_params, names=names))
-        return module
-
-
-def _route_grads(module, args, *, names):
-    module._shardplan_params = {}
-    for name in names:
-        param = module._parameters[name]
-        module._shardplan_params[name] = param
-        if isinstance(param, DTensor) and param.requires_grad:
-            module._parameters[name] = _GradToReplicate.apply(param)
 
 
 class ContainerParams(ParallelStyle):

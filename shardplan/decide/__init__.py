@@ -12,7 +12,9 @@ producer and consumer) and solves it with HiGHS: least weight bytes per device f
 the fastest plan among those. :mod:`.regions` finds values whose collective several Linears
 can share; :mod:`.estimate` predicts memory, bytes, collectives and step time;
 :mod:`.explain` prices each rejected alternative; :mod:`.assemble` writes the rules,
-regions and warnings of the :class:`~shardplan.plan.Plan`. Everything here is a pure
+regions and warnings of the :class:`~shardplan.plan.Plan`. :mod:`.fsdp` lists the FSDP2
+units of a plan (what ``fully_shard_plan`` wraps and the estimate prices on the data axes),
+and :mod:`.splits` compares the dp x tp splits of a world size. Everything here is a pure
 function of the graph and the options: no process group, no rank, no BLAS-dependent sums.
 Importing this package loads nothing heavy (the CLI reads :mod:`.hardware`'s profiles for help).
 """

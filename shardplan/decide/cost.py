@@ -17,13 +17,19 @@ seconds, FLOPs, bytes/s.
   over. Axes are ordered outermost first, as in ``torch DeviceMesh``: the last
   axis holds contiguous ranks, which share a node.
 * Compute is roofline-style: ``matmul_time`` for FLOP-bound work at a fixed
-  fraction of dense peak, ``memory_time`` for bandwidth-bound work.
+  fraction of dense peak, ``memory_time`` for bandwidth-bound work,
+  ``elementwise_time`` for a bandwidth-bound op's forward *and* backward, and
+  ``optimizer_time`` for the optimizer's update of a device's parameters
+  (the bytes torch's foreach implementation streams per parameter).
+* A collective also pays ``Link.call_s`` once per call: the host's dispatch
+  (DTensor redistribute, functional collective, wait), which dominates small
+  collectives on a CPU; the per-module counterpart is
+  ``Hardware.module_overhead_s``, charged by the solver's ``strategy_time``.
 * Memory helpers give bytes *per parameter* and *per transformer layer*; the
   caller multiplies by its (sharded) counts.
 
 All estimates are planning figures, meant to rank candidate plans; they do
-not model overlap, contention between concurrent collectives, or kernel
-launch overheads.
+not model overlap or contention between concurrent collectives.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .hardware import DTYPE_BYTES, HARDWARE, Hardware, Link, canonical_dtype, dtype_bytes, get_hardware
+from .hardware import COLLECTIVES, DTYPE_BYTES, HARDWARE, Hardware, Link, canonical_dtype, dtype_bytes, get_hardware
 
 __all__ = [
     "COLLECTIVES",
@@ -44,15 +50,19 @@ __all__ = [
     "OPTIMIZERS",
     "ParamStateBytes",
     "activation_bytes_per_layer",
+    "attention_flops",
     "axis_links",
     "collective_bytes",
     "collective_time",
     "dtype_bytes",
+    "elementwise_time",
     "format_bytes",
     "format_seconds",
     "get_hardware",
     "matmul_time",
     "memory_time",
+    "optimizer_step_bytes",
+    "optimizer_time",
     "param_state_bytes",
     "parse_bytes",
     "training_bytes_per_param",
@@ -61,8 +71,6 @@ __all__ = [
 # --------------------------------------------------------------------------
 # collectives
 # --------------------------------------------------------------------------
-
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 # Ring step counts as multiples of (p - 1). all_reduce = reduce_scatter
 # followed by all_gather, hence twice the steps and twice the traffic.
@@ -94,14 +102,20 @@ def collective_bytes(kind: str, num_bytes: float, *, group_size: int) -> float:
 def collective_time(kind: str, num_bytes: float, *, group_size: int, link: Link) -> float:
     """Seconds for ring collective ``kind`` of ``num_bytes`` over ``link``.
 
-    all_reduce:                       2(p-1)*alpha + 2(p-1)/p * n * beta
-    all_gather/reduce_scatter/a2a:     (p-1)*alpha +  (p-1)/p * n * beta
-    with beta = 1 / link.bandwidth; p == 1 costs 0 (no communication).
+    all_reduce:                       call + 2(p-1)*alpha + 2(p-1)/p * n * beta
+    all_gather/reduce_scatter/a2a:    call +  (p-1)*alpha +  (p-1)/p * n * beta
+    with beta = 1 / link.bandwidth and call = link.call_s (the host's fixed cost
+    of issuing one collective); the ring terms are scaled by
+    ``link.kind_factor[kind]`` (1 unless the backend runs that kind otherwise).
+    p == 1 costs 0 (no communication is issued).
     """
     _check_collective(kind, num_bytes, group_size)
+    if group_size == 1:
+        return 0.0
     steps = _STEP_FACTOR[kind] * (group_size - 1)
     sent = collective_bytes(kind, num_bytes, group_size=group_size)
-    return steps * link.alpha_s + sent / link.bandwidth
+    ring = steps * link.alpha_s + sent / link.bandwidth
+    return link.call_s + link.kind_factor.get(kind, 1.0) * ring
 
 
 def axis_links(hardware: Hardware, axis_sizes: Mapping[str, int]) -> dict[str, Link]:
@@ -142,6 +156,21 @@ def matmul_time(flops: float, *, hardware: Hardware, dtype: str) -> float:
     return flops / (hardware.peak_flops[key] * hardware.matmul_efficiency)
 
 
+def attention_flops(
+    *, batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, value_dim: int | None = None
+) -> float:
+    """Forward + backward FLOPs of scaled dot-product attention over all ``heads``.
+
+    The forward is two batched matmuls, scores = q k^T (2*b*h*sq*sk*d) and out = p v
+    (2*b*h*sq*sk*dv); the backward is twice that, as for any matmul (one product per
+    operand). Counted dense, whatever the mask (torch's FlopCounterMode counts the same):
+    a kernel that skips masked blocks runs faster than this. Softmax is left to memory.
+    """
+    _check_positive_ints(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, head_dim=head_dim)
+    dv = head_dim if value_dim is None else value_dim
+    return 3 * 2 * batch * heads * seq_q * seq_k * (head_dim + dv)
+
+
 def memory_time(num_bytes: float, *, hardware: Hardware) -> float:
     """Seconds to stream ``num_bytes`` through device memory (reads + writes).
 
@@ -150,6 +179,18 @@ def memory_time(num_bytes: float, *, hardware: Hardware) -> float:
     if num_bytes < 0:
         raise ValueError(f"num_bytes must be >= 0, got {num_bytes!r}")
     return num_bytes / hardware.memory_bandwidth
+
+
+# An elementwise op's backward reads the output gradient and the saved inputs and writes
+# one gradient per input: about twice the forward's traffic, as a matmul's backward is
+# twice its forward's FLOPs (dx and dW).
+_BACKWARD_TRAFFIC = 2.0
+
+
+def elementwise_time(forward_bytes: float, *, hardware: Hardware) -> float:
+    """Seconds for a bandwidth-bound op's forward and backward, given the forward's bytes
+    (inputs read + output written): ``(1 + 2) * forward_bytes / memory_bandwidth``."""
+    return (1 + _BACKWARD_TRAFFIC) * memory_time(forward_bytes, hardware=hardware)
 
 
 # --------------------------------------------------------------------------
@@ -206,6 +247,36 @@ def param_state_bytes(*, dtype: str, optimizer: str = "adamw") -> ParamStateByte
 def training_bytes_per_param(*, dtype: str, optimizer: str = "adamw") -> float:
     """Total bytes per parameter: 16 for AdamW in bf16 (2+2+12) and fp32 (4+4+8)."""
     return param_state_bytes(dtype=dtype, optimizer=optimizer).total
+
+
+# Bytes the optimizer's update streams per parameter, counted op by op from torch's
+# foreach implementations (torch/optim/adam.py ``_multi_tensor_adam`` with decoupled
+# weight decay, sgd.py ``_multi_tensor_sgd``; foreach is torch's default on GPUs and what a
+# DTensor model needs), each op reading its tensor operands and writing its result, in
+# 4-byte words (fp32 state; mixed precision updates the fp32 master copy):
+#   adamw: mul_(p) 2, lerp_(m, g) 3, mul_(v) 2, addcmul_(v, g, g) 4, sqrt(v) 2,
+#          div_ 2, add_(eps) 2, addcdiv_(p, m, denom) 4                  = 21 words
+#   sgd-momentum: mul_(buf) 2, add_(buf, g) 3, add_(p, buf) 3           =  8 words
+#   sgd: add_(p, g) 3                                                   =  3 words
+_OPTIMIZER_WORDS = {"adamw": 21, "sgd-momentum": 8, "sgd": 3, "none": 0}
+
+
+def optimizer_step_bytes(*, optimizer: str = "adamw") -> float:
+    """Bytes read + written per parameter by one step of ``optimizer`` (see above):
+    84 for AdamW, 32 for SGD with momentum, 12 for SGD, 0 for ``"none"`` (inference)."""
+    name = _OPTIMIZER_ALIASES.get(optimizer, optimizer)
+    if name not in _OPTIMIZER_WORDS:
+        valid = ", ".join([*OPTIMIZERS, *_OPTIMIZER_ALIASES])
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of: {valid}")
+    return 4.0 * _OPTIMIZER_WORDS[name]
+
+
+def optimizer_time(num_params: float, *, hardware: Hardware, optimizer: str = "adamw") -> float:
+    """Seconds for one optimizer step over ``num_params`` parameters held on a device:
+    a bandwidth-bound pass of ``optimizer_step_bytes`` per parameter."""
+    if num_params < 0:
+        raise ValueError(f"num_params must be >= 0, got {num_params!r}")
+    return memory_time(num_params * optimizer_step_bytes(optimizer=optimizer), hardware=hardware)
 
 
 def _check_positive_ints(**values: int) -> None:

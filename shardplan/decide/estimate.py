@@ -9,6 +9,12 @@ predicted compute and communication time, parameter bytes per device and peak me
 activations). Counts follow the emitter exactly: a region entry realized by one
 ``PrepareModuleInput`` is one collective, otherwise one per consuming Linear; this is what
 ``CommDebugMode`` sees, and the tests hold the two equal.
+
+Given the plan's ``mesh``, the collectives data parallelism adds on the other axes are a
+third entry, ``data_parallel`` (per step, forward and backward together; see
+:mod:`.fsdp`): FSDP's all-gathers, reduce-scatters (and HSDP's all-reduces) of each
+unit's parameters at their tp shard, or DDP's one gradient all-reduce, each priced on the
+link of the data axis it runs over. They count in the bytes and the step time.
 """
 
 from __future__ import annotations
@@ -17,29 +23,44 @@ from collections import Counter
 
 from . import cost
 from ..analyze.graph import OpGraph
-from ..plan.model import Collectives, Estimate
+from ..plan.model import Collectives, Estimate, MeshInfo
+from .assemble import repeats
+from .fsdp import DataParallelEvent, data_parallel_events, fsdp_units, unit_of
 from .regions import Entry, PartialBlock
 from .solve import Solution, SolveContext, _model_dtype_bytes, _tied_second_owners, strategy_time
 
-__all__ = ["estimate", "collective_list"]
+__all__ = ["estimate", "collective_list", "data_parallel_list", "unit_param_bytes"]
 
 Event = tuple[str, str, int]  # (phase, kind, logical bytes)
 
 
+# styles whose weight gradients are Partial (the weight saw 1/tp of the tokens or heads)
+PARTIAL_GRAD_STYLES = ("sequence_parallel", "replicated_with_grad_allreduce")
+
+
 def collective_list(
-    graph: OpGraph, solution: Solution, entries: list[Entry], blocks: list[PartialBlock] = ()
+    graph: OpGraph, solution: Solution, entries: list[Entry], blocks: list[PartialBlock] = (), *, bucket: bool = True
 ) -> list[tuple[Event, int]]:
-    """Every collective of one forward + backward with its repeat count."""
+    """Every collective of one forward + backward with its repeat count. ``bucket``: the
+    Partial weight gradients of PARTIAL_GRAD_STYLES are reduced together, one all-reduce of
+    all their bytes when backward ends (:mod:`shardplan.apply.gradsync`); without it, one
+    per parameter (what FSDP2 does for them after ``fully_shard``)."""
     events: Counter = Counter()
     partial = {r for b in blocks for r in b.rowwise}
     for b in blocks:  # one all-reduce at the block's exit instead of one per branch
         events[("forward", "all_reduce", graph.values[b.output].nbytes)] += graph.ops[b.rowwise[0]].multiplicity
+    bucketed = 0
     for op in graph.ops:
         s = solution.strategies[op.index]
         for kind, n in s.fwd if op.index not in partial else ():
             events[("forward", kind, n)] += op.multiplicity
         for kind, n in s.bwd:
-            events[("backward", kind, n)] += op.multiplicity
+            if bucket and s.name in PARTIAL_GRAD_STYLES:
+                bucketed += n * op.multiplicity
+            else:
+                events[("backward", kind, n)] += op.multiplicity
+    if bucketed:
+        events[("backward", "all_reduce", bucketed)] += 1
     for e in entries:
         n = graph.values[e.value].nbytes
         times = e.num_collectives * graph.ops[e.consumers[0]].multiplicity
@@ -54,16 +75,28 @@ def collective_list(
 
 
 def estimate(
-    graph: OpGraph, solution: Solution, entries: list[Entry], ctx: SolveContext, *, blocks: list[PartialBlock] = ()
+    graph: OpGraph, solution: Solution, entries: list[Entry], ctx: SolveContext, *, blocks: list[PartialBlock] = (),
+    mesh: MeshInfo | None = None,
 ) -> Estimate:
+    """The step's estimate; with ``mesh``, its data axes' collectives too (module docstring)."""
     counts = {"forward": Counter(), "backward": Counter()}
     comm_bytes = comm_time = 0.0
     logical = {"forward": 0.0, "backward": 0.0}
-    for (phase, kind, n), times in collective_list(graph, solution, entries, blocks):
+    fsdp = mesh is not None and getattr(ctx.opts, "data_parallel", "fsdp") == "fsdp" and any(
+        n > 1 for a, n in mesh.axes.items() if a != mesh.tp_axis)
+    for (phase, kind, n), times in collective_list(graph, solution, entries, blocks, bucket=not fsdp):
         counts[phase][kind] += times
         logical[phase] += n * times
         comm_bytes += cost.collective_bytes(kind, n, group_size=ctx.tp) * times
         comm_time += cost.collective_time(kind, n, group_size=ctx.tp, link=ctx.link) * times
+    data = data_parallel_list(graph, solution, ctx, mesh)
+    if data:
+        counts["data_parallel"], logical["data_parallel"] = Counter(), 0.0
+    for e in data:
+        counts["data_parallel"][e.kind] += e.times
+        logical["data_parallel"] += e.nbytes * e.times
+        comm_bytes += cost.collective_bytes(e.kind, e.nbytes, group_size=e.group_size) * e.times
+        comm_time += cost.collective_time(e.kind, e.nbytes, group_size=e.group_size, link=e.link) * e.times
     total_time = sum(strategy_time(solution.strategies[op.index], ctx) * op.multiplicity for op in graph.ops)
     own_comm = sum(
         cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link) * op.multiplicity
@@ -84,6 +117,53 @@ def estimate(
         collectives={phase: Collectives(**dict(c)) for phase, c in counts.items()},
         collective_bytes=logical,
     )
+
+
+def data_parallel_list(
+    graph: OpGraph, solution: Solution, ctx: SolveContext, mesh: MeshInfo | None
+) -> list[DataParallelEvent]:
+    """The data axes' collectives of one step (``options.data_parallel``: fsdp or ddp), over
+    the units :func:`.fsdp.fsdp_units` gives (the ones ``fully_shard_plan`` wraps, at its
+    default ``reshard_after_forward``); empty without data axes."""
+    if mesh is None:
+        return []
+    data_axes = {a: n for a, n in mesh.axes.items() if a != mesh.tp_axis}
+    units = fsdp_units(repeats(graph), graph.model)
+    sizes = unit_param_bytes(graph, solution, units)
+    scale = cost.dtype_bytes(ctx.dtype) / _model_dtype_bytes(graph)  # gathered in the training dtype
+    return data_parallel_events(
+        [(sizes[u] * scale, reshard) for u, reshard in units], data_axes, cost.axis_links(ctx.hardware, mesh.axes),
+        mode=getattr(ctx.opts, "data_parallel", "fsdp"),
+    )
+
+
+def unit_param_bytes(graph: OpGraph, solution: Solution, units: list[tuple[str, bool]]) -> dict[str, float]:
+    """Per FSDP unit, the bytes of its parameters at the tp shard (a tied parameter once):
+    a planned module as its chosen strategy holds it (a folded copy as its representative),
+    a parameter the forward never reaches through a weight module (unused, a container's
+    own) whole, as the plan replicates it."""
+    planned = {op.target: solution.strategies[op.index] for op in graph.ops if op.kind == "module"}
+    folded = graph.traced.folded
+    out = {u: 0.0 for u, _ in units}
+    seen: set[int] = set()
+    for fqn, mod in graph.model.named_modules():
+        own = [p for p in mod.parameters(recurse=False) if id(p) not in seen]
+        if not own:
+            continue
+        fresh = len(own) == len(list(mod.parameters(recurse=False)))  # not a tied second owner
+        seen.update(id(p) for p in own)
+        s = planned.get(_representative(fqn, folded))
+        local = s.param_bytes if s is not None and fresh else sum(p.numel() * p.element_size() for p in own)
+        out[unit_of(fqn, units)] += local
+    return out
+
+
+def _representative(fqn: str, folded: dict[str, str]) -> str:
+    """``layers.3.attention.wq`` -> ``layers.0.attention.wq`` when ``layers.3`` folds into ``layers.0``."""
+    for copy, rep in folded.items():
+        if fqn == copy or fqn.startswith(copy + "."):
+            return rep + fqn[len(copy):]
+    return fqn
 
 
 def _optimizer(ctx: SolveContext) -> str:

@@ -15,7 +15,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["DTYPE_BYTES", "HARDWARE", "Hardware", "Link", "dtype_bytes", "get_hardware", "canonical_dtype"]
+__all__ = [
+    "COLLECTIVES", "DTYPE_BYTES", "HARDWARE", "Hardware", "Link", "dtype_bytes", "get_hardware", "canonical_dtype",
+]
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 # --------------------------------------------------------------------------
@@ -65,12 +69,25 @@ class Link:
 
     alpha_s: float
     bandwidth: float
+    # Fixed host time of one collective call, whatever its size and group: DTensor's
+    # redistribute, the functional collective and its wait (a base latency, paid once,
+    # not once per ring step as alpha is).
+    call_s: float = 0.0
+    # Measured time of a collective kind over the ring model's on this link (absent: 1):
+    # a backend that runs a kind some other way than a ring (gloo emulates reduce_scatter)
+    kind_factor: dict[str, float] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if not (self.alpha_s >= 0 and math.isfinite(self.alpha_s)):
             raise ValueError(f"Link.alpha_s must be finite and >= 0, got {self.alpha_s!r}")
         if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
             raise ValueError(f"Link.bandwidth must be finite and > 0, got {self.bandwidth!r}")
+        if not (self.call_s >= 0 and math.isfinite(self.call_s)):
+            raise ValueError(f"Link.call_s must be finite and >= 0, got {self.call_s!r}")
+        for kind, factor in self.kind_factor.items():
+            if kind not in COLLECTIVES or not (factor > 0 and math.isfinite(factor)):
+                raise ValueError(f"Link.kind_factor: {kind!r}: {factor!r}; expected a collective of "
+                                 f"{', '.join(COLLECTIVES)} and a factor > 0")
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,18 @@ class Hardware:
     Bandwidths are bytes/s per direction per device; ``peak_flops`` maps a
     canonical dtype (``fp32``, ``bf16``, ``fp16``, ``fp8``) to dense peak
     FLOP/s, without structured sparsity.
+
+    The two host-overhead figures are the time the Python side of a
+    tensor-parallel step adds beyond the kernels and the wire, counted only
+    where it is not hidden: on a CPU the host *is* the device, so every
+    microsecond of dispatch is step time; on a GPU the host queues kernels
+    asynchronously and runs ahead of them, so for models big enough to plan
+    for it overlaps the kernels and the profiles charge 0.
+
+    * ``module_overhead_s``: one tensor-parallel module (a Linear, norm or
+      embedding under a parallel style), forward + backward: the style's
+      input/output hooks and the DTensor dispatch of the module's ops.
+    * ``collective_overhead_s``: one collective call (``Link.call_s``).
     """
 
     name: str
@@ -94,10 +123,17 @@ class Hardware:
     matmul_efficiency: float
     memory_bytes: int
     memory_bandwidth: float
+    module_overhead_s: float = 0.0
+    collective_overhead_s: float = 0.0
+    collective_factor: dict[str, float] = field(default_factory=dict, hash=False)  # Link.kind_factor
 
     def __post_init__(self) -> None:
         if self.devices_per_node < 1:
             raise ValueError(f"{self.name}: devices_per_node must be >= 1")
+        for name in ("module_overhead_s", "collective_overhead_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{self.name}: {name} must be finite and >= 0, got {value!r}")
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"{self.name}: matmul_efficiency must be in (0, 1]")
         if self.memory_bytes <= 0 or self.memory_bandwidth <= 0:
@@ -105,18 +141,19 @@ class Hardware:
         for dtype, flops in self.peak_flops.items():
             if canonical_dtype(dtype) != dtype or flops <= 0:
                 raise ValueError(f"{self.name}: bad peak_flops entry {dtype!r}: {flops!r}")
-        Link(alpha_s=self.intra_alpha_s, bandwidth=self.intra_bandwidth)  # validates
-        Link(alpha_s=self.inter_alpha_s, bandwidth=self.inter_bandwidth)
+        _ = self.intra_link, self.inter_link  # Link validates its own figures
 
     @property
     def intra_link(self) -> Link:
         """Link between devices of one node."""
-        return Link(alpha_s=self.intra_alpha_s, bandwidth=self.intra_bandwidth)
+        return Link(alpha_s=self.intra_alpha_s, bandwidth=self.intra_bandwidth, call_s=self.collective_overhead_s,
+                    kind_factor=self.collective_factor)
 
     @property
     def inter_link(self) -> Link:
         """Link between nodes, per device."""
-        return Link(alpha_s=self.inter_alpha_s, bandwidth=self.inter_bandwidth)
+        return Link(alpha_s=self.inter_alpha_s, bandwidth=self.inter_bandwidth, call_s=self.collective_overhead_s,
+                    kind_factor=self.collective_factor)
 
 
 # Shared figures and their sources.
@@ -225,17 +262,23 @@ def _l40s_pcie() -> Hardware:
 def _cpu_gloo() -> Hardware:
     # Measured on the development machine (2-core AMD EPYC VM with AVX-512,
     # 24 GB RAM, torch 2.13.0+cpu) by `python benchmarks/calibrate_gloo.py`
-    # on 2026-11-29; median of three runs (ranges: alpha 116-126 us,
-    # bandwidth 1.97-2.38 GB/s, fp32 105-115 GFLOP/s, bf16 490-507 GFLOP/s).
-    # Two gloo ranks over localhost TCP; alpha/beta fitted on all_reduce from
-    # 4 KB to 64 MB (the fit is within ~1.2x from 4 KB to 64 MB; large gloo
-    # all_gathers run 2-4x slower than this model). FLOP/s are best 1024^3
-    # matmuls on one thread, as each rank gets one core (two threads measure
-    # ~2x); they are achieved large-matmul rates, hence matmul_efficiency 1.0.
-    # Memory: RAM split over the two ranks; bandwidth from a 256 MB
-    # single-thread copy (read + write). There is no second node: inter-node
-    # figures repeat the loopback ones.
-    alpha_s, bandwidth = 1.24e-4, 2.0e9
+    # on 2026-12-01 (load average 1-1.5 from other sessions' runs); median of
+    # three runs, ranges in brackets. Two gloo ranks over localhost TCP;
+    # alpha/beta fitted on all_reduce from 4 KB to 64 MB [alpha 222-274 us,
+    # 1.18-1.47 GB/s]; gloo's all_gather and reduce_scatter (which gloo lacks
+    # natively) run 1.4x [1.37-1.49] and 2.5x [2.22-2.72] the ring model.
+    # FLOP/s are 1024^3 matmuls on one thread, as each rank gets one core
+    # [fp32 90-98, bf16 196-219 GFLOP/s; two threads measure ~2x]; a training
+    # step's Linear matmuls (512 tokens, 512 <-> 1536), run in both ranks at
+    # once, reach 0.99 [0.90-1.03] of that rate: matmul_efficiency.
+    # memory_bandwidth: what an AdamW foreach step reaches per rank with both
+    # ranks stepping, its counted bytes over its time [17.7-30.4 GB/s; alone
+    # 18.6-19.6; a 256 MB copy reaches 24-27 GB/s]. Host overhead on the fake
+    # group (calibrate_gloo.measure_dispatch_overhead): 495 us per
+    # tensor-parallel module [487-499], 115 us per collective call [111-115].
+    # Memory: RAM split over the two ranks. There is no second node:
+    # inter-node figures repeat the loopback ones.
+    alpha_s, bandwidth = 2.61e-4, 1.18e9
     return Hardware(
         name="cpu-gloo",
         description="2 gloo ranks on one 2-core CPU host (localhost TCP); "
@@ -245,10 +288,13 @@ def _cpu_gloo() -> Hardware:
         intra_bandwidth=bandwidth,
         inter_alpha_s=alpha_s,
         inter_bandwidth=bandwidth,
-        peak_flops={"fp32": 1.13e11, "bf16": 5.02e11},
-        matmul_efficiency=1.0,
+        peak_flops={"fp32": 9.55e10, "bf16": 2.10e11},
+        matmul_efficiency=0.99,
         memory_bytes=12_638_255_104,
-        memory_bandwidth=3.8e10,
+        memory_bandwidth=1.82e10,
+        module_overhead_s=4.95e-4,
+        collective_overhead_s=1.15e-4,
+        collective_factor={"all_gather": 1.43, "reduce_scatter": 2.53},
     )
 
 

@@ -81,11 +81,31 @@ class _Program:
 
 
 def strategy_time(s: Strategy, ctx: SolveContext) -> float:
-    """Predicted seconds for one run of the op under strategy ``s`` (compute + collectives)."""
+    """Predicted seconds of one training step's work for the op under strategy ``s``: its
+    collectives, matmul FLOPs (forward + backward), bandwidth-bound traffic (forward +
+    backward), the optimizer's update of the parameters it holds, and for a weight module
+    under a parallel style the host's dispatch overhead."""
     comm = sum(cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link) for k, n in s.fwd + s.bwd)
     compute = cost.matmul_time(s.flops, hardware=ctx.hardware, dtype=ctx.dtype) if s.flops else 0.0
-    memory = cost.memory_time(s.mem_bytes, hardware=ctx.hardware) if s.mem_bytes else 0.0
-    return comm + compute + memory
+    memory = cost.elementwise_time(s.mem_bytes, hardware=ctx.hardware) if s.mem_bytes else 0.0
+    return comm + compute + memory + _update_time(s, ctx) + _host_time(s, ctx)
+
+
+def _update_time(s: Strategy, ctx: SolveContext) -> float:
+    """The optimizer step over the parameters ``s`` keeps on a device (a 1/state_shards part
+    under FSDP). Parameter bytes are counted at the planning dtype's width: the model's,
+    unless the user plans it for another."""
+    if not s.param_bytes:
+        return 0.0
+    params = s.param_bytes / cost.dtype_bytes(ctx.dtype) / ctx.state_shards
+    return cost.optimizer_time(params, hardware=ctx.hardware, optimizer=getattr(ctx.opts, "optimizer", "adamw"))
+
+
+def _host_time(s: Strategy, ctx: SolveContext) -> float:
+    """Dispatch overhead of a weight module under a parallel style (every strategy of a
+    module pays it alike, so it moves the predicted time, never the choice); at tp=1 no
+    style is applied."""
+    return ctx.hardware.module_overhead_s if s.name not in ("", "folded") and ctx.tp > 1 else 0.0
 
 
 def entry_time(entry: str, nbytes: int, ctx: SolveContext, *, needs_grad: bool = True) -> float:

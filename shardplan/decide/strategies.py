@@ -122,13 +122,27 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
             strategies += _unary(op, graph, tp, out_shape)
     seen: set[tuple] = set()
     result = []
+    flops = _sdpa_flops(op, graph) if name == "scaled_dot_product_attention" else 0.0
     for s in strategies:
         key = (s.inputs, s.output)
         if key not in seen and len(s.inputs) == len(op.inputs):
             seen.add(key)
             factor = 1 if s.output == "R" else tp
-            result.append(Strategy(s.name, s.inputs, s.output, mem_bytes=mem / factor, act_bytes=graph.values[op.output].nbytes / factor))
+            result.append(Strategy(s.name, s.inputs, s.output, mem_bytes=mem / factor, flops=flops / factor,
+                                   act_bytes=graph.values[op.output].nbytes / factor))
     return result
+
+
+def _sdpa_flops(op: Op, graph: OpGraph) -> float:
+    """Attention's two batched matmuls, q [b, h, sq, d] k^T and p v [b, h, sk, dv], forward and
+    backward (:func:`.cost.attention_flops`); a split on heads or batch divides them by tp."""
+    from .cost import attention_flops
+
+    shapes = [_shape(graph, v) for v in op.inputs[:3]]
+    if len(shapes) < 3 or any(len(s) != 4 for s in shapes):
+        return 0.0
+    (b, h, sq, d), (_, _, sk, _), (_, _, _, dv) = shapes
+    return attention_flops(batch=b, heads=h, seq_q=sq, seq_k=sk, head_dim=d, value_dim=dv)
 
 
 def _param_free_elementwise(op: Op, graph: OpGraph) -> bool:

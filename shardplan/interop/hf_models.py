@@ -152,6 +152,22 @@ def _set(config: Any, name: str, value: Any) -> None:
         pass
 
 
+def _shrink_mla(config: Any, sizes: Mapping[str, int]) -> None:
+    """Multi-head latent attention (DeepSeek-V3, Kimi K2) sizes its heads by its own keys: the
+    rotary part (``qk_rope_head_dim``, which ``head_dim`` must equal for the rotary tables),
+    the non-rotary part and the value head, and the two low-rank widths; its keys and values
+    are per head (every query head has its own, from the shared latent)."""
+    if not _has(config, "qk_rope_head_dim") or not isinstance(getattr(config, "qk_rope_head_dim", None), int):
+        return
+    head = sizes["head_dim"]
+    for name, value in (("qk_rope_head_dim", head // 2), ("head_dim", head // 2), ("qk_nope_head_dim", head),
+                        ("v_head_dim", head), ("kv_lora_rank", sizes["hidden"] // 2)):
+        _set(config, name, value)
+    if isinstance(getattr(config, "q_lora_rank", None), int):
+        _set(config, "q_lora_rank", sizes["hidden"] // 2)
+    _set(config, "num_key_value_heads", getattr(config, "num_attention_heads", None))  # MLA: one kv per head
+
+
 def shrink_config(config: Any, sizes: Mapping[str, int] = TINY) -> Any:
     """Shrink ``config`` (and its sub-configs) in place to the tiny sizes; returns it."""
     for names, key in _SIZES:
@@ -180,8 +196,11 @@ def shrink_config(config: Any, sizes: Mapping[str, int] = TINY) -> Any:
             _set(config, name, [value[i % len(value)] for i in range(layers)])
         elif name == "mlp_only_layers" and isinstance(value, (list, tuple)):
             _set(config, name, [i for i in value if i < layers])
+        elif name == "first_k_dense_replace" and isinstance(value, int) and value > 0:
+            _set(config, name, min(value, layers - 1))  # keep a sparse layer after the dense ones
         elif isinstance(value, int) and not isinstance(value, bool):
             _set(config, name, min(value, layers))
+    _shrink_mla(config, sizes)
     for name, value in list(config.to_dict().items()):
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
             _set(config, name, 0.0)

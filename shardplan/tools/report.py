@@ -12,7 +12,11 @@ forward and a backward, the regions and the warnings. ``decision_table`` renders
 ``Plan.explain`` output and ``diff_lines`` compares two plans. ``verify_table`` and
 ``verify_lines`` render a :class:`~shardplan.tools.verify.VerifyResult` (one row per compared
 quantity: max difference, tolerance, where, pass/FAIL; then the largest gradient
-differences and any problems). Nothing here computes a plan; everything reads what the plan
+differences and any problems). ``render_splits`` prints a
+:class:`~shardplan.decide.splits.MeshComparison` (``shardplan plan --world-size``): one row
+per dp x tp split with its samples per step, predicted step time, samples per second, peak
+memory per device, whether it fits and which one was chosen, then the chosen split and why
+any split has no plan. Nothing here computes a plan; everything reads what the plan
 recorded (plus weight shapes from ``model``).
 
 ``console`` defaults to ``rich.console.Console()`` on stdout, which writes plain text when
@@ -31,12 +35,14 @@ from rich.table import Table
 from rich.text import Text
 
 from ..decide.cost import format_bytes, format_seconds
+from ..decide.splits import MeshComparison, axes_str
 from ..plan.model import Decision, Plan, matches
 from ..plan.validate import sharded_dim, weight_of
 
 __all__ = [
     "render_table", "plan_table", "plan_summary_lines", "decision_table", "diff_lines",
-    "sharded_dim", "weight_of", "make_console", "verify_table", "verify_lines",
+    "sharded_dim", "weight_of", "make_console", "verify_table", "verify_lines", "splits_table", "splits_lines",
+    "render_splits",
 ]
 
 _PIPE_WIDTH = 120  # rich's 80 columns fold most patterns when the output is piped
@@ -159,6 +165,49 @@ def plan_summary_lines(plan: Plan) -> list[str]:
         lines.append(f"warnings ({len(plan.warnings)}):")
         lines += [f"  {w}" for w in plan.warnings]
     return lines
+
+
+# --------------------------------------------------------------------------- world size
+
+
+def _rate(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def splits_table(comparison: MeshComparison) -> Table:
+    """One row per dp x tp split; the estimates are the plans' own (rounded, portable)."""
+    named = next((c.plan.model.class_name for c in comparison.candidates if c.plan is not None), "model")
+    table = Table(title=Text(f"{named}: dp x tp splits of {comparison.world_size} devices"), title_justify="left")
+    for name in ("split", "samples/step", "step time", "samples/s", "peak memory/device", "fits", "note"):
+        table.add_column(name, justify="left" if name in ("split", "fits", "note") else "right")
+    for i, c in enumerate(comparison.candidates):
+        if c.plan is None or c.plan.estimate is None:
+            table.add_row(axes_str(c.axes), "-", "-", "-", "-", "-", "no plan (below)")
+            continue
+        e, warned = c.plan.estimate, len(c.plan.warnings)
+        note = "chosen" if i == comparison.chosen else f"{warned} warning{'s' * (warned != 1)}" if warned else ""
+        table.add_row(axes_str(c.axes), str(c.axes["dp"] * (c.plan.options.batch_size or 1)),
+                      format_seconds(e.step_time_s), _rate(c.samples_per_s or 0.0), format_bytes(e.peak_memory_bytes),
+                      "yes" if c.fits else "no", note)
+    return table
+
+
+def splits_lines(comparison: MeshComparison) -> list[str]:
+    """The memory limit, the choice, and why a split has no plan."""
+    lines = [f"memory limit: {format_bytes(comparison.memory_limit)} per device ({comparison.limit_source})"]
+    if comparison.chosen is not None:
+        lines.append(f"chosen: {axes_str(comparison.candidates[comparison.chosen].axes)}, the most samples per second "
+                     "of the splits that fit (samples/step = dp x batch per replica)")
+    lines += [f"{axes_str(c.axes)}: no plan: {c.error.splitlines()[0] if c.error else 'no estimate'}"
+              for c in comparison.candidates if c.plan is None]
+    return lines
+
+
+def render_splits(comparison: MeshComparison, *, console: Console | None = None) -> None:
+    console = console or make_console()
+    console.print(splits_table(comparison))
+    for line in splits_lines(comparison):
+        console.print(Text(line), soft_wrap=True)
 
 
 # --------------------------------------------------------------------------- explain

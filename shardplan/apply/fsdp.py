@@ -1,0 +1,125 @@
+"""FSDP2 on the data axes of a model the plan already sharded on the tp axis.
+
+Contract
+--------
+``fully_shard_plan(model, device_mesh, plan, *, options=FSDPOptions())`` calls
+``torch.distributed.fsdp.fully_shard`` on the units :func:`fsdp_units` lists, in that order
+(each repeated block, then the root), over the data sub-mesh: one axis is plain FSDP
+(``Shard(0)`` over it), two axes ``(replicate, shard)`` are HSDP (fully_shard's 2-D mesh:
+``(Replicate(), Shard(0))``). Each tp-local shard is what FSDP shards further, so a weight
+ends up a DTensor on the (data..., tp) mesh. The model is modified in place and returned.
+The units and their ``reshard_after_forward`` come from :func:`shardplan.decide.fsdp.fsdp_units`,
+which the estimate prices too (choices, after torchtitan's ``apply_fsdp``, documented there).
+Mistakes (no data axis, an axis the mesh lacks, a model ``apply_plan`` has not sharded, a plan
+for another tp) are ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from ..decide import fsdp as units_of
+from ..plan.model import Plan
+from .emit import check_fingerprint
+
+__all__ = ["FSDPOptions", "fully_shard_plan", "fsdp_units", "data_mesh"]
+
+
+@dataclass(frozen=True)
+class FSDPOptions:
+    """How :func:`fully_shard_plan` shards the data axes.
+
+    ``axes``: the mesh axes to shard over, outermost first (``None``: every axis but the
+    plan's tp axis); one axis is FSDP, two are HSDP ``(replicate, shard)``.
+    ``reshard_after_forward``: torchtitan's policy names: ``"default"`` reshards every block
+    but the last (backward needs it at once), ``"always"`` every block, ``"never"`` none; the
+    root is never resharded. ``mp_policy`` and ``offload_policy`` go to ``fully_shard`` as given.
+    """
+
+    axes: tuple[str, ...] | None = None
+    reshard_after_forward: units_of.ReshardPolicy = "default"
+    mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    offload_policy: OffloadPolicy = field(default_factory=OffloadPolicy)
+
+
+def fsdp_units(plan: Plan, model: nn.Module, *, reshard_after_forward: units_of.ReshardPolicy = "default") -> list[tuple[str, bool]]:
+    """``[(module path, reshard_after_forward), ...]``, the root ``""`` last: what
+    :func:`fully_shard_plan` wraps and the estimate prices."""
+    return units_of.fsdp_units(plan.model.repeats, model, reshard_after_forward=reshard_after_forward)
+
+
+def fully_shard_plan(model: nn.Module, device_mesh: DeviceMesh, plan: Plan, *, options: FSDPOptions | None = None) -> nn.Module:
+    """``fully_shard`` every unit of :func:`fsdp_units` over the data axes; see the module docstring."""
+    options = options if options is not None else FSDPOptions()
+    _check_model(model, plan)
+    mesh = data_mesh(device_mesh, plan, options.axes)
+    config: dict[str, Any] = {"mesh": mesh, "mp_policy": options.mp_policy, "offload_policy": options.offload_policy}
+    for path, reshard in fsdp_units(plan, model, reshard_after_forward=options.reshard_after_forward):
+        fully_shard(model.get_submodule(path), reshard_after_forward=reshard, **config)
+    return model
+
+
+def data_mesh(device_mesh: DeviceMesh, plan: Plan, axes: tuple[str, ...] | None = None) -> DeviceMesh:
+    """The sub-mesh FSDP runs on: ``device_mesh[axes]`` (every non-tp axis by default)."""
+    if not isinstance(device_mesh, DeviceMesh):
+        raise ValueError(f"fully_shard_plan needs a DeviceMesh; got {type(device_mesh).__name__}. Use the mesh "
+                         "apply_plan was given, e.g. init_device_mesh('cuda', (8, 8), mesh_dim_names=('dp', 'tp'))")
+    names = tuple(device_mesh.mesh_dim_names or ())
+    tp_axis = plan.mesh.tp_axis
+    if tp_axis not in names:
+        raise ValueError(f"the mesh's axes are {names or 'unnamed'}, but the plan's tp axis is {tp_axis!r}; give the "
+                         f"mesh apply_plan used, with mesh_dim_names naming {tp_axis!r} and the data axes")
+    if device_mesh[tp_axis].size() != plan.tp:
+        raise ValueError(f"the plan was made for tp={plan.tp} but the mesh's {tp_axis!r} axis has "
+                         f"{device_mesh[tp_axis].size()} ranks; re-plan for this mesh")
+    chosen = tuple(n for n in names if n != tp_axis) if axes is None else tuple(axes)
+    _check_axes(chosen, names, tp_axis)
+    return device_mesh[chosen[0]] if len(chosen) == 1 else device_mesh[chosen]
+
+
+def _check_axes(axes: tuple[str, ...], names: tuple[str, ...], tp_axis: str) -> None:
+    data = [n for n in names if n != tp_axis]
+    if not axes:
+        raise ValueError(f"the mesh {names} has no data axis besides {tp_axis!r}: there is nothing for FSDP to shard "
+                         f"over; make the mesh with one, e.g. mesh_dim_names=('dp', {tp_axis!r})")
+    unknown = [a for a in axes if a not in names]
+    if unknown:
+        raise ValueError(f"FSDPOptions.axes {axes} names {unknown}, which the mesh {names} lacks; use some of {data}")
+    if tp_axis in axes:
+        raise ValueError(f"FSDPOptions.axes {axes} includes the tp axis {tp_axis!r}; FSDP shards the data axes, "
+                         f"use some of {data}")
+    if len(axes) > 2 or len(set(axes)) != len(axes):
+        raise ValueError(f"FSDPOptions.axes {axes}: expected one data axis (FSDP) or two distinct ones (HSDP: "
+                         "replicate, shard); flatten more axes into one first, e.g. mesh['a', 'b']._flatten('dp')")
+    if "dp_replicate" in axes[1:]:  # fully_shard's 2-D mesh replicates over its first dim
+        raise ValueError(f"FSDPOptions.axes {axes} puts 'dp_replicate' second, where HSDP shards; list it first, "
+                         f"('dp_replicate', ...), with the mesh's axes in that order")
+    if list(axes) != sorted(axes, key=names.index):
+        raise ValueError(f"FSDPOptions.axes {axes} are not in the mesh's order {names}; list them outermost first, "
+                         f"e.g. {tuple(sorted(axes, key=names.index))}")
+
+
+def _check_model(model: nn.Module, plan: Plan) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"fully_shard_plan needs an nn.Module; got {type(model).__name__}")
+    if not isinstance(plan, Plan):
+        raise ValueError(f"fully_shard_plan needs a shardplan Plan; got {type(plan).__name__} (load one with load_plan)")
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} already has fully_shard applied; call fully_shard_plan once, "
+                         "after apply_plan, on a model FSDP has not wrapped")
+    check_fingerprint(model, plan)
+    params = list(model.named_parameters())
+    plain = next((n for n, p in params if not isinstance(p, DTensor)), None)
+    if plain is not None:
+        raise ValueError(f"{type(model).__name__} is not sharded on the tp axis yet ({plain!r} is a plain tensor, "
+                         "expected a DTensor); call shardplan.apply_plan(model, mesh, plan) first, then fully_shard_plan")
+    for name, p in params:
+        if p.device_mesh.ndim != 1 or p.device_mesh.size() != plan.tp:
+            raise ValueError(f"{name!r} is sharded over {p.device_mesh.size()} ranks (mesh {p.device_mesh.mesh_dim_names}), "
+                             f"but the plan given is for tp={plan.tp}; pass the plan apply_plan applied")
