@@ -340,3 +340,20 @@ def test_hf_tiny_specs_simulate_with_the_predicted_collectives(model_type, capsy
 
     assert main(["simulate", f"hf-tiny:{model_type}", "--mesh", "tp=2"]) == 0
     assert "DIFFERS" not in capsys.readouterr().out
+
+
+def test_hf_tiny_mla_keeps_its_own_head_sizes_and_a_sparse_layer():
+    """DeepSeek-V3's multi-head latent attention sizes its heads by its own keys (rotary,
+    non-rotary and value parts, two low-rank widths) and has one kv head per query head; the
+    tiny config must keep those consistent, and keep a MoE layer after the dense ones, or
+    the model does not run (``head_dim`` 16 against a 64-wide rotary part)."""
+    from shardplan.interop.hf_models import build_hf_model
+
+    model, inputs, kwargs = build_hf_model("deepseek_v3", tiny=True, device="meta")
+    cfg = model.config
+    assert cfg.head_dim == cfg.qk_rope_head_dim and cfg.num_key_value_heads == cfg.num_attention_heads
+    assert 0 < cfg.first_k_dense_replace < cfg.num_hidden_layers
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, example_kwargs=kwargs, explain=False)
+    styles = plan.module_styles()
+    assert styles["model.layers.1.mlp.experts"] == "moe_tp_experts"
+    assert styles["model.layers.0.mlp.down_proj"] == "rowwise"
