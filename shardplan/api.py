@@ -125,6 +125,21 @@ def infer_example_inputs(model: nn.Module, *, batch_size: int, seq_len: int) -> 
     )
 
 
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx")
+
+
+def _max_positions(model: nn.Module) -> int | None:
+    """The longest sequence the model's own config allows (a RoPE table or a position
+    embedding that long), read from ``model.config`` (Hugging Face, shardplan's presets) or
+    torchtitan's ``model.model_args``: the default example stays within it."""
+    for cfg in (getattr(model, "config", None), getattr(model, "model_args", None), getattr(model, "params", None)):
+        for key in _POSITION_KEYS:
+            value = getattr(cfg, key, None) if cfg is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
 def _options(opts: dict[str, Any]) -> tuple[PlanOptions, dict[str, Any]]:
     unknown = sorted(set(opts) - _OPTION_NAMES)
     if unknown:
@@ -203,7 +218,8 @@ def _defaults(model: nn.Module, opts: PlanOptions, example_inputs: Any) -> tuple
         opts = opts.model_copy(update={"dtype": _model_dtype(model)})
     if example_inputs is None:
         # the CLI's presets default to batch 2 as well: one model, one default shape
-        example_inputs = infer_example_inputs(model, batch_size=opts.batch_size or 2, seq_len=opts.seq_len or 2048)
+        seq_len = opts.seq_len or min(2048, _max_positions(model) or 2048)
+        example_inputs = infer_example_inputs(model, batch_size=opts.batch_size or 2, seq_len=seq_len)
     elif not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     return opts, example_inputs

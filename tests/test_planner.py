@@ -429,3 +429,15 @@ def test_sequence_parallel_norm_gradients_are_replicate_after_to_empty():
         model(x).float().sum().backward()
         norms = {n: p.grad.placements for n, p in model.named_parameters() if "norm" in n}
     assert norms and all(not pl[0].is_partial() for pl in norms.values()), norms
+
+
+def test_default_example_stays_within_the_models_positions():
+    """Without example_inputs the planner traces batch 2 x seq 2048, capped by the model's
+    own maximum (a 64-position RoPE table here): a longer default fails in the trace."""
+    from shardplan.models.presets import build_preset
+
+    model = build_preset("llama3-debug")
+    assert model.config.max_seq_len < 2048
+    plan = shardplan.plan_model(model, {"tp": 2}, explain=False)
+    assert plan.options.seq_len == model.config.max_seq_len
+    assert shardplan.plan_model(build_preset("llama3-8b"), {"tp": 8}, explain=False).options.seq_len == 2048

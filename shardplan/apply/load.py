@@ -40,9 +40,9 @@ placements and mesh coordinate, computed by DTensor itself on a 1-D index per di
 per-style code. Keys are the model's ``state_dict()`` names; a tied weight needs one of its
 names in the file. Values are cast to each tensor's dtype. No communication.
 
-Both cut slices at each mesh's ``get_coordinate()``, so both first refuse, on every rank,
-a DTensor whose mesh reports another coordinate than the rank's place in the mesh's
-process group (a stale mesh; see the message) instead of reading another rank's slices.
+Both cut slices at each mesh's ``get_coordinate()``; that a mesh made after planning reports
+this rank's coordinate is :func:`shardplan.apply.mesh.fake_process_group`'s job (it drops
+DTensor's cached meshes with the fake group; tested in ``tests/test_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -83,7 +83,6 @@ def materialize(model: nn.Module, *, device: str | torch.device | None = None,
     if init is not None and not callable(init):
         raise ValueError(f"init must be a callable taking the model; got {type(init).__name__}")
     _check_on_meta(model)
-    _check_coordinates(model, "materialize")
     target = _device(model, device)
     with torch.no_grad():
         model.to_empty(device=target)
@@ -120,27 +119,6 @@ def _device(model: nn.Module, device: str | torch.device | None) -> torch.device
         return torch.device("cpu")
     kind = sorted(kinds)[0]
     return torch.device(kind, torch.get_device_module(kind).current_device())
-
-
-def _check_coordinates(model: nn.Module, what: str) -> None:
-    """Every slice here is cut at ``mesh.get_coordinate()``; refuse a mesh whose coordinate
-    is not this rank's place in its process group, rather than load another rank's slices
-    (on every rank at once: the check is gathered)."""
-    stale = None
-    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
-        if isinstance(t, DTensor) and stale is None:
-            mesh = t.device_mesh
-            coord, rank = mesh.get_coordinate(), [mesh.get_local_rank(i) for i in range(mesh.ndim)]
-            if coord is not None and list(coord) != rank:
-                stale = f"{name!r} is on a DeviceMesh whose coordinate on rank {dist.get_rank()} is {list(coord)}, but " \
-                        f"that rank is {rank} in the mesh's process group"
-    found = [s for s in _gather(stale) if s]
-    if found:
-        raise ValueError(
-            f"{what}: {found[0]}: a stale mesh (seen when plan_model ran in this process before the process group "
-            "existed: its local check runs on a fake group). Its slices would be another rank's. Plan in another "
-            "process and load the plan on every rank (shardplan.load_plan), or plan after init_device_mesh, passing "
-            "the mesh: plan_model(model, mesh, ...)")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -369,7 +347,6 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: bool =
 
     if not isinstance(model, nn.Module):
         raise ValueError(f"load_checkpoint needs an nn.Module; got {type(model).__name__}")
-    _check_coordinates(model, "load_checkpoint")
     where = _weight_map(os.fspath(path))
     own = model.state_dict(keep_vars=True)
     todo, missing = _match_keys(own, where)
