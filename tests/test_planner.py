@@ -441,3 +441,20 @@ def test_default_example_stays_within_the_models_positions():
     plan = shardplan.plan_model(model, {"tp": 2}, explain=False)
     assert plan.options.seq_len == model.config.max_seq_len
     assert shardplan.plan_model(build_preset("llama3-8b"), {"tp": 8}, explain=False).options.seq_len == 2048
+
+
+class _CumsumOverFeatures(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.cumsum(self.up(x), dim=-1))  # a scan over the features: needs them all
+
+
+def test_a_gather_names_the_op_and_line_that_forced_it():
+    plan = shardplan.plan_model(_CumsumOverFeatures(), {"tp": 2}, example_inputs=(torch.zeros(4, 16),), explain=False)
+    assert plan.rule_for("up").style == "colwise_gather_output"
+    (warning,) = [w for w in plan.warnings if w.startswith("up: output all-gathered")]
+    assert "`cumsum` needs its input whole where it is split (dim 1)" in warning
+    assert "tests/test_planner.py:" in warning and "torch.cumsum(self.up(x), dim=-1)" in warning

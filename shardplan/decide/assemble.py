@@ -218,9 +218,9 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
                    else f"no style splits it evenly at tp={tp}")
             out.append(f"{name}: weight {shapes[0] if len(shapes) == 1 else shapes} not sharded: {why}")
         elif style == "colwise_gather_output" and op.output not in output_values:
-            reason = _blocking_reshape(graph, op, tp) or (
-                f"the ops after it cannot run on a 1/{tp} shard, or gathering here costs no more "
-                f"(a norm over the features, or a head count or reshape that does not divide by tp={tp})"
+            reason = _blocking_reshape(graph, op, tp) or _blocking_op(graph, op, tp) or (
+                "every op after it could take its output split, so either one of them also takes an input that "
+                "stays whole (see the other warnings) or gathering here is cheaper (`shardplan explain` prices each style)"
             )
             out.append(f"{name}: output all-gathered: {reason}")
     for fqn in _unused_modules(graph):
@@ -254,6 +254,44 @@ def _blocking_reshape(graph: OpGraph, op, tp: int) -> str:
                 nxt.append(user.output)
         frontier = nxt
     return ""
+
+
+def _blocking_op(graph: OpGraph, op, tp: int, *, depth: int = 24) -> str:
+    """The first op downstream of ``op``'s output, split on its last dim as ``colwise`` leaves
+    it, that has no strategy taking that split (it needs the whole tensor there), followed
+    through every op that keeps a split; named with its source line. "" when every path
+    reaches a weight module or the end with the split intact, i.e. the gather was a choice."""
+    from .strategies import op_strategies
+    from ..analyze.trace import _user_line
+
+    last = len(graph.values[op.output].shape) - 1
+    frontier, seen = [(op.output, f"S{last}")], set()
+    for _ in range(depth):
+        nxt = []
+        for value, placement in frontier:
+            for c in graph.consumers.get(value, []):
+                if (c, value, placement) in seen:
+                    continue
+                seen.add((c, value, placement))
+                user = graph.ops[c]
+                outs = _outputs_taking(user, value, placement, op_strategies(user, graph, tp=tp))
+                if outs is None:
+                    where = _user_line(user.node)
+                    what = f"`{user.target}`" if user.kind != "module" else f"module `{user.target}`"
+                    return (f"{what} needs its input whole where it is split (dim {placement[1:]})"
+                            + (f" ({where})" if where else "") + f", and everything after it runs on the gathered tensor")
+                if user.kind == "function" and user.output is not None:
+                    nxt += [(user.output, o) for o in outs if o.startswith("S")]
+        frontier = nxt
+    return ""
+
+
+def _outputs_taking(user, value: int, placement: str, strategies) -> set[str] | None:
+    """The output placements of ``user``'s strategies that take ``value`` as ``placement``
+    (at every position it is passed), or None if no strategy does."""
+    positions = [i for i, v in enumerate(user.inputs) if v == value]
+    fits = [s for s in strategies if all(i < len(s.inputs) and s.inputs[i] == placement for i in positions)]
+    return {s.output or "R" for s in fits} if fits else None
 
 
 def repeats(graph: OpGraph) -> dict[str, int | list[str]]:
