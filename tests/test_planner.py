@@ -456,5 +456,5 @@ def test_a_gather_names_the_op_and_line_that_forced_it():
     plan = shardplan.plan_model(_CumsumOverFeatures(), {"tp": 2}, example_inputs=(torch.zeros(4, 16),), explain=False)
     assert plan.rule_for("up").style == "colwise_gather_output"
     (warning,) = [w for w in plan.warnings if w.startswith("up: output all-gathered")]
-    assert "`cumsum` needs its input whole where it is split (dim 1)" in warning
-    assert "tests/test_planner.py:" in warning and "torch.cumsum(self.up(x), dim=-1)" in warning
+    assert warning.startswith("up: output all-gathered: `cumsum` (tests/test_planner.py:")
+    assert "torch.cumsum(self.up(x), dim=-1)" in warning and "needs its input whole where tp=2 splits it (dim 1)" in warning

@@ -219,8 +219,8 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
             out.append(f"{name}: weight {shapes[0] if len(shapes) == 1 else shapes} not sharded: {why}")
         elif style == "colwise_gather_output" and op.output not in output_values:
             reason = _blocking_reshape(graph, op, tp) or _blocking_op(graph, op, tp) or (
-                "every op after it could take its output split, so either one of them also takes an input that "
-                "stays whole (see the other warnings) or gathering here is cheaper (`shardplan explain` prices each style)"
+                f"every op after it could take its output split tp={tp} ways, so either one of them also takes an input "
+                "that stays whole (see the other warnings) or gathering here is cheaper (`shardplan explain` prices each style)"
             )
             out.append(f"{name}: output all-gathered: {reason}")
     for fqn in _unused_modules(graph):
@@ -262,7 +262,6 @@ def _blocking_op(graph: OpGraph, op, tp: int, *, depth: int = 24) -> str:
     through every op that keeps a split; named with its source line. "" when every path
     reaches a weight module or the end with the split intact, i.e. the gather was a choice."""
     from .strategies import op_strategies
-    from ..analyze.trace import _user_line
 
     last = len(graph.values[op.output].shape) - 1
     frontier, seen = [(op.output, f"S{last}")], set()
@@ -276,14 +275,21 @@ def _blocking_op(graph: OpGraph, op, tp: int, *, depth: int = 24) -> str:
                 user = graph.ops[c]
                 outs = _outputs_taking(user, value, placement, op_strategies(user, graph, tp=tp))
                 if outs is None:
-                    where = _user_line(user.node)
-                    what = f"`{user.target}`" if user.kind != "module" else f"module `{user.target}`"
-                    return (f"{what} needs its input whole where it is split (dim {placement[1:]})"
-                            + (f" ({where})" if where else "") + f", and everything after it runs on the gathered tensor")
+                    return _blocked_by(user, graph.values[value].shape, int(placement[1:]), tp)
                 if user.kind == "function" and user.output is not None:
                     nxt += [(user.output, o) for o in outs if o.startswith("S")]
         frontier = nxt
     return ""
+
+
+def _blocked_by(user, shape, dim: int, tp: int) -> str:
+    from ..analyze.trace import _user_line
+
+    where = _user_line(user.node)
+    what = (f"`{user.target}`" if user.kind != "module" else f"module `{user.target}`") + (f" ({where})" if where else "")
+    if shape[dim] % tp:  # nothing could run on an uneven split: say that, not the op's fault
+        return f"its {shape[dim]} output features do not divide by tp={tp}, so {what} and everything after it run on them whole"
+    return f"{what} needs its input whole where tp={tp} splits it (dim {dim}), and everything after it runs on the gathered tensor"
 
 
 def _outputs_taking(user, value: int, placement: str, strategies) -> set[str] | None:
