@@ -212,3 +212,26 @@ def test_step_time_includes_the_data_axes_at_their_link(mode: str) -> None:
         expected = (c.all_gather + c.reduce_scatter) * (p - 1) * link.alpha_s + (p - 1) / p * n / link.bandwidth
     assert e.comm_time_s - base.comm_time_s == pytest.approx(expected, rel=1e-4)
     assert e.step_time_s == pytest.approx(e.compute_time_s + e.comm_time_s, rel=1e-5)
+
+
+def test_apply_plan_and_auto_parallelize_take_fsdp() -> None:
+    """``fsdp=`` on the public calls: TP, then the same units as ``fully_shard_plan``; options
+    pass through; anything but a bool or FSDPOptions is refused before anything is sharded."""
+    plan = _plan({"dp": 2, "tp": 2})
+    with fake_process_group(4):
+        mesh = make_mesh({"dp": 2, "tp": 2})
+        model = build_preset(NAME, device="meta")
+        with pytest.raises(ValueError, match="fsdp must be True, False or a shardplan.apply.fsdp.FSDPOptions; got str"):
+            shardplan.apply_plan(model, mesh, plan, fsdp="yes")
+        assert not any(isinstance(p, DTensor) for p in model.parameters())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            shardplan.apply_plan(model, mesh, plan, fsdp=True)
+        assert [p for p, _ in fsdp_units(plan, model)] == [f for f, m in model.named_modules() if isinstance(m, FSDPModule)][1:] + [""]
+        other = build_preset(NAME, device="meta")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            shardplan.auto_parallelize(other, mesh, example_inputs=get_preset(NAME).example_inputs(device="meta"),
+                                       explain=False, fsdp=FSDPOptions(reshard_after_forward="never"))
+        blocks = [m for f, m in other.named_modules() if f and isinstance(m, FSDPModule)]
+        assert blocks and all(fully_shard.state(m)._fsdp_param_group.post_forward_mesh_info is None for m in blocks)
