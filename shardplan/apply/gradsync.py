@@ -40,6 +40,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._pytree import tree_leaves
 
+from .styles import _all_reduce
+
 __all__ = ["GradSync", "install_gradient_sync", "set_requires_gradient_sync", "reduce_partial_gradients"]
 
 _ATTR = "_shardplan_gradsync"
@@ -120,8 +122,7 @@ def _reduce_bucket(params: list[nn.Parameter]) -> None:
     mesh = params[0].grad.device_mesh
     locals_ = [p.grad.to_local() for p in params]
     flat = torch.cat([t.reshape(-1) for t in locals_])
-    out = torch.ops._c10d_functional.all_reduce(flat, "sum", mesh.get_group().group_name)
-    out = torch.ops._c10d_functional.wait_tensor(out)
+    out = _all_reduce(flat, mesh.get_group().group_name)
     offset = 0
     for p, local in zip(params, locals_):
         local.copy_(out[offset:offset + local.numel()].view_as(local))
