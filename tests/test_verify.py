@@ -142,7 +142,7 @@ def test_packed_colwise_keeps_the_modules_order(user_models: str, rank: int) -> 
     from torch.distributed.tensor import distribute_tensor
 
     from shardplan.apply.mesh import fake_process_group, make_mesh
-    from shardplan.apply.state import _strided_chunks
+    from shardplan.apply.state import _strided_blocks
     from shardplan.apply.styles import packed_placement
     from shardplan.tools.sources import resolve_model
 
@@ -156,7 +156,9 @@ def test_packed_colwise_keeps_the_modules_order(user_models: str, rank: int) -> 
             gate, up = p.detach().chunk(2, 0)
             assert torch.equal(d.to_local(), torch.cat([gate.chunk(2, 0)[rank], up.chunk(2, 0)[rank]]))
             half, quarter = p.shape[0] // 2, p.shape[0] // 4  # DCP sees two chunks per rank, one in each part
-            assert _strided_chunks(d) == [(0, rank * quarter, 0, quarter), (0, half + rank * quarter, quarter, quarter)]
+            rest, zeros = tuple(p.shape[1:]), (0,) * (p.dim() - 1)  # (global offsets, sizes, local offsets)
+            assert _strided_blocks(d) == [((rank * quarter, *zeros), (quarter, *rest), (0, *zeros)),
+                                          ((half + rank * quarter, *zeros), (quarter, *rest), (quarter, *zeros))]
 
 
 # --------------------------------------------------------------------------- refused before launch

@@ -35,7 +35,8 @@ keeps the parameter objects and the modules).
 ``model.safetensors`` file, or a sharded one with ``model.safetensors.index.json``) into
 the model, each rank reading only the elements of its own shards
 (``safe_open(...).get_slice(name)[...]``): the index ranges come from each DTensor's
-placements and mesh coordinate, computed by DTensor itself on a 1-D index per dim, so
+placements and mesh coordinate, computed by DTensor itself on a 1-D index per dim
+(:func:`.state.local_runs`, which DCP's chunks of packed weights come from too), so
 ``Shard``, uneven shards and packed ``_StridedShard`` weights (one range per part) need no
 per-style code. Keys are the model's ``state_dict()`` names; a tied weight needs one of its
 names in the file. Values are cast to each tensor's dtype. No communication.
@@ -61,9 +62,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .state import local_runs
 
 __all__ = ["materialize", "load_checkpoint"]
 
@@ -444,50 +446,7 @@ def _read_into(key: str, piece: Any, target: torch.Tensor, file: str) -> None:
     if local.ndim == 0:
         local.copy_(piece[...])
         return
-    for block in itertools.product(*_local_runs(target)):
+    for block in itertools.product(*local_runs(target)):
         # block: per dim (offset in the local shard, start, stop in the global tensor)
         dst = local[tuple(slice(o, o + b - a) for o, a, b in block)]
         dst.copy_(piece[tuple(slice(a, b) for _, a, b in block)])
-
-
-def _local_runs(t: torch.Tensor) -> list[list[tuple[int, int, int]]]:
-    """Per dim, the contiguous runs of global indices this rank holds, in local order, as
-    (local offset, start, stop). DTensor itself cuts a 1-D index per dim (every placement
-    splits one dim, so the dims are independent): torch's own rule for chunk sizes, uneven
-    shards and ``_StridedShard``, with no rule re-implemented here."""
-    out = []
-    for dim, size in enumerate(t.shape):
-        on_dim = [_on_dim0(p, dim, t.ndim) for p in t.placements] if isinstance(t, DTensor) else []
-        if all(p.is_replicate() for p in on_dim):
-            out.append([(0, 0, size)])
-            continue
-        index = distribute_tensor(torch.arange(size), t.device_mesh, on_dim, src_data_rank=None).to_local()
-        out.append(_runs(index.tolist()))
-    local = tuple(_local(t).shape)
-    if tuple(sum(b - a for _, a, b in runs) for runs in out) != local:
-        raise ValueError(f"load_checkpoint: cannot work out which elements this rank holds for a tensor placed "
-                         f"{t.placements} with local shape {local}")
-    return [[r for r in runs if r[2] > r[1]] for runs in out]
-
-
-def _on_dim0(p: Any, dim: int, ndim: int) -> Any:
-    """Placement ``p`` as it acts on a 1-D index of tensor dim ``dim``."""
-    if p.is_replicate():
-        return p
-    if isinstance(p, _StridedShard):
-        return _StridedShard(0, split_factor=p.split_factor) if p.dim % ndim == dim else Replicate()
-    if isinstance(p, Shard):
-        return Shard(0) if p.dim % ndim == dim else Replicate()
-    raise ValueError(f"load_checkpoint: a tensor placed {p} cannot be read from a file (only Replicate, Shard and "
-                     "_StridedShard are per-element layouts of one global tensor)")
-
-
-def _runs(index: list[int]) -> list[tuple[int, int, int]]:
-    runs: list[tuple[int, int, int]] = []
-    for offset, i in enumerate(index):
-        if runs and runs[-1][2] == i:
-            o, a, _ = runs[-1]
-            runs[-1] = (o, a, i + 1)
-        else:
-            runs.append((offset, i, i + 1))
-    return runs or [(0, 0, 0)]

@@ -12,17 +12,22 @@ Both are collective when ``model`` is sharded: every rank calls them. Resharding
 checkpoint (save at tp=a, load at tp=b) needs nothing from shardplan: DCP
 (``torch.distributed.checkpoint``) saves the DTensors' global views and loads them under
 any placement, optimizer state included, because those views do not depend on tp.
+``local_runs(t)`` says which global elements a rank holds, per dim, as DTensor itself cuts
+them; DCP's chunks of a packed weight and ``load_checkpoint``'s file reads both come from it.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["full_state_dict", "load_full_state_dict"]
+__all__ = ["full_state_dict", "load_full_state_dict", "local_runs"]
 
 
 def full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Tensor]:
@@ -84,34 +89,28 @@ def _copy_into(name: str, target: torch.Tensor, value: torch.Tensor) -> None:
 # right for Shard and for FSDP2's 2-D strided layouts, but a packed weight on the tp axis
 # alone (``_StridedShard(dim, split_factor=k)``: rank r holds row blocks r, n + r, ... of
 # k * n) is k separate chunks. torch 2.13 then reports overlapping chunks at save and, at load,
-# fills the wrong rows without an error. These three methods answer with the k chunks for that
-# layout and defer to torch for every other one.
+# fills the wrong rows without an error. These three methods answer with the blocks
+# ``local_runs`` finds (the same per-dim index runs load_checkpoint reads by) wherever a
+# _StridedShard leaves more than one, and defer to torch for every other layout.
 
 
-def _strided_chunks(t: DTensor) -> list[tuple[int, int, int, int]] | None:
-    """``[(dim, global_offset, local_offset, length)]`` for a DTensor whose only split is one
-    ``_StridedShard`` with ``split_factor > 1``; ``None`` for every layout torch handles."""
+def _strided_blocks(t: DTensor) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] | None:
+    """``[(global offsets, sizes, local offsets)]`` of the contiguous blocks this rank holds,
+    from :func:`local_runs`, for a layout with a ``_StridedShard`` that leaves more than one
+    block; ``None`` for every layout torch handles (one block per rank)."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    split = [(i, p) for i, p in enumerate(t.placements) if not p.is_replicate()]
-    if len(split) != 1 or not isinstance(split[0][1], _StridedShard) or split[0][1].split_factor <= 1:
+    if (not any(isinstance(p, _StridedShard) and p.split_factor > 1 for p in t.placements)
+            or any(p.is_partial() for p in t.placements) or t.device_mesh.get_coordinate() is None):
         return None
-    axis, p = split[0]
-    n, k, size = t.device_mesh.size(axis), p.split_factor, t.shape[p.dim]
-    if size % (k * n):
-        return None
-    coord = t.device_mesh.get_coordinate()
-    if coord is None:
-        return None
-    part, length = size // k, size // (k * n)
-    return [(p.dim, j * part + coord[axis] * length, j * length, length) for j in range(k)]
+    blocks = [(tuple(a for _, a, _ in block), tuple(b - a for _, a, b in block), tuple(o for o, _, _ in block))
+              for block in itertools.product(*local_runs(t, what="DCP"))]
+    return blocks if len(blocks) > 1 else None
 
 
-def _chunk(t: DTensor, dim: int, offset: int, length: int):
+def _chunk(offsets: tuple[int, ...], sizes: tuple[int, ...]):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    offsets, sizes = [0] * t.ndim, list(t.shape)
-    offsets[dim], sizes[dim] = offset, length
     return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
 
 
@@ -125,29 +124,75 @@ def _install_dcp_chunks() -> None:
     chunk_list, write_items, tensor_shard = DTensor.__create_chunk_list__, DTensor.__create_write_items__, DTensor.__get_tensor_shard__
 
     def create_chunk_list(self):
-        found = _strided_chunks(self)
-        return chunk_list(self) if found is None else [_chunk(self, d, g, n) for d, g, _, n in found]
+        found = _strided_blocks(self)
+        return chunk_list(self) if found is None else [_chunk(g, n) for g, n, _ in found]
 
     def create_write_items(self, fqn, obj):
-        found = _strided_chunks(self)
+        found = _strided_blocks(self)
         if found is None:
             return write_items(self, fqn, obj)
         props = TensorProperties.create_from_tensor(self.to_local())
         return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=c, properties=props, size=self.size()))
-                for c in (_chunk(self, d, g, n) for d, g, _, n in found)]
+                for c in (_chunk(g, n) for g, n, _ in found)]
 
     def get_tensor_shard(self, index):
-        found = _strided_chunks(self)
+        found = _strided_blocks(self)
         if found is None:
             return tensor_shard(self, index)
-        for d, g, local, n in found:
-            if index.offset is not None and index.offset[d] == g:
-                return self.to_local().narrow(d, local, n)
+        for g, n, local in found:
+            if index.offset is not None and tuple(index.offset) == g:
+                return self.to_local()[tuple(slice(o, o + k) for o, k in zip(local, n))]
         raise ValueError(f"{index.fqn}: no chunk of this rank starts at {index.offset}; its chunks start at "
-                         f"{[g for _, g, _, _ in found]} on dim {found[0][0]}")
+                         f"{[g for g, _, _ in found]}")
 
     DTensor.__create_chunk_list__ = create_chunk_list
     DTensor.__create_write_items__ = create_write_items
     DTensor.__get_tensor_shard__ = get_tensor_shard
     DTensor._shardplan_chunks = True
+
+
+# --- which global elements a rank holds ------------------------------------------------
+
+
+def local_runs(t: torch.Tensor, *, what: str = "load_checkpoint") -> list[list[tuple[int, int, int]]]:
+    """Per dim, the contiguous runs of global indices this rank holds, in local order, as
+    (local offset, start, stop). DTensor itself cuts a 1-D index per dim (every placement
+    splits one dim, so the dims are independent): torch's own rule for chunk sizes, uneven
+    shards and ``_StridedShard``, with no rule re-implemented here."""
+    out = []
+    for dim, size in enumerate(t.shape):
+        on_dim = [_on_dim0(p, dim, t.ndim, what=what) for p in t.placements] if isinstance(t, DTensor) else []
+        if all(p.is_replicate() for p in on_dim):
+            out.append([(0, 0, size)])
+            continue
+        index = distribute_tensor(torch.arange(size), t.device_mesh, on_dim, src_data_rank=None).to_local()
+        out.append(_runs(index.tolist()))
+    local = tuple((t.to_local() if isinstance(t, DTensor) else t).shape)
+    if tuple(sum(b - a for _, a, b in runs) for runs in out) != local:
+        raise ValueError(f"{what}: cannot work out which elements this rank holds for a tensor placed "
+                         f"{t.placements} with local shape {local}")
+    return [[r for r in runs if r[2] > r[1]] for runs in out]
+
+
+def _on_dim0(p: Any, dim: int, ndim: int, *, what: str) -> Any:
+    """Placement ``p`` as it acts on a 1-D index of tensor dim ``dim``."""
+    if p.is_replicate():
+        return p
+    if isinstance(p, _StridedShard):
+        return _StridedShard(0, split_factor=p.split_factor) if p.dim % ndim == dim else Replicate()
+    if isinstance(p, Shard):
+        return Shard(0) if p.dim % ndim == dim else Replicate()
+    raise ValueError(f"{what}: a tensor placed {p} cannot be read from a file (only Replicate, Shard and "
+                     "_StridedShard are per-element layouts of one global tensor)")
+
+
+def _runs(index: list[int]) -> list[tuple[int, int, int]]:
+    runs: list[tuple[int, int, int]] = []
+    for offset, i in enumerate(index):
+        if runs and runs[-1][2] == i:
+            o, a, _ = runs[-1]
+            runs[-1] = (o, a, i + 1)
+        else:
+            runs.append((offset, i, i + 1))
+    return runs or [(0, 0, 0)]
