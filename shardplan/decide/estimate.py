@@ -82,14 +82,14 @@ def estimate(
     counts = {"forward": Counter(), "backward": Counter()}
     comm_bytes = comm_time = 0.0
     logical = {"forward": 0.0, "backward": 0.0}
-    fsdp = mesh is not None and getattr(ctx.opts, "data_parallel", "fsdp") == "fsdp" and any(
-        n > 1 for a, n in mesh.axes.items() if a != mesh.tp_axis)
+    data = data_parallel_list(graph, solution, ctx, mesh)
+    # under fully_shard, FSDP2 reduces the Partial norm gradients itself, one by one
+    fsdp = bool(data) and getattr(ctx.opts, "data_parallel", "fsdp") == "fsdp"
     for (phase, kind, n), times in collective_list(graph, solution, entries, blocks, bucket=not fsdp):
         counts[phase][kind] += times
         logical[phase] += n * times
         comm_bytes += cost.collective_bytes(kind, n, group_size=ctx.tp) * times
         comm_time += cost.collective_time(kind, n, group_size=ctx.tp, link=ctx.link) * times
-    data = data_parallel_list(graph, solution, ctx, mesh)
     if data:
         counts["data_parallel"], logical["data_parallel"] = Counter(), 0.0
     for e in data:
