@@ -267,6 +267,11 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 check_local_shapes(graph, plan, solution.placements, mesh=mesh)
             break
         except LocalShapeError as exc:
+            if exc.leaf is not None and exc.leaf not in whole and not extra.get("strict") and len(whole) < 16:
+                # the module's own forward fails on its shards: that module stays whole
+                whole[exc.leaf] = str(exc).split(": ", 1)[1]
+                ctx.forced = {**ctx.forced, **_replicate_module(graph, exc.leaf)}
+                continue
             if (exc.module is None or exc.module in whole) and not extra.get("strict"):
                 # it fails outside any weight-bearing submodule, or even with that module run
                 # whole (masks, routing): not a sharding problem the check can fix; say so
@@ -371,10 +376,17 @@ def _run_whole(graph: OpGraph, module: str, ctx: SolveContext) -> dict[int, str]
     return pins
 
 
+def _replicate_module(graph: OpGraph, module: str) -> dict[int, str]:
+    return {op.index: "replicate" for op in graph.ops if op.kind == "module" and op.target == module}
+
+
 def _assemble(model, graph, solution, ctx, entries, blocks, *, opts, axes, tp_axis, strict: bool,
               whole: dict[str, str]) -> Plan:
-    notes = assemble.plan_warnings(graph, solution, ctx.tp, budget=opts.memory_budget is not None) + [
-        f"{module}: runs on whole activations, its weights still sharded: {why.splitlines()[0]}" for module, why in whole.items()
+    leaves = {op.target for op in graph.ops if op.kind == "module"}
+    notes = assemble.plan_warnings(graph, solution, ctx.tp, budget=opts.memory_budget is not None, kept=set(whole)) + [
+        f"{module}: replicated, since its own forward fails on its shards: {why.splitlines()[0]}" if module in leaves
+        else f"{module}: runs on whole activations, its weights still sharded: {why.splitlines()[0]}"
+        for module, why in whole.items()
     ]
     plan = Plan(
         model=ModelInfo(class_name=type(model).__name__, fingerprint=fingerprint(model),

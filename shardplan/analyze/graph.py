@@ -16,8 +16,10 @@ that hold no weights. Nothing here depends on module *names*: only on data flow.
 
 from __future__ import annotations
 
+import inspect
 import operator
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import networkx as nx
@@ -102,24 +104,70 @@ class ExpertParams:
 
     up: str
     down: str
-    packed: bool  # gate and up in one weight, split by chunk(2)
+    packed: bool  # gate and up in one weight
     up_dim: int
     down_dim: int
     gate: str | None = None  # a separate gate weight shaped as ``up`` (torchtitan's w1 beside w3)
+    # packed as [g0, u0, g1, u1, ...] (gpt-oss: gate_up[..., ::2]) instead of [gate; up]
+    # (chunk(2)): a plain Shard keeps whole (gate_i, up_i) pairs together on each rank
+    interleaved: bool = False
+    up_bias: str | None = None  # [E, X]: split as up's features are
+    down_bias: str | None = None  # [E, H]: added once after the experts' partial sums
 
 
 def expert_params(module: nn.Module) -> ExpertParams | None:
     """Recognized by shapes alone, over the same E experts: up [E, X, H] with down [E, H, I]
-    (F.linear layout), or up [E, H, X] with down [E, I, H] (bmm layout, Llama 4), where
-    X == I, or X == 2*I for gate and up packed; or three weights, gate and up of one shape
-    and down its transpose (torchtitan's GroupedExperts: w1, w3 [E, I, H], w2 [E, H, I])."""
+    (F.linear layout), or up [E, H, X] with down [E, I, H] (bmm layout, Llama 4, gpt-oss),
+    where X == I, or X == 2*I for gate and up packed; or three weights, gate and up of one
+    shape and down its transpose (torchtitan's GroupedExperts: w1, w3 [E, I, H], w2 [E, H, I]).
+    Optional 2-D biases [E, X] and [E, H] (gpt-oss) belong to up and down by shape, or by
+    name prefix where the shapes agree."""
     params = {n: p for n, p in module.named_parameters(recurse=False)}
-    if len(params) not in (2, 3) or any(p.dim() != 3 for p in params.values()):
+    weights = {n: p for n, p in params.items() if p.dim() == 3}
+    biases = {n: p for n, p in params.items() if p.dim() == 2}
+    if len(weights) not in (2, 3) or len(weights) + len(biases) != len(params) or len(biases) > 2:
         return None
-    if len(params) == 3:
-        return _three_weight_bank(params)
-    (a, pa), (b, pb) = params.items()
-    return _up_down(a, pa, b, pb) or _up_down(b, pb, a, pa)
+    if len(weights) == 3:
+        found = _three_weight_bank(weights)
+    else:
+        (a, pa), (b, pb) = weights.items()
+        found = _up_down(a, pa, b, pb) or _up_down(b, pb, a, pa)
+    if found is None:
+        return None
+    found = replace(found, interleaved=found.packed and _interleaved(module))
+    return _with_biases(found, weights, biases) if biases else found
+
+
+def _interleaved(module: nn.Module) -> bool:
+    """Hugging Face declares it (``use_experts_implementation(is_concatenated=False)``);
+    other code shows it by taking the gate as a stride-2 slice (``x[..., ::2]``)."""
+    declared = getattr(module, "is_concatenated", None)
+    if isinstance(declared, bool):
+        return not declared
+    try:
+        source = inspect.getsource(type(module))
+    except (OSError, TypeError):
+        return False
+    return re.search(r"\[\s*\.\.\.\s*,\s*0?\s*::\s*2\s*\]", source) is not None
+
+
+def _with_biases(ep: ExpertParams, weights: dict, biases: dict) -> ExpertParams | None:
+    up_w, down_w = weights[ep.up], weights[ep.down]
+    num_up = up_w.shape[ep.up_dim]
+    hidden = down_w.shape[3 - ep.down_dim]
+    roles: dict[str, str] = {}
+    for name, b in biases.items():
+        if b.shape[0] != up_w.shape[0]:
+            return None
+        by_name = "up" if name.startswith(ep.up) else "down" if name.startswith(ep.down) else None
+        by_shape = {"up"} if b.shape[1] == num_up else set()
+        by_shape |= {"down"} if b.shape[1] == hidden else set()
+        role = by_name if by_name in by_shape else next(iter(by_shape)) if len(by_shape) == 1 else None
+        if role is None or role in roles.values():
+            return None  # a 2-D parameter that is neither bias: not a bank this knows
+        roles[name] = role
+    named = {role: name for name, role in roles.items()}
+    return replace(ep, up_bias=named.get("up"), down_bias=named.get("down"))
 
 
 def _up_down(up: str, pu: torch.Tensor, down: str, pd: torch.Tensor, gate: str | None = None) -> ExpertParams | None:

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map_only
 from ..analyze.graph import OpGraph
 from ..analyze.trace import portable_path, user_frame
 from ..plan.model import Plan, expand_pattern
+from ..decide.propagation import quiet_probes
 from ..decide.solve import PlanningError
 from .emit import shard
 from .mesh import fake_process_group, make_mesh
@@ -36,9 +37,12 @@ __all__ = ["check_local_shapes", "LocalShapeError", "LocalCheckUnavailable"]
 class LocalShapeError(PlanningError):
     """A block's shards fail to run; ``module`` is the innermost module that was running."""
 
-    def __init__(self, message: str, module: str | None) -> None:
+    def __init__(self, message: str, module: str | None, leaf: str | None = None) -> None:
         super().__init__(message)
         self.module = module
+        # the weight module whose own forward was running (a Linear subclass that topk's and
+        # scatter_'s its output, Llama 4's router): splitting it is what fails
+        self.leaf = leaf
 
 
 def _targets(graph: OpGraph) -> list[str]:
@@ -114,6 +118,15 @@ def _culprit(block: nn.Module, stack: list[str], target: str) -> str | None:
     return target or None  # the whole model: no submodule to run whole
 
 
+def _failing_leaf(block: nn.Module, stack: list[str], target: str) -> str | None:
+    """The weight module itself, when the failure is inside its own forward."""
+    from ..analyze.trace import is_weight_leaf
+
+    if stack and stack[-1] and is_weight_leaf(block.get_submodule(stack[-1])):
+        return f"{target}.{stack[-1]}" if target else stack[-1]
+    return None
+
+
 def check_local_shapes(graph: OpGraph, plan: Plan, placements: dict[int, str], *, mesh: Any = None) -> None:
     """Run each block's shards on meta tensors; raise :class:`LocalShapeError` where they fail.
 
@@ -156,7 +169,7 @@ def _run_blocks(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: An
         args, kwargs = _local_args(call, placements, plan.tp)
         stack = _track_modules(block)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), quiet_probes():
                 block(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
             culprit = _culprit(block, stack, target)
@@ -165,5 +178,5 @@ def _run_blocks(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: An
                 f"{_user_frame(exc)}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}. The code uses a "
                 "global size (a head count or width) where a shard holds 1/tp of it: compute it from the "
                 "tensor (view(b, s, -1, head_dim)), or let that module run whole (the default without strict)",
-                culprit,
+                culprit, _failing_leaf(block, stack, target),
             ) from None

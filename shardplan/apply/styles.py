@@ -163,12 +163,16 @@ class MoEExpertsParallel(ParallelStyle):
     """Tensor parallel inside every expert of a 3-D expert bank (``moe_tp_experts``).
 
     The up projection [E, X, H] is split on X, the down projection [E, H, I] on I (or the
-    bmm layout [E, H, X] / [E, I, H] on the same features); when X is
-    gate and up packed (X = 2I, split by ``chunk(2)``), each rank keeps matching slices of
-    both halves (``packed_placement``, whose global view is the module's own [gate; up]).
-    The parameters are DTensors (Shard(1) / Shard(2)); the forward runs on their local
-    shards, sums the partial outputs with one all-reduce, and all-reduces the gradients of
-    the inputs it consumed whole.
+    bmm layout [E, H, X] / [E, I, H] on the same features), as Megatron splits one MLP: up
+    colwise, down rowwise. When X is gate and up packed as [gate; up] (X = 2I, split by
+    ``chunk(2)``), each rank keeps matching slices of both halves (``packed_placement``,
+    whose global view is the module's own [gate; up]); packed interleaved, [g0, u0, g1, u1]
+    (gpt-oss), a plain Shard already keeps whole pairs on each rank. An up bias [E, X] is
+    split as X is. The parameters are DTensors; the forward runs on their local shards and
+    sums the partial outputs with one all-reduce, and the gradients of the inputs it consumed
+    whole are all-reduced in backward. A down bias [E, H] is added after the down projection,
+    inside the sum: each rank adds bias / tp, so the sum adds it once, and its gradient (the
+    same on every rank, the sum's backward being the identity) is the one-process gradient.
     """
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
@@ -176,17 +180,40 @@ class MoEExpertsParallel(ParallelStyle):
 
         ep = expert_params(module)
         # a packed up projection [gate; up] keeps [gate_r; up_r] on rank r (packed_placement)
-        up_placement = packed_placement(parts=2, dim=ep.up_dim) if ep.packed else Shard(ep.up_dim)
+        up_placement = packed_placement(parts=2, dim=ep.up_dim) if ep.packed and not ep.interleaved else Shard(ep.up_dim)
         split = [(ep.up, up_placement), (ep.down, Shard(ep.down_dim))]
         split += [(ep.gate, Shard(ep.up_dim))] if ep.gate else []  # a gate splits as up does
+        split += [(ep.up_bias, _bias_placement(up_placement))] if ep.up_bias else []
+        split += [(ep.down_bias, Replicate())] if ep.down_bias else []
         for name, where in split:
             param = distribute_tensor(getattr(module, name).detach(), device_mesh, [where], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(param, requires_grad=getattr(module, name).requires_grad))
-        names = tuple(name for name, _ in split)
+        names = tuple(name for name, _ in split if name != ep.down_bias)
         group = device_mesh.get_group().group_name
-        module.register_forward_pre_hook(partial(_experts_enter, names=names, group=group), with_kwargs=True)
-        module.register_forward_hook(partial(_experts_leave, names=names, group=group))
+        enter = partial(_experts_enter, names=names, group=group, once=ep.down_bias, tp=device_mesh.size())
+        module.register_forward_pre_hook(enter, with_kwargs=True)
+        module.register_forward_hook(partial(_experts_leave, group=group))
         return module
+
+
+def _bias_placement(weight: Any) -> Any:
+    """The up bias [E, X] is cut as the weight's X dim is, which is dim 1 of the bias."""
+    if isinstance(weight, _StridedShard):
+        return _StridedShard(1, split_factor=weight.split_factor)
+    return Shard(1)
+
+
+class _ScaleForward(torch.autograd.Function):
+    """``x * scale`` forward, identity backward: a term every rank adds to a partial sum
+    (bias / tp each, summed once by the all-reduce) whose gradient is the full gradient."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def packed_placement(*, parts: int, dim: int) -> _StridedShard:
@@ -225,15 +252,18 @@ class PackedColwise(ColwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
 
-def _experts_enter(module, args, kwargs, *, names, group):
+def _experts_enter(module, args, kwargs, *, names, group, once, tp):
     # run on local shards; to_local is differentiable, so gradients reach the DTensor params
     _swap_to_local(module, args, names=names)
+    if once:  # the down bias: bias / tp on each rank, so the all-reduce adds it once
+        module._shardplan_params[once] = module._parameters[once]
+        module._parameters[once] = _ScaleForward.apply(module._parameters[once].to_local(), 1.0 / tp)
     wrap = lambda x: _CopyToTP.apply(x, group) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad else x  # noqa: E731
     return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
 
 
-def _experts_leave(module, args, output, *, names, group):
-    _restore_params(module, args, output, names=names)
+def _experts_leave(module, args, output, *, group):
+    _restore_params(module, args, output)
     return _ReduceFromTP.apply(output, group)
 
 
@@ -256,7 +286,7 @@ class ContainerParams(ParallelStyle):
                 dist = distribute_tensor(p.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
                 owner.register_parameter(name, nn.Parameter(dist, requires_grad=p.requires_grad))
         module.register_forward_pre_hook(partial(_swap_to_local, names=self.paths))
-        module.register_forward_hook(partial(_restore_params, names=self.paths))
+        module.register_forward_hook(_restore_params)
         return module
 
 
@@ -273,7 +303,7 @@ def _swap_to_local(module, args, *, names):
         owner._parameters[name] = owner._parameters[name].to_local()
 
 
-def _restore_params(module, args, output, *, names):
+def _restore_params(module, args, output):
     for path, param in module._shardplan_params.items():
         owner, name = _owner(module, path)
         owner._parameters[name] = param

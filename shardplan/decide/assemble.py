@@ -194,16 +194,18 @@ def block_regions(graph: OpGraph, blocks: list[PartialBlock]) -> list[Region]:
     return out
 
 
-def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool = False) -> list[str]:
+def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool = False,
+                  kept: set[str] = frozenset()) -> list[str]:
     """Where the plan falls short of splitting a weight and its compute tp ways (at tp=1
-    nothing is split by design, so only the tracer's notes remain)."""
+    nothing is split by design, so only the tracer's notes remain). ``kept``: modules the
+    local check replicated, which the caller explains itself."""
     out = list(graph.traced.notes)
     if tp == 1:
         return out
     output_values = {v for op in graph.ops if op.kind == "output" for v in op.inputs}
     pmap = pattern_map(graph)
     for op in graph.ops:
-        if op.kind != "module":
+        if op.kind != "module" or op.target in kept:
             continue
         style = solution.strategies[op.index].name
         module = graph.model.get_submodule(op.target)

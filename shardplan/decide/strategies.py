@@ -10,7 +10,10 @@ Between weight modules the activations are plain local tensors (``use_local_outp
 an op is valid under a strategy only if running it on the local shards gives the local
 shard of the global result: elementwise ops on equally sharded operands, views that keep
 the sharded dim outermost in its group, attention on sharded heads, reductions over other
-dims. Unknown ops get only the all-Replicate strategy: correct, never clever.
+dims. The hand rules below cover what DTensor cannot say (Partial through linear ops,
+packed layouts, views DTensor would redistribute); every other op takes the strategies
+DTensor's own sharding propagation gives it (:mod:`.propagation`), and the all-Replicate
+strategy, which is always valid.
 
 Weight modules carry the collectives their style implies (``fwd``/``bwd``), and ``entry``
 marks inputs whose redistribution is shared by every consumer of the value when the
@@ -33,6 +36,7 @@ import torch.fx
 from ..analyze.graph import Op, OpGraph
 
 from .placements import Strategy, chunk_count, packed, placement_str, shard_dim
+from .propagation import dtensor_strategies, metadata_only
 from .weights import module_strategies
 
 __all__ = ["Strategy", "op_strategies", "shard_dim", "placement_str", "packed", "chunk_count"]
@@ -78,7 +82,9 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
     if op.kind == "folded":  # placements are tied to the representative block by the solver
         return [Strategy("folded", tuple("*" for _ in op.inputs), None)]
     if op.output is None:
-        return [_all(op, "R", "R" if op.output is not None else None)]
+        if metadata_only(op):  # x.device, x.dtype: the same answer from any shard
+            return [Strategy("", (p,), None) for p in _candidates(_shape(graph, op.inputs[0]), tp)] if len(op.inputs) == 1 else [_all(op, "R", None)]
+        return [_all(op, "R", None)]
     return _function_strategies(op, graph, tp)
 
 
@@ -110,7 +116,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
         ({"cat", "concat", "stack"}, _cat),
         ({"chunk", "split", "unbind", "tensor_split"}, _split),
         ({"getitem"}, _getitem),
-        ({"expand", "expand_as", "repeat_interleave"}, _expand),
+        ({"expand", "expand_as"}, _expand),
     ]
     strategies = [_all(op, "R")]
     for names, rule in rules:
@@ -120,6 +126,8 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
     else:
         if op.node.op == "call_module" and _param_free_elementwise(op, graph):
             strategies += _unary(op, graph, tp, out_shape)
+        else:  # no hand rule: ask DTensor's sharding propagation (checked on local shapes)
+            strategies += [Strategy("", ins, out) for ins, out in dtensor_strategies(op, graph, tp=tp)]
     seen: set[tuple] = set()
     result = []
     flops = _sdpa_flops(op, graph) if name == "scaled_dot_product_attention" else 0.0

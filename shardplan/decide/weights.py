@@ -255,16 +255,24 @@ def _experts(op: Op, graph: OpGraph, module: nn.Module, tp: int) -> list[Strateg
     hidden = getattr(module, up).shape[3 - ep.up_dim]
     flops = 3 * 2 * tokens * k * hidden * inner * (3 if packed or ep.gate else 2)  # each token visits k experts
     out = [_replicate(op, graph, module, flops)]
-    if inner % tp == 0:
+    if inner % tp == 0 and not (ep.interleaved and inner * 2 // tp % 2):
         grads = tuple(
             ("all_reduce", graph.values[v].nbytes) for v in op.inputs
             if v in graph.requires_grad and graph.values[v].dtype.is_floating_point
         )
         out.append(Strategy(
             "moe_tp_experts", tuple("R" for _ in op.inputs), "R", fwd=(("all_reduce", y.nbytes),), bwd=grads,
-            param_bytes=_param_bytes(module) / tp, flops=flops / tp, act_bytes=y.nbytes, layouts={"weight": "experts"},
+            param_bytes=_experts_param_bytes(module, ep.down_bias, tp), flops=flops / tp, act_bytes=y.nbytes,
+            layouts={"weight": "experts"},
         ))
     return out
+
+
+def _experts_param_bytes(module: nn.Module, down_bias: str | None, tp: int) -> float:
+    """Everything is split tp ways except the down bias [E, H], which every rank holds."""
+    whole = getattr(module, down_bias) if down_bias else None
+    kept = whole.numel() * whole.element_size() if whole is not None else 0
+    return (_param_bytes(module) - kept) / tp + kept
 
 
 def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[Strategy]:

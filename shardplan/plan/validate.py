@@ -40,6 +40,8 @@ def sharded_dim(style: str, module: Any) -> int | None:
     from ..analyze.graph import module_kind
 
     kind = module_kind(module)
+    if style == "moe_tp_experts" and kind == "experts":
+        return _expert_dim(module)
     col = {"linear": 0, "conv1d": 1, "embedding": 1}.get(kind)
     row = {"linear": 1, "conv1d": 0, "embedding": 0}.get(kind)
     if style in _COLWISE_STYLES:
@@ -47,6 +49,16 @@ def sharded_dim(style: str, module: Any) -> int | None:
     if style in _ROWWISE_STYLES:
         return row
     return None
+
+
+def _expert_dim(module: Any) -> int | None:
+    """The split dim of the expert bank's parameter :func:`weight_of` shows (its first)."""
+    from ..analyze.graph import expert_params
+
+    ep = expert_params(module)
+    first = next(name for name, _ in module.named_parameters(recurse=False))
+    dims = {ep.up: ep.up_dim, ep.gate: ep.up_dim, ep.down: ep.down_dim, ep.up_bias: 1}
+    return dims.get(first)
 
 
 def _owns_params(module: Any) -> bool:

@@ -1,0 +1,140 @@
+"""Op strategies from DTensor's sharding propagation (shardplan.decide.propagation), and
+the frontier layouts it unlocked: expert banks with biases and interleaved gate/up
+(gpt-oss), Llama 4's bmm experts beside a router that overrides nn.Linear.forward.
+
+Plans are made on the meta device; numerics run on 2 gloo ranks against one process."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardplan
+from shardplan.analyze.graph import expert_params
+from shardplan.api import _graph
+from shardplan.decide import propagation
+from shardplan.tools.verify import verify
+from tests.portability.dtensor_ops import EinsumModel, LiteralReshape
+from tests.portability.experts import Interleaved
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def _tokens(batch: int = 2, seq: int = 16) -> tuple[torch.Tensor]:
+    return (torch.zeros(batch, seq, dtype=torch.long, device="meta"),)
+
+
+def test_einsum_complex_rope_attention_is_split_by_heads() -> None:
+    """view_as_complex, view_as_real, repeat_interleave and einsum have no hand rule: before
+    DTensor answered for them, every attention Linear here was colwise_gather_output."""
+    with torch.device("meta"):
+        model = EinsumModel()
+    plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=_tokens(), explain=False)
+    styles = plan.module_styles()
+    for layer in (0, 1):
+        assert {styles[f"layers.{layer}.attn.w{n}"] for n in "qkv"} == {"colwise"}, styles
+        assert styles[f"layers.{layer}.attn.wo"] == "rowwise", styles
+    assert not plan.warnings, plan.warnings
+
+
+def _op(graph, target: str):
+    return next(op for op in graph.ops if op.target == target)
+
+
+def test_probe_checks_the_local_run_and_needs_no_collective() -> None:
+    """DTensor reshapes a DTensor by its global shape; a literal ``reshape(2, 16, 4, 16)``
+    on a local shard does not, so no sharded strategy passes. ``roll`` along an unsharded
+    dim is local; DTensor would all-gather for a roll along the sharded one."""
+    with torch.device("meta"):
+        model = LiteralReshape()
+    graph = _graph(model, (torch.zeros(2, 16, 64, device="meta"),), None, {})
+    reshape, roll = _op(graph, "reshape"), _op(graph, "roll")
+    assert propagation.dtensor_strategies(reshape, graph, tp=2) == []
+    found = dict(propagation.dtensor_strategies(roll, graph, tp=2))
+    assert found[("S2",)] == "S2" and found[("S0",)] == "S0", found
+    assert ("S3",) not in found  # rolled along dim 3: a shard would need its neighbour's slice
+
+
+def test_probe_answers_the_same_under_a_process_group() -> None:
+    """The probe's mesh has no process group: a caller's group (any rank) changes nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    with torch.device("meta"):
+        model = EinsumModel()
+    graph = _graph(model, _tokens(), None, {})
+    ops = [op for op in graph.ops if op.target in ("view_as_complex", "einsum", "repeat_interleave", "view_as_real")]
+    assert len(ops) >= 8
+    propagation._cache.clear()
+    alone = [propagation.dtensor_strategies(op, graph, tp=4) for op in ops]
+    propagation._cache.clear()
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        grouped = [propagation.dtensor_strategies(op, graph, tp=4) for op in ops]
+    finally:
+        dist.destroy_process_group()
+    assert alone == grouped and all(alone), alone
+
+
+def test_einsum_model_matches_one_process_on_gloo() -> None:
+    result = verify("tests.portability.dtensor_ops:einsum_model", nproc=2, timeout_s=240)
+    assert {"colwise", "rowwise"} <= set(result.plan.module_styles().values())
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+# --------------------------------------------------------------------------- expert banks
+
+
+def test_expert_bank_with_biases_and_interleaving_is_recognised() -> None:
+    ep = expert_params(Interleaved())
+    assert ep is not None and ep.interleaved and ep.packed
+    assert (ep.up, ep.down, ep.up_bias, ep.down_bias, ep.up_dim, ep.down_dim) == ("w_in", "w_out", "w_in_bias", "w_out_bias", 2, 1)
+    odd = Interleaved()
+    odd.extra = nn.Parameter(torch.zeros(4, 3))  # a 2-D parameter that is neither bias
+    assert expert_params(odd) is None
+
+
+def _tiny_plan(model_type: str, tp: int = 2) -> tuple[nn.Module, shardplan.Plan]:
+    pytest.importorskip("transformers")
+    from shardplan.interop.hf_models import build_hf_model
+
+    model, inputs, kwargs = build_hf_model(model_type, tiny=True, device="meta")
+    return model, shardplan.plan_model(model, {"tp": tp}, example_inputs=inputs, example_kwargs=kwargs, explain=False)
+
+
+def test_gpt_oss_experts_split_with_their_biases() -> None:
+    model, plan = _tiny_plan("gpt_oss")
+    styles = plan.module_styles()
+    assert all(styles[f"model.layers.{i}.mlp.experts"] == "moe_tp_experts" for i in range(2)), styles
+    ep = expert_params(model.model.layers[0].mlp.experts)
+    assert ep.interleaved and ep.up_bias == "gate_up_proj_bias" and ep.down_bias == "down_proj_bias"
+
+
+def test_llama4_router_stays_whole_and_everything_else_splits() -> None:
+    """Llama4Router subclasses nn.Linear and topk's and scatter_'s its own output inside its
+    forward: the local check finds that, and only that module stays replicated."""
+    _, plan = _tiny_plan("llama4_text")
+    styles = plan.module_styles()
+    assert styles["model.layers.0.feed_forward.router"] == "replicate"
+    assert styles["model.layers.0.feed_forward.experts"] == "moe_tp_experts"
+    assert {styles[f"model.layers.0.self_attn.{p}_proj"] for p in "qkv"} == {"colwise"}, styles
+    assert styles["model.layers.0.self_attn.o_proj"] == "rowwise"
+    notes = [w for w in plan.warnings if "router" in w]
+    assert len(notes) == 1 and "own forward fails on its shards" in notes[0] and "scatter_" in notes[0], plan.warnings
+
+
+@pytest.mark.parametrize("spec", ["tests.portability.experts:gpt_oss_with_biases", "hf-tiny:llama4_text",
+                                  "tests.portability.experts:interleaved_moe"])
+def test_frontier_experts_match_one_process_on_gloo(spec: str) -> None:
+    """Outputs, loss and every gradient on 2 gloo ranks equal one process. gpt-oss's expert
+    biases are random here: a down bias added whole on every rank (not bias / tp), or
+    interleaved gate/up halves cut as [gate; up], fails."""
+    if spec.startswith("hf") or "gpt_oss" in spec:
+        pytest.importorskip("transformers")
+    result = verify(spec, nproc=2, timeout_s=300)
+    assert "moe_tp_experts" in set(result.plan.module_styles().values())
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    assert result.row("weights").max_abs == 0.0
