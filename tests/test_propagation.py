@@ -138,3 +138,29 @@ def test_frontier_experts_match_one_process_on_gloo(spec: str) -> None:
     assert "moe_tp_experts" in set(result.plan.module_styles().values())
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
     assert result.row("weights").max_abs == 0.0
+
+
+def test_gpt_oss_attention_splits_by_heads_with_its_sinks() -> None:
+    """gpt-oss's attention reads a per-head ``sinks`` parameter of its own, concatenated to
+    the scores: sharded Shard(0) beside the heads, q/k/v are colwise and o_proj rowwise."""
+    model, plan = _tiny_plan("gpt_oss")
+    styles = plan.module_styles()
+    assert {styles[f"model.layers.0.self_attn.{p}_proj"] for p in "qkv"} == {"colwise"}, styles
+    assert styles["model.layers.0.self_attn.o_proj"] == "rowwise"
+    rule = next(r for r in plan.rules if r.param_layouts)
+    assert rule.module == "model.layers.*.self_attn" and rule.param_layouts == {"sinks": "Shard(0)"}
+    assert not [w for w in plan.warnings if "all-gathered" in w], plan.warnings
+
+
+def test_param_layouts_round_trip_and_are_checked(tmp_path) -> None:
+    from shardplan.plan.validate import check_findings
+
+    model, plan = _tiny_plan("gpt_oss")
+    path = tmp_path / "plan.yaml"
+    plan.save(path)
+    loaded = shardplan.load_plan(path)
+    assert [r.param_layouts for r in loaded.rules] == [r.param_layouts for r in plan.rules]
+    assert check_findings(loaded, model) == []
+    rules = [r.model_copy(update={"param_layouts": {"sinkz": "Shard(0)"}}) if r.param_layouts else r for r in loaded.rules]
+    findings = check_findings(loaded.model_copy(update={"rules": rules}), model)
+    assert len(findings) == 1 and "'sinkz'" in findings[0] and "sinks" in findings[0], findings

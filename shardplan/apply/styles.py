@@ -274,16 +274,20 @@ class ContainerParams(ParallelStyle):
     optimizers see one kind of tensor, and its forward sees their local tensors, since its
     other inputs are plain. ``to_local`` is differentiable: gradients reach the DTensors."""
 
-    def __init__(self, paths: list[str]) -> None:
+    def __init__(self, paths: list[str], *, placements: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.paths = paths
+        # a per-head parameter beside heads split tp ways (gpt-oss's sinks): Shard(d), so the
+        # forward reads its heads' entries; its gradient is local to them
+        self.placements = placements or {}
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         for path in self.paths:
             owner, name = _owner(module, path)
             p = owner._parameters[name]
             if not isinstance(p, DTensor):
-                dist = distribute_tensor(p.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
+                where = self.placements.get(path, Replicate())
+                dist = distribute_tensor(p.detach(), device_mesh, [where], src_data_rank=self.src_data_rank)
                 owner.register_parameter(name, nn.Parameter(dist, requires_grad=p.requires_grad))
         module.register_forward_pre_hook(partial(_swap_to_local, names=self.paths))
         module.register_forward_hook(_restore_params)

@@ -82,11 +82,29 @@ def rules(
         Rule(module=m, style="replicate", why="not called in forward: kept whole")
         for fqn in _unused_modules(graph) for m in patterned(fqn, graph, pmap)
     ]
-    rules += [
-        Rule(module=m, style="replicate", why="container that owns parameters directly: Replicate, seen whole by its forward")
-        for fqn in _containers(graph) for m in patterned(fqn, graph, pmap)
-    ]
+    rules += [_container_rule(m, _param_layouts(graph, solution, fqn)) for fqn in _containers(graph) for m in patterned(fqn, graph, pmap)]
     return rules
+
+
+def _container_rule(module: str, layouts: dict[str, str]) -> Rule:
+    if not layouts:
+        return Rule(module=module, style="replicate", why="container that owns parameters directly: Replicate, seen whole by its forward")
+    split = ", ".join(f"{n} {p}" for n, p in layouts.items())
+    return Rule(module=module, style="replicate", param_layouts=layouts,
+                why=f"container that owns parameters directly, its forward reading their local shards: {split} "
+                    "beside the heads it is split with, the rest Replicate")
+
+
+def _param_layouts(graph: OpGraph, solution: Solution, container: str) -> dict[str, str]:
+    """The container's own parameters that the solution shards (read as ``get_attr``)."""
+    prefix = f"{container}." if container else ""
+    out = {}
+    for op in graph.ops:
+        name = op.target[len(prefix):] if op.kind == "const" and op.target.startswith(prefix) else ""
+        placement = solution.strategies[op.index].output if name and "." not in name else None
+        if placement and placement.startswith("S"):
+            out[name] = placement_str(placement)
+    return out
 
 
 def _containers(graph: OpGraph) -> list[str]:

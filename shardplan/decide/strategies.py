@@ -73,6 +73,8 @@ MATMUL = {"matmul", "bmm", "mm", "__matmul__"}
 def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[Strategy]:
     """All strategies of ``op``; see the module docstring."""
 
+    if op.kind == "const" and op.output is not None and _container_param(graph, op.target) is not None:
+        return _container_param_strategies(op, graph, tp)
     if op.kind in ("input", "const"):
         return [Strategy("", (), "R")]
     if op.kind == "output":
@@ -86,6 +88,27 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
             return [Strategy("", (p,), None) for p in _candidates(_shape(graph, op.inputs[0]), tp)] if len(op.inputs) == 1 else [_all(op, "R", None)]
         return [_all(op, "R", None)]
     return _function_strategies(op, graph, tp)
+
+
+def _container_param(graph: OpGraph, target: str) -> Any:
+    """The trainable parameter a container reads in its own forward (gpt-oss's per-head
+    attention ``sinks``), or None: a weight module's parameter follows that module's style."""
+    from ..analyze.trace import is_weight_leaf
+
+    owner, _, name = target.rpartition(".")
+    try:
+        mod = graph.model.get_submodule(owner)
+    except AttributeError:
+        return None
+    p = mod._parameters.get(name)
+    return p if p is not None and p.requires_grad and p.dim() >= 1 and not is_weight_leaf(mod) else None
+
+
+def _container_param_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
+    """Whole, or split on a dim tp divides (a per-head parameter beside heads split tp ways:
+    each rank keeps its heads' entries, and their gradients are local, so nothing is reduced)."""
+    shape = _shape(graph, op.output)
+    return [Strategy("", (), p, layouts={"weight": p}) for p in _candidates(shape, tp)]
 
 
 def _output_strategies(op: Op, graph: OpGraph, tp: int, opts: Any) -> list[Strategy]:

@@ -82,6 +82,9 @@ class Rule(_Strict):
     # local view of a DTensor cannot be modified in place
     copy_output: bool = False
     packed: Annotated[int, Field(strict=True, ge=2)] | None = None  # packed_colwise: parts the output dim holds
+    # a container's own parameters (``replicate`` rule) placed other than Replicate, by
+    # name: gpt-oss's per-head ``sinks: Shard(0)`` beside attention split by heads
+    param_layouts: dict[str, Layout] = Field(default_factory=dict)
     why: str = ""
 
 
@@ -280,7 +283,7 @@ class Plan(_Strict):
 def _set_keys(item: dict, kind: type[BaseModel]) -> dict:
     """Required keys always (a root rule's ``module`` is ``''``); optional ones only when set."""
     fields = kind.model_fields
-    return {k: v for k, v in item.items() if fields[k].is_required() or not (v is None or v is False or v == "")}
+    return {k: v for k, v in item.items() if fields[k].is_required() or not (v is None or v is False or v == "" or v == {})}
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -148,7 +148,7 @@ def _rule_findings(plan: Any, modules: dict[str, Any], at: Any) -> list[str]:
                                 f"rule {first[rule.module]} again; the last one given wins: keep one")
             continue
         first[rule.module] = i
-        key = (rule.module, rule.style, rule.output_layouts)
+        key = (rule.module, rule.style, rule.output_layouts, tuple(sorted(rule.param_layouts.items())))
         if key not in verdicts:
             verdicts[key] = _judge(rule, modules, plan.tp)
         findings += [at(("rules", i, field)) + f for field, f in verdicts[key]]
@@ -162,4 +162,23 @@ def _judge(rule: Any, modules: dict[str, Any], tp: int) -> list[tuple[str, str]]
     if not hits:
         return [("module", f"rule {rule.module} ({rule.style}): matches no module of the model")]
     return ([("module", f) for f in _wrong_kind(rule, hits, modules)]
-            + [("style", f) for f in _divisibility(rule, hits, modules, tp)])
+            + [("style", f) for f in _divisibility(rule, hits, modules, tp)]
+            + [("param_layouts", f) for f in _param_layout_findings(rule, hits, modules, tp)])
+
+
+def _param_layout_findings(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) -> list[str]:
+    """``param_layouts`` names the module's own parameters, each Shard(d) on a dim tp divides."""
+    out = []
+    for name, layout in rule.param_layouts.items():
+        for fqn in hits:
+            p = modules[fqn]._parameters.get(name)
+            dim = int(layout[6:-1]) if layout.startswith("Shard(") else None
+            if p is None:
+                out.append(f"rule {rule.module}: param_layouts names {name!r}, which {fqn or '<root>'} does not own; "
+                           f"use one of {sorted(modules[fqn]._parameters)}")
+            elif dim is not None and (not -p.dim() <= dim < p.dim() or p.shape[dim] % tp):
+                out.append(f"rule {rule.module}: {name} {layout} needs a dim of its shape {list(p.shape)} that tp={tp} divides")
+            else:
+                continue
+            break
+    return out
