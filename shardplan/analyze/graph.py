@@ -229,6 +229,8 @@ def _target_name(node: torch.fx.Node) -> str:
     target = node.target
     if target in (operator.getitem,):
         return "getitem"
+    if isinstance(target, torch._ops.OpOverload):  # torch.export's ATen ops: aten.view.default -> view
+        return target.overloadpacket.__name__
     return getattr(target, "__name__", str(target))
 
 

@@ -307,8 +307,9 @@ class _IterableMetaProxy(MetaProxy):
     def __bool__(self) -> bool:
         meta = getattr(self, "_tensor_meta", None)
         if isinstance(meta, torch.Tensor):
+            line = _user_line(self.node)
             raise TraceError(
-                f"control flow depends on tensor values at {self.node.name} "
+                f"control flow depends on tensor values at {self.node.name}{f' ({line})' if line else ''} "
                 "(data-dependent branch); tracing on the meta device cannot follow it"
             )
         return bool(meta)

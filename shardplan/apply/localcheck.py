@@ -148,6 +148,18 @@ def check_local_shapes(graph: OpGraph, plan: Plan, placements: dict[int, str], *
     _run_blocks(graph, plan, placements, tp_group)
 
 
+def _fails_unsharded(module: nn.Module, call) -> bool:
+    """Does the block fail on meta tensors with no plan at all (a meta kernel that refuses a
+    dtype, ``autocast("meta")``)? Then a failure of its shards says nothing about the plan."""
+    args, kwargs = tree_map_only(torch.Tensor, _on_meta, call.example)
+    try:
+        with torch.no_grad(), quiet_probes():
+            _meta_copy(module)(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - any failure: the code cannot run on meta here
+        return True
+    return False
+
+
 class LocalCheckUnavailable(PlanningError):
     """The local check cannot run here (a process group exists, but no mesh of the plan's tp)."""
 
@@ -172,6 +184,11 @@ def _run_blocks(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: An
             with torch.no_grad(), quiet_probes():
                 block(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
+            if _fails_unsharded(graph.model.get_submodule(target), call):
+                raise LocalShapeError(
+                    f"{target or type(graph.model).__name__}: its code fails on the meta device even unsharded, at "
+                    f"{_user_frame(exc)}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}; the check cannot "
+                    "judge its shards (run `shardplan verify` on a small configuration)", None) from None
             culprit = _culprit(block, stack, target)
             raise LocalShapeError(
                 f"{culprit or type(graph.model).__name__}: running its shards at tp={plan.tp} fails at "

@@ -12,6 +12,7 @@ parameters included), so ``Plan.module_styles()`` covers the whole model.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from torch import nn
 
@@ -22,7 +23,7 @@ from .regions import Entry, PartialBlock
 from .solve import Solution
 from .strategies import placement_str
 
-__all__ = ["pattern_map", "patterned", "rules", "regions", "block_regions", "plan_warnings", "repeats"]
+__all__ = ["pattern_map", "patterned", "rules", "regions", "block_regions", "plan_warnings", "repeats", "merge_repeated"]
 
 
 def pattern_map(graph: OpGraph) -> dict[str, str]:
@@ -327,3 +328,44 @@ def repeats(graph: OpGraph) -> dict[str, int | list[str]]:
             names = [n for n, _ in mod.named_children()]
             out[fqn] = len(names) if names == [str(i) for i in range(len(names))] else names
     return out
+
+
+def merge_repeated(plan_rules: list[Rule], decisions: list, model: nn.Module) -> tuple[list[Rule], list]:
+    """Rules that differ only in a block index become one, ``layers.*.attn.wq`` (or an index
+    set, ``layers.{0-2,5}...``, where the blocks chose differently). The meta tracer's
+    folding writes rules this way already; a graph traced without folding (torch.export)
+    has one rule per block until this pass. Decisions follow their rules (the first kept)."""
+    containers = {fqn: [n for n, _ in m.named_children()] for fqn, m in model.named_modules()
+                  if fqn and isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict))}
+    groups: dict[tuple, list[tuple[int, Rule]]] = {}
+    for rule in plan_rules:
+        key = _index_key(rule, containers)
+        groups.setdefault(key[:3] if key else (id(rule),), []).append((int(key[3]) if key else -1, rule))
+    renamed: dict[str, str] = {}
+    merged: list[Rule] = []
+    for key, members in groups.items():
+        if len(key) == 1:
+            merged.append(members[0][1])
+            continue
+        prefix, suffix = key[0], key[1]
+        indices = sorted(i for i, _ in members)
+        every = sorted(str(i) for i in indices) == sorted(containers[prefix])
+        name = f"{prefix}.{'*' if every else brace_ranges(indices)}{suffix}"
+        merged.append(members[0][1].model_copy(update={"module": name}))
+        renamed.update({r.module: name for _, r in members})
+    kept: dict[str, Any] = {}
+    for d in decisions:
+        kept.setdefault(renamed.get(d.module, d.module), d.model_copy(update={"module": renamed.get(d.module, d.module)}))
+    return merged, list(kept.values())
+
+
+def _index_key(rule: Rule, containers: dict[str, list[str]]) -> tuple | None:
+    """(container, rest of the name, the rule's settings, index) for ``container.<i>.rest``."""
+    parts = rule.module.split(".")
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i])
+        if parts[i].isdigit() and prefix in containers:
+            rest = "".join(f".{p}" for p in parts[i + 1:])
+            settings = rule.model_dump(exclude={"module", "why"})
+            return (prefix, rest, repr(sorted(settings.items())), parts[i])
+    return None

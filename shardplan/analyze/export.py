@@ -1,0 +1,282 @@
+"""Export: the second front end, ``torch.export`` -> the same fx graph the meta tracer builds.
+
+Contract
+--------
+``export_trace(model, example_inputs, example_kwargs=None)`` returns a
+:class:`~shardplan.analyze.trace.Traced` for code the meta fx tracer cannot follow: a module
+created inside ``forward``, ``callable(arg)`` tests on arguments, ``torch.autocast(device_type=
+x.device.type)``, Python control flow on shapes through objects fx cannot spell. It runs
+``torch.export.export(..., strict=False)`` on fake tensors (FakeTensorMode, device ``cpu``:
+nothing is allocated, and a meta model exports although ``autocast("meta")`` would not), then
+rewrites the exported ATen graph into the meta tracer's form:
+
+* the ops each weight-owning leaf module ran (``nn_module_stack``) become one
+  ``call_module`` node with that module's FQN, its inputs the tensors it read from outside;
+* the ops between them stay ``call_function`` nodes on ATen overloads (the op graph names
+  them by their packet, ``aten.view.default`` -> ``view``, so the same strategies apply, and
+  DTensor's sharding propagation answers for the rest);
+* parameters and buffers read outside a leaf become ``get_attr`` nodes of their FQN;
+* higher-order ops (``wrap_with_autocast``, ``wrap_with_set_grad_enabled``) are inlined;
+* ``node.meta["val"]`` holds meta tensors with the global shapes.
+
+Nothing is folded (every block is traced) and only the root's call is recorded, so no
+region is formed inside a block: the plan is valid, with the collectives of plain
+per-Linear styles. The meta tracer stays the fast path; :func:`shardplan.plan_model` uses
+this one only when that one fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import operator
+import warnings
+from typing import Any, Iterator
+
+import torch
+import torch.fx
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_map_only
+
+from .trace import ModuleCall, Traced, TraceError, is_weight_leaf
+
+__all__ = ["export_trace"]
+
+# ops that check metadata and return nothing: kept, they would pin their input whole
+_DROPPED = {"_assert_tensor_metadata", "_assert_async", "sym_constrain_range_for_size", "_assert_scalar"}
+
+
+def export_trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> Traced:
+    """``model`` through ``torch.export`` on fake tensors, as a :class:`Traced`."""
+    kwargs = dict(example_kwargs or {})
+    try:
+        ep = _export(model, tuple(example_inputs), kwargs)
+    except Exception as exc:  # noqa: BLE001 - torch.export's many error types, said in one line
+        raise TraceError(f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: "
+                         f"{str(exc).strip().splitlines()[0][:300]}") from exc
+    flat = _inline(ep.graph_module)
+    sig = ep.graph_signature
+    state = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    graph, placeholders, outputs = _Rewriter(model, state).run(flat)
+    args, kw = _root_nodes(model, placeholders, tuple(example_inputs), kwargs)
+    call = ModuleCall("", args, kw, outputs, _meta_example(example_inputs, kwargs))
+    return Traced(graph=graph, model=model, calls={"": [call]}, folded={})
+
+
+def _root_nodes(model: nn.Module, placeholders: list, args: tuple, kwargs: dict) -> tuple[list, dict]:
+    """Which placeholder each tensor argument became: export orders the user inputs as the
+    positional tensors, then the keyword tensors in ``forward``'s parameter order."""
+    order = list(inspect.signature(model.forward).parameters)
+    names = sorted((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)),
+                   key=lambda k: order.index(k) if k in order else len(order))
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    nodes: list = [None] * len(args)
+    if len(placeholders) != len(positions) + len(names):
+        return nodes, {}  # inputs export flattened otherwise (nested structures): not mapped
+    for i, p in zip(positions, placeholders):
+        nodes[i] = p
+    return nodes, dict(zip(names, placeholders[len(positions):]))
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="cpu")
+
+    # one entry per tensor: tie_weights gives a tied weight's other names the same fake
+    state: dict[str, torch.Tensor] = {
+        n: nn.Parameter(fake(p), requires_grad=p.requires_grad) for n, p in model.named_parameters()
+    }
+    state.update({n: fake(b) for n, b in model.named_buffers()})
+    fake_args = tree_map_only(torch.Tensor, fake, args)
+    fake_kwargs = tree_map_only(torch.Tensor, fake, kwargs)
+    with _reparametrize_module(model, state, tie_weights=True), _quiet():
+        return torch.export.export(model, fake_args, fake_kwargs, strict=False)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch.export prints the graph it gave up on and logs guard warnings; the failure
+    reaches the user once, as the TraceError's message."""
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.setLevel(level)
+
+
+def _meta_example(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    to_meta = lambda t: torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")  # noqa: E731
+    return tree_map_only(torch.Tensor, to_meta, tuple(args)), tree_map_only(torch.Tensor, to_meta, kwargs)
+
+
+def _to_meta(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device="meta")
+    if isinstance(val, (tuple, list)):
+        return type(val)(_to_meta(v) for v in val)
+    return val
+
+
+# --------------------------------------------------------------------------- inlining
+
+
+def _inline(gm: torch.fx.GraphModule) -> torch.fx.Graph:
+    """A copy of ``gm``'s graph with the bodies of higher-order ops (autocast, grad mode)
+    copied in place of the calls."""
+    out = torch.fx.Graph()
+    _copy_into(gm, out, None)
+    return out
+
+
+def _copy_into(gm: torch.fx.GraphModule, out: torch.fx.Graph, inputs: list | None) -> Any:
+    env: dict[torch.fx.Node, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = _copy_placeholder(node, out) if inputs is None else inputs.pop(0)
+        elif node.op == "output":
+            result = torch.fx.node.map_arg(node.args[0], lambda n: env[n])
+            if inputs is None:
+                out.output(result)
+            return result
+        elif node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.fx.GraphModule):
+            env[node] = getattr(gm, node.target)
+        elif _body(node, env) is not None:
+            body, operands = _body(node, env)
+            env[node] = _copy_into(body, out, [env[a] if isinstance(a, torch.fx.Node) else a for a in operands])
+        elif node.target is operator.getitem and isinstance(env.get(node.args[0]), (tuple, list)):
+            env[node] = env[node.args[0]][node.args[1]]
+        else:
+            env[node] = out.node_copy(node, lambda n: env[n])
+    return None
+
+
+def _copy_placeholder(node: torch.fx.Node, out: torch.fx.Graph) -> torch.fx.Node:
+    new = out.placeholder(node.name)
+    new.meta = dict(node.meta)
+    return new
+
+
+def _body(node: torch.fx.Node, env: dict) -> tuple[torch.fx.GraphModule, tuple] | None:
+    """A higher-order op's body graph and the operands it is called with."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return None
+    for i, a in enumerate(node.args):
+        if isinstance(a, torch.fx.Node) and isinstance(env.get(a), torch.fx.GraphModule):
+            return env[a], node.args[i + 1:]
+    raise TraceError(f"torch.export recorded {node.target.name()}, a higher-order op shardplan cannot read")
+
+
+# --------------------------------------------------------------------------- leaves
+
+
+class _Rewriter:
+    """Copies the flat ATen graph, folding each weight leaf's ops into one call_module."""
+
+    def __init__(self, model: nn.Module, state: dict[str, str]) -> None:
+        self.model, self.state = model, state
+        self.graph = torch.fx.Graph()
+        self.env: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.consts: dict[str, torch.fx.Node] = {}
+        self.leaf_of: dict[str, bool] = {}
+
+    def run(self, flat: torch.fx.Graph) -> tuple[torch.fx.Graph, list[torch.fx.Node], list[torch.fx.Node]]:
+        users = {n: list(n.users) for n in flat.nodes}
+        placeholders, outputs, group, leaf = [], [], [], None
+        for node in flat.nodes:
+            this = self._leaf(node) if node.op == "call_function" else None
+            if group and this != leaf:
+                self._emit_leaf(leaf, group, users)
+                group = []
+            if this is not None:
+                group, leaf = group + [node], this
+            elif node.op == "placeholder":
+                if node.name not in self.state:
+                    placeholders.append(self._placeholder(node))
+            elif node.op == "output":
+                outputs = self._output(node)
+            elif not _dropped(node):
+                self.env[node] = self._copy(node)
+        return self.graph, placeholders, outputs
+
+    def _leaf(self, node: torch.fx.Node) -> str | None:
+        stack = node.meta.get("nn_module_stack") or {}
+        fqn = next(reversed(stack.values()))[0] if stack else ""
+        if fqn not in self.leaf_of:
+            try:
+                self.leaf_of[fqn] = bool(fqn) and is_weight_leaf(self.model.get_submodule(fqn))
+            except AttributeError:
+                self.leaf_of[fqn] = False
+        return fqn if self.leaf_of[fqn] else None
+
+    def _placeholder(self, node: torch.fx.Node) -> torch.fx.Node:
+        new = self.graph.placeholder(node.name)
+        new.meta["val"] = _to_meta(node.meta.get("val"))
+        self.env[node] = new
+        return new
+
+    def _arg(self, n: torch.fx.Node) -> torch.fx.Node:
+        if n in self.env:
+            return self.env[n]
+        fqn = self.state.get(n.name)
+        if fqn is None:
+            raise TraceError(f"torch.export graph: {n.name} is used before it is defined")
+        if fqn not in self.consts:  # a parameter or buffer read outside a leaf (RoPE table, sinks)
+            const = self.graph.get_attr(fqn)
+            const.meta["val"] = _to_meta(n.meta.get("val"))
+            self.consts[fqn] = const
+        return self.consts[fqn]
+
+    def _copy(self, node: torch.fx.Node) -> torch.fx.Node:
+        new = self.graph.node_copy(node, self._arg)
+        new.meta = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
+        new.meta["val"] = _to_meta(node.meta.get("val"))
+        return new
+
+    def _output(self, node: torch.fx.Node) -> list[torch.fx.Node]:
+        result = torch.fx.node.map_arg(node.args[0], self._arg)
+        self.graph.output(result)
+        found: list[torch.fx.Node] = []
+        torch.fx.node.map_arg(result, found.append)
+        return found
+
+    def _emit_leaf(self, fqn: str, group: list[torch.fx.Node], users: dict) -> None:
+        """One call_module node for the leaf's ops: its inputs are what it read from outside
+        (parameters and buffers excepted), its output what is used after it."""
+        inside = set(group)
+        inputs: list[torch.fx.Node] = []
+        for node in group:
+            for a in node.all_input_nodes:
+                if a not in inside and a.name not in self.state and a not in inputs:
+                    inputs.append(a)
+        escaping = [n for n in group if any(u not in inside for u in users[n])]
+        call = self.graph.call_module(fqn, tuple(self.env[a] for a in inputs))
+        call.meta["nn_module_stack"] = dict(list((group[0].meta.get("nn_module_stack") or {}).items())[:-1])
+        call.meta["stack_trace"] = group[0].meta.get("stack_trace")
+        vals = [_to_meta(n.meta.get("val")) for n in escaping]
+        if len(escaping) == 1:
+            call.meta["val"] = vals[0]
+            self.env[escaping[0]] = call
+            return
+        call.meta["val"] = tuple(vals)
+        for i, n in enumerate(escaping):
+            item = self.graph.call_function(operator.getitem, (call, i))
+            item.meta = {"val": vals[i], "nn_module_stack": call.meta["nn_module_stack"]}
+            self.env[n] = item
+
+
+def _dropped(node: torch.fx.Node) -> bool:
+    target = node.target
+    name = target.overloadpacket.__name__ if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", "")
+    return node.op == "call_function" and name in _DROPPED

@@ -1,0 +1,81 @@
+"""Model code the meta fx tracer cannot follow and torch.export can, written the ways
+libraries write it."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+
+class ModuleInForward(Block):
+    """Builds a parameter-free module on every call (fx registers it on its root, and the
+    planner then looked it up on the user's model)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = nn.GELU() if x.shape[-1] > 8 else nn.ReLU()
+        return x + self.down(act(self.up(self.norm(x))))
+
+
+def _resolve(value):
+    # a config helper: a callable gives its value on demand (an fx Proxy is callable too)
+    return value() if callable(value) else value
+
+
+class CallableArgument(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _resolve(self.up(self.norm(x)))
+        return x + self.down(F.silu(h))
+
+
+class AutocastByDevice(Block):
+    """``torch.autocast(device_type=x.device.type)``: fx hands autocast a proxy, not a string."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            h = F.gelu(self.up(self.norm(x).float()))
+        return x + self.down(h)
+
+
+class Stack(nn.Module):
+    def __init__(self, kind: type, dim: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(kind(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def module_in_forward() -> Stack:
+    torch.manual_seed(0)
+    return Stack(ModuleInForward)
+
+
+def callable_argument() -> Stack:
+    torch.manual_seed(0)
+    return Stack(CallableArgument)
+
+
+def autocast_by_device() -> Stack:
+    torch.manual_seed(0)
+    return Stack(AutocastByDevice)
+
+
+class ValueBranch(nn.Module):
+    """Control flow on a tensor's value: neither front end can trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        return h if h.sum() > 0 else -h

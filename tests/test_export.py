@@ -1,0 +1,84 @@
+"""The second front end (shardplan.analyze.export): torch.export where the meta fx tracer
+gives up, building the same op graph. Plans on meta; numerics on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import shardplan
+from shardplan.analyze.trace import TraceError
+from shardplan.tools.verify import verify
+from tests.portability import untraceable
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+CASES = ["module_in_forward", "callable_argument", "autocast_by_device"]
+X = (torch.zeros(2, 8, 32, device="meta"),)
+
+
+def _meta(name: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        return getattr(untraceable, name)()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_fx_tracer_alone_fails_on_it(name: str) -> None:
+    with pytest.raises((TraceError, AttributeError)):
+        shardplan.plan_model(_meta(name), {"tp": 2}, example_inputs=X, explain=False, front_end="fx")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_plans_through_torch_export(name: str) -> None:
+    plan = shardplan.plan_model(_meta(name), {"tp": 2}, example_inputs=X, explain=False)
+    styles = plan.module_styles()
+    for i in (0, 1):
+        assert (styles[f"layers.{i}.up"], styles[f"layers.{i}.down"]) == ("colwise", "rowwise"), styles
+    assert not [w for w in plan.warnings if "all-gathered" in w or "not sharded" in w], plan.warnings
+    # traced unfolded, written as the folded trace writes it: one rule per kind of block
+    assert [r.module for r in plan.rules] == ["layers.*.norm", "layers.*.up", "layers.*.down", "head"]
+
+
+def test_plan_is_the_same_file_twice() -> None:
+    a = shardplan.plan_model(_meta("callable_argument"), {"tp": 2}, example_inputs=X).to_yaml()
+    b = shardplan.plan_model(_meta("callable_argument"), {"tp": 2}, example_inputs=X).to_yaml()
+    assert a == b
+
+
+@pytest.mark.parametrize("name", ["callable_argument", "autocast_by_device"])
+def test_exported_plan_matches_one_process_on_gloo(name: str) -> None:
+    result = verify(f"tests.portability.untraceable:{name}", nproc=2, seq_len=8, timeout_s=240)
+    assert {"colwise", "rowwise"} <= set(result.plan.module_styles().values())
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mixtral", "gpt2"])
+def test_both_front_ends_give_every_weight_the_same_style(model_type: str) -> None:
+    """On code both can trace, the exported graph yields the fx tracer's styles weight by
+    weight (its plan has no regions inside blocks, so it may count more collectives)."""
+    pytest.importorskip("transformers")
+    from shardplan.interop.hf_models import build_hf_model
+
+    model, inputs, kwargs = build_hf_model(model_type, tiny=True, device="meta")
+    styles = {
+        fe: shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, example_kwargs=kwargs, explain=False,
+                                 front_end=fe).module_styles()
+        for fe in ("fx", "export")
+    }
+    assert styles["fx"] == styles["export"]
+
+
+def test_code_neither_can_trace_is_one_error_naming_the_line() -> None:
+    with torch.device("meta"):
+        model = untraceable.ValueBranch()
+    with pytest.raises(TraceError) as err:
+        shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.zeros(2, 8, 32, device="meta"),))
+    message = str(err.value)
+    assert "untraceable.py:" in message and "h.sum() > 0" in message
+    assert "the fx tracer" in message and "the second front end" in message
+
+
+def test_unknown_front_end_is_refused() -> None:
+    with pytest.raises(ValueError, match="front_end='jit'"):
+        shardplan.plan_model(_meta("callable_argument"), {"tp": 2}, example_inputs=X, front_end="jit")
