@@ -333,7 +333,7 @@ def test_tiny_tp_matches_unsharded_on_gloo(family: Family, gloo_results) -> None
     print(f"\n{family.id}: " + "  ".join(f"{c}={r0[c]['max_abs']:.1e}" for c in workers.CATEGORIES))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "mixtral", "gpt_oss"])
 def test_hf_tiny_specs_simulate_with_the_predicted_collectives(model_type, capsys):
     """hf-tiny:<type> builds the type's own classes at TINY sizes, so simulate runs them."""
     from shardplan.cli import main

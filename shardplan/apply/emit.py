@@ -96,10 +96,12 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
     adopted = _adopted_params(plan, model)
     for rule in plan.rules:
         if rule.module in adopted:
-            styles[rule.module] = ContainerParams(adopted[rule.module], placements={
-                name: placement(layout) for name, layout in rule.param_layouts.items()})  # children carry their own styles
+            # combined with a region's PrepareModuleInput on the same module (gpt-oss's self_attn
+            # owns ``sinks`` and is the q/k/v region): replacing it would drop the shared all-reduce
+            styles[rule.module] = combine(styles.get(rule.module), ContainerParams(adopted[rule.module], placements={
+                name: placement(layout) for name, layout in rule.param_layouts.items()}))  # children carry their own styles
         elif not _never_called(rule) or not any(c == "" or rule.module.startswith(c + ".") for c in adopted):
-            styles[rule.module] = _style(rule, conv1d=rule.module in conv1d)
+            styles[rule.module] = combine(styles.get(rule.module), _style(rule, conv1d=rule.module in conv1d))
     return _fnmatch_keys(styles)
 
 
