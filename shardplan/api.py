@@ -35,7 +35,7 @@ from .decide.estimate import estimate
 from .decide.explain import explain_decisions
 from .analyze.graph import OpGraph, build_graph
 from .decide import assemble
-from .apply.localcheck import LocalShapeError, check_local_shapes
+from .apply.localcheck import LocalShapeError, check_local_shapes, find_local_attributes
 from .plan.model import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint
 from .decide.regions import find_partial_blocks, find_regions
 from .decide.solve import PlanningError, SolveContext, solve
@@ -281,12 +281,14 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
         forced=_pin(graph, extra.get("_pinned") or {}) if axes[tp_axis] > 1 else _replicate_all(graph),
     )
     whole: dict[str, str] = {}  # module -> why it runs on whole activations
+    attributes: list = []  # modules whose size attributes take their local value (a head count)
     squeezed, pending = 0, None
     while True:
         solution, pending = pending or _solve_explained(graph, ctx), None
         entries, blocks = find_regions(graph, solution), find_partial_blocks(graph, solution)
         plan = _assemble(model, graph, solution, ctx, entries, blocks, opts=_record_shapes(opts, example_inputs),
                          axes=axes, tp_axis=tp_axis, strict=extra.get("strict", False), whole=whole)
+        plan = plan.model_copy(update={"attributes": list(attributes)})
         over = plan.estimate.peak_memory_bytes - opts.memory_budget if opts.memory_budget else 0
         if over > 0 and squeezed < 3:
             # the program prices activations per op, the estimate per transformer block
@@ -302,6 +304,12 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 check_local_shapes(graph, plan, solution.placements, mesh=mesh)
             break
         except LocalShapeError as exc:
+            found = find_local_attributes(graph, plan, solution.placements, exc.module, mesh=mesh) if (
+                exc.module and exc.leaf is None and len(attributes) < 16) else None
+            if found:  # its code sizes by a global count: the local count makes its shards run
+                attributes += found
+                pending = solution
+                continue
             if exc.leaf is not None and exc.leaf not in whole and not extra.get("strict") and len(whole) < 16:
                 # the module's own forward fails on its shards: that module stays whole
                 whole[exc.leaf] = str(exc).split(": ", 1)[1]
@@ -321,7 +329,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
         decisions = explain_decisions(graph, solution, ctx)
         plan = plan.model_copy(update={"decisions": decisions, "rules": assemble.rules(
             graph, solution, decisions, entries, blocks)})
-    if not graph.traced.folded:  # traced without folding (torch.export): one rule per kind of block
+    if graph.traced.front_end == "export":  # traced without folding: one rule per kind of block
         merged, decisions = assemble.merge_repeated(plan.rules, plan.decisions, model)
         plan = plan.model_copy(update={"rules": merged, "decisions": decisions})
     return plan

@@ -63,7 +63,7 @@ def export_trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict |
     graph, placeholders, outputs = _Rewriter(model, state).run(flat)
     args, kw = _root_nodes(model, placeholders, tuple(example_inputs), kwargs)
     call = ModuleCall("", args, kw, outputs, _meta_example(example_inputs, kwargs))
-    return Traced(graph=graph, model=model, calls={"": [call]}, folded={})
+    return Traced(graph=graph, model=model, calls={"": [call]}, folded={}, front_end="export")
 
 
 def _root_nodes(model: nn.Module, placeholders: list, args: tuple, kwargs: dict) -> tuple[list, dict]:

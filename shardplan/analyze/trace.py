@@ -63,6 +63,7 @@ class Traced:
     # folded instance FQN -> FQN of the representative that was traced through
     folded: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # assumptions the tracer had to make
+    front_end: str = "fx"  # "export": shardplan.analyze.export built it, unfolded
 
     def module(self, fqn: str) -> nn.Module:
         return self.model.get_submodule(fqn)

@@ -212,6 +212,16 @@ def apply_plan(model: nn.Module, device_mesh, plan: Plan, *, check: bool = True)
     return shard(model, device_mesh, plan)
 
 
+def set_local_attributes(model: nn.Module, plan: Plan) -> None:
+    """A module that sizes tensors by an integer attribute gets the value of one rank's
+    shards (``num_heads / tp``): its code then views the local q/k/v by the local count."""
+    for entry in plan.attributes:
+        for fqn in expand_pattern(entry.module, plan.model.repeats):
+            module = model.get_submodule(fqn)
+            for name, value in entry.values.items():
+                setattr(module, name, value)
+
+
 def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
     """The thin loop itself: ``parallelize_module`` with the plan's styles, output regions,
     re-tied weights, gradient hooks. No checks and no exchange between ranks; on a meta
@@ -221,6 +231,7 @@ def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
         raise ValueError(f"the plan was made for tp={plan.tp} but the mesh's tp axis has {mesh.size()} ranks; re-plan for this mesh")
     tied = _tied_groups(model)
     parallelize_module(model, mesh, to_parallelize_plan(plan, model))
+    set_local_attributes(model, plan)
     # output regions hook in after the module's own style has turned its output local
     outputs = {r.module: _region_style(r) for r in plan.regions if r.input == "output" and not r.use_local_output}
     for rule in plan.rules:

@@ -25,13 +25,13 @@ from torch.utils._pytree import tree_map_only
 
 from ..analyze.graph import OpGraph
 from ..analyze.trace import portable_path, user_frame
-from ..plan.model import Plan, expand_pattern
+from ..plan.model import LocalAttributes, Plan, expand_pattern
 from ..decide.propagation import quiet_probes
 from ..decide.solve import PlanningError
 from .emit import shard
 from .mesh import fake_process_group, make_mesh
 
-__all__ = ["check_local_shapes", "LocalShapeError", "LocalCheckUnavailable"]
+__all__ = ["check_local_shapes", "find_local_attributes", "LocalShapeError", "LocalCheckUnavailable"]
 
 
 class LocalShapeError(PlanningError):
@@ -60,7 +60,9 @@ def _sub_plan(plan: Plan, prefix: str) -> Plan:
 
     rules = [r.model_copy(update={"module": m}) for r in plan.rules for m in rel(r.module)]
     regions = [r.model_copy(update={"module": m}) for r in plan.regions for m in rel(r.module)]
-    return plan.model_copy(update={"rules": rules, "regions": regions, "model": plan.model.model_copy(update={"repeats": {}})})
+    attributes = [a.model_copy(update={"module": m}) for a in plan.attributes for m in rel(a.module)]
+    return plan.model_copy(update={"rules": rules, "regions": regions, "attributes": attributes,
+                                   "model": plan.model.model_copy(update={"repeats": {}})})
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
@@ -197,3 +199,53 @@ def _run_blocks(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: An
                 "tensor (view(b, s, -1, head_dim)), or let that module run whole (the default without strict)",
                 culprit, _failing_leaf(block, stack, target),
             ) from None
+
+
+_MAX_ATTRIBUTE_CANDIDATES = 12
+
+
+def _dim_sizes(graph: OpGraph, placements: dict[int, str], fqn: str) -> tuple[set[int], set[int]]:
+    """Inside ``fqn``, the sizes of the dims the plan shards and of the other dims of those
+    sharded values."""
+    split: set[int] = set()
+    whole: set[int] = set()
+    for op in graph.ops:
+        p = placements.get(op.output, "R") if op.output is not None else "R"
+        if not p.startswith("S") or not (op.owner == fqn or op.owner.startswith(fqn + ".")):
+            continue
+        shape, d = graph.values[op.output].shape, int(p[1:].split("p")[0])
+        split.add(shape[d])
+        whole.update(n for i, n in enumerate(shape) if i != d)
+    return split, whole
+
+
+def find_local_attributes(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, *,
+                          mesh: Any = None) -> list[LocalAttributes] | None:
+    """The fewest integer attributes of ``fqn`` that, set to their value / tp, let its shards
+    run (``self.num_heads``, ``self.n_kv_heads``): tried one at a time, then in pairs, each
+    proven by running the check again. None when no such set exists."""
+    from itertools import combinations
+
+    from ..decide.assemble import pattern_map, patterned
+
+    module = graph.model.get_submodule(fqn)
+    split, whole = _dim_sizes(graph, placements, fqn)
+    # a count the plan splits (heads: the sharded dim of the viewed q) and never a size it
+    # keeps whole (head_dim): rewriting head_dim instead would also run, on wrong heads
+    candidates = sorted(k for k, v in vars(module).items() if type(v) is int and not k.startswith("_")
+                        and v % plan.tp == 0 and v in split and v not in whole)[:_MAX_ATTRIBUTE_CANDIDATES]
+    names = patterned(fqn, graph, pattern_map(graph))
+    for size in sorted({1, 2, len(candidates)} - {0}):
+        for subset in combinations(candidates, size):
+            values = {k: getattr(module, k) // plan.tp for k in subset}
+            why = ", ".join(f"{k} {getattr(module, k)} -> {v}" for k, v in values.items())
+            entries = [LocalAttributes(module=n, values=values, why=f"its code sizes tensors by them: {why} on a 1/tp shard")
+                       for n in names]
+            trial = plan.model_copy(update={"attributes": plan.attributes + entries})
+            try:
+                check_local_shapes(graph, trial, placements, mesh=mesh)
+            except LocalShapeError as exc:
+                if exc.module == fqn:
+                    continue
+            return entries
+    return None

@@ -26,7 +26,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from .fileio import PlanFileError, atomic_write, describe, load_mapping, read_text
 
 __all__ = [
-    "STYLES", "Rule", "Region", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
+    "STYLES", "Rule", "Region", "LocalAttributes", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
     "PlanOptions", "Plan", "load_plan", "load_plan_with_lines", "expand_braces", "brace_ranges", "brace_members", "fingerprint", "PlanFileError", "LAYOUT_RE", "portable", "SIGNIFICANT_DIGITS",
 ]
 
@@ -107,6 +107,17 @@ class Region(_Strict):
             raise ValueError(f"input {self.input} is not one of the call's {self.num_inputs} positional arguments "
                              f"(0..{self.num_inputs - 1}); use an index in range, a keyword name, or 'output'")
         return self
+
+
+class LocalAttributes(_Strict):
+    """Integer attributes a module's code sizes tensors by (``view(b, s, self.num_heads,
+    d)``), set to their value on one rank's shards when the plan is applied. The planner
+    writes one only when the module's shards fail to run with the global value and run
+    with these (the local check proves it)."""
+
+    module: ModulePattern
+    values: dict[str, Annotated[int, Field(strict=True, ge=1)]]
+    why: str = ""
 
 
 class Collectives(_Strict):
@@ -217,6 +228,7 @@ class Plan(_Strict):
     options: PlanOptions = Field(default_factory=PlanOptions)
     rules: list[Rule]
     regions: list[Region] = Field(default_factory=list)
+    attributes: list[LocalAttributes] = Field(default_factory=list)  # omitted from files when empty
     estimate: Estimate | None = None
     decisions: list[Decision] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
@@ -251,6 +263,8 @@ class Plan(_Strict):
         data = self.model_dump(mode="json", exclude_none=False)
         for key, kind in (("rules", Rule), ("regions", Region)):
             data[key] = [_set_keys(item, kind) for item in data[key]]
+        if not data["attributes"]:
+            del data["attributes"]
         return data
 
     def to_yaml(self) -> str:

@@ -61,6 +61,20 @@ def _expert_dim(module: Any) -> int | None:
     return dims.get(first)
 
 
+def _attribute_findings(entry: Any, modules: dict[str, Any]) -> list[str]:
+    """An ``attributes`` entry sets integer attributes its modules already have."""
+    hits = [fqn for fqn in modules if matches(entry.module, fqn)]
+    if not hits:
+        return [f"attributes {entry.module}: matches no module of the model"]
+    for fqn in hits:
+        for name in entry.values:
+            if type(getattr(modules[fqn], name, None)) is not int:
+                have = sorted(k for k, v in vars(modules[fqn]).items() if type(v) is int and not k.startswith("_"))
+                return [f"attributes {entry.module}: {fqn or '<root>'} ({type(modules[fqn]).__name__}) has no integer "
+                        f"attribute {name!r}; its integer attributes are {have}"]
+    return []
+
+
 def _owns_params(module: Any) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
@@ -126,6 +140,8 @@ def check_findings(plan: Any, model: Any, *, where: Any = None) -> list[str]:
     for i, region in enumerate(plan.regions):
         if not any(matches(region.module, fqn) for fqn in modules):
             findings.append(f"{at(('regions', i, 'module'))}region {region.module}: matches no module of the model")
+    for i, entry in enumerate(plan.attributes):
+        findings += [at(("attributes", i, "module")) + f for f in _attribute_findings(entry, modules)]
     covered = {fqn for rule in {r.module for r in plan.rules} for fqn in modules if matches(rule, fqn)}
     for fqn, mod in modules.items():
         if _owns_params(mod) and fqn not in covered:

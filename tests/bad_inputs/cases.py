@@ -389,7 +389,7 @@ CASES: list[Case] = [
     cli("spec-model-without-parameters", "plan bi_builders:Empty", r"Empty has no parameters: there is nothing to shard",
         files=B),
     cli("spec-data-dependent-branch", "plan bi_builders:Branchy --mesh tp=2",
-        r"control flow depends on tensor values at \w+ \(data-dependent branch\)", files=B),
+        r"control flow depends on tensor values at \w+ (\(.*\) )?\(data-dependent branch\)", files=B),
     proc("proc-usage-error-exit-status", "plan", r"the following arguments are required: MODEL", bound=10),
     proc("proc-huge-tp-exit-status", "plan llama3-405b --mesh tp=2147483648", r"tp=2147483648 is more ranks", bound=20),
     # ---- API: plan_model

@@ -25,3 +25,25 @@ if __name__ == "__main__":
         model = nn.Sequential(HardCodedHeads(), nn.LayerNorm(32))
     plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.zeros(2, 8, 32, device="meta"),), explain=False)
     print("\n".join(plan.warnings))
+
+
+class HardCodedLM(nn.Module):
+    """Token ids in, logits out, around two blocks of HardCodedHeads (4 heads of 16)."""
+
+    def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(HardCodedHeads(dim, heads) for _ in range(layers))
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block, norm in zip(self.blocks, self.norms):
+            x = x + block(norm(x))
+        return self.head(x)
+
+
+def hard_coded_lm() -> HardCodedLM:
+    torch.manual_seed(0)
+    return HardCodedLM()

@@ -1,0 +1,63 @@
+"""Hard-coded sizes made local (plan ``attributes``): a module that views q/k/v by
+``self.heads`` gets heads / tp on each rank, proven by the local check, instead of running
+on whole activations. Plans on meta; numerics on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardplan
+from shardplan.plan.validate import check_findings
+from shardplan.tools.verify import verify
+from tests.portability.heads import HardCodedLM
+
+TOKENS = (torch.zeros(2, 16, dtype=torch.long, device="meta"),)
+
+
+def _plan(tp: int, **kw) -> tuple[HardCodedLM, shardplan.Plan]:
+    with torch.device("meta"):
+        model = HardCodedLM(**kw)
+    return model, shardplan.plan_model(model, {"tp": tp}, example_inputs=TOKENS)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_head_count_attribute_takes_its_local_value(tp: int) -> None:
+    _, plan = _plan(tp)
+    styles = plan.module_styles()
+    assert [styles[f"blocks.0.{n}"] for n in "qkvo"] == ["colwise"] * 3 + ["rowwise"], styles
+    assert [(a.module, a.values) for a in plan.attributes] == [("blocks.*", {"heads": 4 // tp})]
+    assert not plan.warnings, plan.warnings
+
+
+def test_a_head_count_equal_to_head_dim_is_not_guessed() -> None:
+    """8 heads of 8: halving ``hd`` would run too, on the wrong heads. The candidates must
+    be sizes the plan splits and never sizes it keeps whole, so nothing is rewritten and the
+    blocks run on whole activations, as before."""
+    _, plan = _plan(2, heads=8)
+    assert plan.attributes == []
+    assert any("runs on whole activations" in w for w in plan.warnings), plan.warnings
+
+
+def test_attributes_round_trip_and_are_checked(tmp_path) -> None:
+    model, plan = _plan(2)
+    path = tmp_path / "plan.yaml"
+    plan.save(path)
+    loaded = shardplan.load_plan(path)
+    assert loaded.attributes == plan.attributes and check_findings(loaded, model) == []
+    bad = loaded.model_copy(update={"attributes": [loaded.attributes[0].model_copy(update={"values": {"n_heads": 2}})]})
+    (finding,) = check_findings(bad, model)
+    assert "no integer attribute 'n_heads'" in finding and "'heads'" in finding
+
+
+def test_plans_without_attributes_keep_their_files() -> None:
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.zeros(2, 8, device="meta"),))
+    assert "attributes" not in plan.to_yaml()
+
+
+def test_local_head_count_matches_one_process_on_gloo() -> None:
+    result = verify("tests.portability.heads:hard_coded_lm", nproc=2, timeout_s=240)
+    assert result.plan.attributes and result.plan.rule_for("blocks.0.q").style == "colwise"
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
