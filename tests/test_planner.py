@@ -279,9 +279,10 @@ _HardCodedHeads = HardCodedHeads  # attention that reshapes with its stored head
 
 
 def test_hard_coded_head_count_runs_whole_or_is_refused_with_the_source_line():
+    # 8 heads of 8: no attribute can be told to be the head count, so the block runs whole
     with torch.device("meta"):
-        model = nn.Sequential(_HardCodedHeads(), nn.LayerNorm(32))
-    x = torch.zeros(2, 8, 32, device="meta")
+        model = nn.Sequential(_HardCodedHeads(dim=64, heads=8), nn.LayerNorm(64))
+    x = torch.zeros(2, 8, 64, device="meta")
     plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(x,), explain=False)
     styles = plan.module_styles()
     assert {styles[f"0.{n}"] for n in "qkvo"} == {"colwise_gather_output"}  # weights sharded, code sees whole

@@ -99,7 +99,8 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
             # combined with a region's PrepareModuleInput on the same module (gpt-oss's self_attn
             # owns ``sinks`` and is the q/k/v region): replacing it would drop the shared all-reduce
             styles[rule.module] = combine(styles.get(rule.module), ContainerParams(adopted[rule.module], placements={
-                name: placement(layout) for name, layout in rule.param_layouts.items()}))  # children carry their own styles
+                name: placement(layout) for name, layout in rule.param_layouts.items()},
+                partial_grads=rule.partial_grads))  # children carry their own styles
         elif not _never_called(rule) or not any(c == "" or rule.module.startswith(c + ".") for c in adopted):
             styles[rule.module] = combine(styles.get(rule.module), _style(rule, conv1d=rule.module in conv1d))
     return _fnmatch_keys(styles)
@@ -250,5 +251,7 @@ def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
     partial_grads = [f"{fqn}.{name}" for fqn, style in plan.module_styles().items()
                      if style in ("sequence_parallel", "replicated_with_grad_allreduce")
                      for name, _ in model.get_submodule(fqn).named_parameters(recurse=False)]
+    partial_grads += [f"{fqn}.{name}" if fqn else name for rule in plan.rules if rule.partial_grads
+                      for fqn in expand_pattern(rule.module, plan.model.repeats) for name in rule.partial_grads]
     install_gradient_sync(model, partial_grads)
     return model

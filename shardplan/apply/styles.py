@@ -274,12 +274,17 @@ class ContainerParams(ParallelStyle):
     optimizers see one kind of tensor, and its forward sees their local tensors, since its
     other inputs are plain. ``to_local`` is differentiable: gradients reach the DTensors."""
 
-    def __init__(self, paths: list[str], *, placements: dict[str, Any] | None = None) -> None:
+    def __init__(self, paths: list[str], *, placements: dict[str, Any] | None = None,
+                 partial_grads: list[str] = ()) -> None:
         super().__init__()
         self.paths = paths
         # a per-head parameter beside heads split tp ways (gpt-oss's sinks): Shard(d), so the
         # forward reads its heads' entries; its gradient is local to them
         self.placements = placements or {}
+        # a whole parameter read by a computation split tp ways (a temperature times scores
+        # split by heads): each rank's gradient sums its own shard only, so it is declared
+        # Partial and all-reduced when backward ends (gradsync)
+        self.partial_grads = tuple(partial_grads)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         for path in self.paths:
@@ -289,7 +294,7 @@ class ContainerParams(ParallelStyle):
                 where = self.placements.get(path, Replicate())
                 dist = distribute_tensor(p.detach(), device_mesh, [where], src_data_rank=self.src_data_rank)
                 owner.register_parameter(name, nn.Parameter(dist, requires_grad=p.requires_grad))
-        module.register_forward_pre_hook(partial(_swap_to_local, names=self.paths))
+        module.register_forward_pre_hook(partial(_swap_to_local, names=self.paths, partial_grads=self.partial_grads))
         module.register_forward_hook(_restore_params)
         return module
 
@@ -299,12 +304,13 @@ def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(prefix) if prefix else module), name
 
 
-def _swap_to_local(module, args, *, names):
+def _swap_to_local(module, args, *, names, partial_grads=()):
     module._shardplan_params = {}
     for path in names:
         owner, name = _owner(module, path)
-        module._shardplan_params[path] = owner._parameters[name]
-        owner._parameters[name] = owner._parameters[name].to_local()
+        param = module._shardplan_params[path] = owner._parameters[name]
+        grads = (Partial(),) * param.device_mesh.ndim if path in partial_grads else None
+        owner._parameters[name] = param.to_local(grad_placements=grads)
 
 
 def _restore_params(module, args, output):

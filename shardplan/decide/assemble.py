@@ -19,7 +19,7 @@ from torch import nn
 from . import cost
 from ..analyze.graph import OpGraph
 from ..plan.model import Region, Rule, brace_ranges
-from .regions import Entry, PartialBlock
+from .regions import Entry, PartialBlock, partial_grad_params
 from .solve import Solution
 from .strategies import placement_str
 
@@ -83,17 +83,26 @@ def rules(
         Rule(module=m, style="replicate", why="not called in forward: kept whole")
         for fqn in _unused_modules(graph) for m in patterned(fqn, graph, pmap)
     ]
-    rules += [_container_rule(m, _param_layouts(graph, solution, fqn)) for fqn in _containers(graph) for m in patterned(fqn, graph, pmap)]
+    partial = partial_grad_params(graph, solution)
+    rules += [_container_rule(m, _param_layouts(graph, solution, fqn), _own(partial, fqn))
+              for fqn in _containers(graph) for m in patterned(fqn, graph, pmap)]
     return rules
 
 
-def _container_rule(module: str, layouts: dict[str, str]) -> Rule:
-    if not layouts:
-        return Rule(module=module, style="replicate", why="container that owns parameters directly: Replicate, seen whole by its forward")
-    split = ", ".join(f"{n} {p}" for n, p in layouts.items())
-    return Rule(module=module, style="replicate", param_layouts=layouts,
-                why=f"container that owns parameters directly, its forward reading their local shards: {split} "
-                    "beside the heads it is split with, the rest Replicate")
+def _own(fqns: list[str], container: str) -> list[str]:
+    prefix = f"{container}." if container else ""
+    return [f[len(prefix):] for f in fqns if f.startswith(prefix) and "." not in f[len(prefix):]]
+
+
+def _container_rule(module: str, layouts: dict[str, str], partial: list[str]) -> Rule:
+    why = "container that owns parameters directly: Replicate, seen whole by its forward"
+    if layouts:
+        split = ", ".join(f"{n} {p}" for n, p in layouts.items())
+        why = (f"container that owns parameters directly, its forward reading their local shards: {split} "
+               "beside the heads it is split with, the rest Replicate")
+    if partial:
+        why += f"; {', '.join(partial)} whole, its gradient a sum over each rank's shard, all-reduced after backward"
+    return Rule(module=module, style="replicate", param_layouts=layouts, partial_grads=partial, why=why)
 
 
 def _param_layouts(graph: OpGraph, solution: Solution, container: str) -> dict[str, str]:

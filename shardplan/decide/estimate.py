@@ -26,7 +26,7 @@ from ..analyze.graph import OpGraph
 from ..plan.model import Collectives, Estimate, MeshInfo
 from .assemble import repeats
 from .fsdp import DataParallelEvent, data_parallel_events, fsdp_units, unit_of
-from .regions import Entry, PartialBlock
+from .regions import Entry, PartialBlock, partial_grad_params
 from .solve import Solution, SolveContext, _model_dtype_bytes, _tied_second_owners, strategy_time
 
 __all__ = ["estimate", "collective_list", "data_parallel_list", "unit_param_bytes"]
@@ -59,6 +59,12 @@ def collective_list(
                 bucketed += n * op.multiplicity
             else:
                 events[("backward", kind, n)] += op.multiplicity
+    for op in _partial_param_ops(graph, solution):  # a container's whole parameter with a Partial gradient
+        n = graph.values[op.output].nbytes
+        if bucket:
+            bucketed += n * op.multiplicity
+        else:
+            events[("backward", "all_reduce", n)] += op.multiplicity
     if bucketed:
         events[("backward", "all_reduce", bucketed)] += 1
     for e in entries:
@@ -72,6 +78,11 @@ def collective_list(
             if needs_grad:
                 events[("backward", "reduce_scatter", n)] += times
     return sorted(events.items())
+
+
+def _partial_param_ops(graph: OpGraph, solution: Solution) -> list:
+    fqns = set(partial_grad_params(graph, solution))
+    return [op for op in graph.ops if op.kind == "const" and op.target in fqns]
 
 
 def estimate(

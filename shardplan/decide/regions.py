@@ -190,3 +190,34 @@ def find_partial_blocks(graph: OpGraph, solution: Solution) -> list[PartialBlock
             if block is not None:
                 found.append(block)
     return found
+
+
+def partial_grad_params(graph: OpGraph, solution: Solution) -> list[str]:
+    """Trainable parameters a container reads in its own forward (a learned temperature),
+    kept whole (``R``), that reach a computation split tp ways: each rank's gradient is the
+    sum over its own shard, ``Partial``, so it is all-reduced once when backward ends, with
+    the sequence-parallel norms' gradients (:mod:`shardplan.apply.gradsync`)."""
+    from .strategies import param_only_values
+
+    own = param_only_values(graph)
+    out = []
+    for op in graph.ops:
+        if op.kind == "const" and op.output in own and solution.strategies[op.index].output == "R" \
+                and _reaches_a_shard(graph, solution, op.output, own):
+            out.append(op.target)
+    return sorted(set(out))
+
+
+def _reaches_a_shard(graph: OpGraph, solution: Solution, value: int, own: frozenset[int]) -> bool:
+    stack, seen = [value], {value}
+    while stack:
+        v = stack.pop()
+        for c in graph.consumers.get(v, []):
+            s = solution.strategies[c]
+            out = graph.ops[c].output
+            if s.output is not None and s.output != "R":
+                return True
+            if out is not None and out in own and out not in seen:
+                seen.add(out)
+                stack.append(out)
+    return False

@@ -39,7 +39,7 @@ from .placements import Strategy, chunk_count, packed, placement_str, shard_dim
 from .propagation import dtensor_strategies, metadata_only
 from .weights import module_strategies
 
-__all__ = ["Strategy", "op_strategies", "shard_dim", "placement_str", "packed", "chunk_count"]
+__all__ = ["Strategy", "op_strategies", "shard_dim", "placement_str", "packed", "chunk_count", "param_only_values"]
 
 def _candidates(shape: tuple[int, ...], tp: int) -> list[str]:
     return ["R"] + [f"S{d}" for d, n in enumerate(shape) if n % tp == 0 and n >= tp]
@@ -101,7 +101,7 @@ def _container_param(graph: OpGraph, target: str) -> Any:
     except AttributeError:
         return None
     p = mod._parameters.get(name)
-    return p if p is not None and p.requires_grad and p.dim() >= 1 and not is_weight_leaf(mod) else None
+    return p if p is not None and p.requires_grad and not is_weight_leaf(mod) else None
 
 
 def _container_param_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
@@ -156,12 +156,41 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
     flops = _sdpa_flops(op, graph) if name == "scaled_dot_product_attention" else 0.0
     for s in strategies:
         key = (s.inputs, s.output)
-        if key not in seen and len(s.inputs) == len(op.inputs):
+        if key not in seen and len(s.inputs) == len(op.inputs) and not _partial_gradient(op, graph, s):
             seen.add(key)
             factor = 1 if s.output == "R" else tp
             result.append(Strategy(s.name, s.inputs, s.output, mem_bytes=mem / factor, flops=flops / factor,
                                    act_bytes=graph.values[op.output].nbytes / factor))
     return result
+
+
+def _partial_gradient(op: Op, graph: OpGraph, s: Strategy) -> bool:
+    """A whole (``R``) operand that needs a gradient, broadcast into a computation split tp
+    ways (a gate ``[b, s, 1]`` times a sharded activation): its gradient on each rank is the
+    sum over that rank's shard only, a partial sum nothing between weight modules would
+    all-reduce. Refused, except for values computed from a container's own parameters alone
+    (a learned temperature): those gradients are all-reduced when backward ends
+    (:func:`.regions.partial_grad_params`)."""
+    if s.output is None or s.output == "R":
+        return False
+    return any(p == "R" and v in graph.requires_grad and v not in param_only_values(graph)
+               for p, v in zip(s.inputs, op.inputs))
+
+
+def param_only_values(graph: OpGraph) -> frozenset[int]:
+    """Values computed from trainable container parameters alone (``self.scale.exp()``)."""
+    cached = graph.strategy_cache.get("param_only")
+    if cached is None:
+        found: set[int] = set()
+        for op in graph.ops:
+            if op.output is None or op.output not in graph.requires_grad:
+                continue
+            if (op.kind == "const" and _container_param(graph, op.target) is not None) or (
+                    op.kind == "function" and op.inputs and all(
+                        v in found or v not in graph.requires_grad for v in op.inputs) and any(v in found for v in op.inputs)):
+                found.add(op.output)
+        cached = graph.strategy_cache["param_only"] = frozenset(found)
+    return cached
 
 
 def _sdpa_flops(op: Op, graph: OpGraph) -> float:

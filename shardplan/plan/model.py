@@ -85,6 +85,9 @@ class Rule(_Strict):
     # a container's own parameters (``replicate`` rule) placed other than Replicate, by
     # name: gpt-oss's per-head ``sinks: Shard(0)`` beside attention split by heads
     param_layouts: dict[str, Layout] = Field(default_factory=dict)
+    # a container's own parameters kept whole whose gradients come out Partial (a learned
+    # temperature scaling scores split by heads): all-reduced once when backward ends
+    partial_grads: list[str] = Field(default_factory=list)
     why: str = ""
 
 
@@ -297,7 +300,7 @@ class Plan(_Strict):
 def _set_keys(item: dict, kind: type[BaseModel]) -> dict:
     """Required keys always (a root rule's ``module`` is ``''``); optional ones only when set."""
     fields = kind.model_fields
-    return {k: v for k, v in item.items() if fields[k].is_required() or not (v is None or v is False or v == "" or v == {})}
+    return {k: v for k, v in item.items() if fields[k].is_required() or not (v is None or v is False or v in ("", {}, []))}
 
 
 def load_plan(path: str | Path) -> Plan:

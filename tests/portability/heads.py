@@ -21,9 +21,10 @@ class HardCodedHeads(nn.Module):
 if __name__ == "__main__":
     import shardplan
 
+    # 8 heads of 8: the head count cannot be told from head_dim, so the block runs whole
     with torch.device("meta"):
-        model = nn.Sequential(HardCodedHeads(), nn.LayerNorm(32))
-    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.zeros(2, 8, 32, device="meta"),), explain=False)
+        model = nn.Sequential(HardCodedHeads(dim=64, heads=8), nn.LayerNorm(64))
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.zeros(2, 8, 64, device="meta"),), explain=False)
     print("\n".join(plan.warnings))
 
 
