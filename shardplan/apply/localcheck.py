@@ -124,8 +124,8 @@ def _failing_leaf(block: nn.Module, stack: list[str], target: str) -> str | None
     """The weight module itself, when the failure is inside its own forward."""
     from ..analyze.trace import is_weight_leaf
 
-    if stack and stack[-1] and is_weight_leaf(block.get_submodule(stack[-1])):
-        return f"{target}.{stack[-1]}" if target else stack[-1]
+    if stack and is_weight_leaf(block.get_submodule(stack[-1])):
+        return ".".join(n for n in (target, stack[-1]) if n)
     return None
 
 
@@ -175,30 +175,56 @@ def _caller_tp_mesh(mesh: Any, plan: Plan) -> Any:
     return sub if sub.size() == plan.tp else None
 
 
+def _custom_leaves(graph: OpGraph) -> list[str]:
+    """Weight modules outside the repeated blocks whose class writes its own ``forward``
+    (an Embedding that reads ``self.weight.to_local()``): the blocks' run does not reach them."""
+    from ..analyze.trace import is_weight_leaf
+
+    blocks = [t for t in _targets(graph) if t]
+    out = []
+    for fqn, calls in graph.traced.calls.items():
+        module = graph.model.get_submodule(fqn) if fqn else graph.model
+        inside = any(fqn == b or fqn.startswith(b + ".") for b in blocks)
+        if fqn and not inside and is_weight_leaf(module) and calls \
+                and not type(module).forward.__module__.startswith("torch.nn."):
+            out.append(fqn)
+    return out
+
+
 def _run_blocks(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any) -> None:
+    if _targets(graph) != [""]:  # the whole model's run covers every module already
+        for fqn in _custom_leaves(graph):
+            _run_one(graph, plan, placements, mesh, fqn)
     for target in _targets(graph):
-        call = graph.traced.calls[target][0]
-        block = _meta_copy(graph.model.get_submodule(target))
-        shard(block, mesh, _sub_plan(plan, target))
-        args, kwargs = _local_args(call, placements, plan.tp)
-        stack = _track_modules(block)
-        try:
-            with torch.no_grad(), quiet_probes():
-                block(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
-            if _fails_unsharded(graph.model.get_submodule(target), call):
-                raise LocalShapeError(
-                    f"{target or type(graph.model).__name__}: its code fails on the meta device even unsharded, at "
-                    f"{_user_frame(exc)}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}; the check cannot "
-                    "judge its shards (run `shardplan verify` on a small configuration)", None) from None
-            culprit = _culprit(block, stack, target)
+        _run_one(graph, plan, placements, mesh, target)
+
+
+def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, target: str) -> None:
+    call = graph.traced.calls[target][0]
+    block = _meta_copy(graph.model.get_submodule(target))
+    shard(block, mesh, _sub_plan(plan, target))
+    args, kwargs = _local_args(call, placements, plan.tp)
+    stack = _track_modules(block)
+    try:
+        with torch.no_grad(), quiet_probes():
+            block(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
+        leaf = _failing_leaf(block, stack, target)  # a weight module's own forward: it can be kept whole
+        if leaf is not None and _fails_unsharded(graph.model.get_submodule(leaf), graph.traced.calls[leaf][0]):
+            leaf = None  # it fails whole too (experts routing on meta): not its style's doing
+        if leaf is None and _fails_unsharded(graph.model.get_submodule(target), call):
             raise LocalShapeError(
-                f"{culprit or type(graph.model).__name__}: running its shards at tp={plan.tp} fails at "
-                f"{_user_frame(exc)}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}. The code uses a "
-                "global size (a head count or width) where a shard holds 1/tp of it: compute it from the "
-                "tensor (view(b, s, -1, head_dim)), or let that module run whole (the default without strict)",
-                culprit, _failing_leaf(block, stack, target),
-            ) from None
+                f"{target or type(graph.model).__name__}: its code fails on the meta device even unsharded, at "
+                f"{_user_frame(exc)}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}; the check cannot "
+                "judge its shards (run `shardplan verify` on a small configuration)", None) from None
+        culprit = _culprit(block, stack, target)
+        raise LocalShapeError(
+            f"{culprit or type(graph.model).__name__}: running its shards at tp={plan.tp} fails at "
+            f"{_user_frame(exc)}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}. The code uses a "
+            "global size (a head count or width) where a shard holds 1/tp of it: compute it from the "
+            "tensor (view(b, s, -1, head_dim)), or let that module run whole (the default without strict)",
+            culprit, leaf,
+        ) from None
 
 
 _MAX_ATTRIBUTE_CANDIDATES = 12

@@ -72,11 +72,31 @@ class ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         layout = self.output_layouts
+        if not type(module).forward.__module__.startswith("torch.nn."):
+            return self._apply_local(module, device_mesh)
 
         def to_shard(_module, outputs, mesh):  # distribute_module wants exactly 3 arguments
             return outputs.redistribute(mesh, [layout]).to_local() if isinstance(outputs, DTensor) else outputs
 
         return distribute_module(module, device_mesh, None, _inputs_to_replicate, _outputs_to_local if layout is None else to_shard)
+
+    def _apply_local(self, module: nn.Module, device_mesh) -> nn.Module:
+        """A class with its own ``forward`` (torchtitan's Embedding reads
+        ``self.weight.to_local()``) may not run on DTensors: it runs on plain inputs and the
+        parameters' local tensors, which, replicated, are the whole parameters."""
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        for name in names:
+            p = module._parameters[name]
+            if not isinstance(p, DTensor):
+                dist = distribute_tensor(p.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
+                module.register_parameter(name, nn.Parameter(dist, requires_grad=p.requires_grad))
+        module.register_forward_pre_hook(partial(_swap_to_local, names=names))
+        module.register_forward_hook(_restore_params)
+        if self.output_layouts is not None:
+            layout = self.output_layouts
+            module.register_forward_hook(lambda _m, _i, out: DTensor.from_local(
+                out, device_mesh, [Replicate()], run_check=False).redistribute(device_mesh, [layout]).to_local())
+        return module
 
 
 def _inputs_to_replicate(module, inputs, device_mesh):

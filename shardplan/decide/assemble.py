@@ -22,6 +22,7 @@ from ..plan.model import Region, Rule, brace_ranges
 from .regions import Entry, PartialBlock, partial_grad_params
 from .solve import Solution
 from .strategies import placement_str
+from .weights import read_elsewhere
 
 __all__ = ["pattern_map", "patterned", "rules", "regions", "block_regions", "plan_warnings", "repeats", "merge_repeated"]
 
@@ -244,6 +245,8 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
             shapes = [list(p.shape) for p in module.parameters(recurse=False) if p.dim() >= 2]
             sliced = (solution.strategies[op.index].output or "").startswith("S")
             why = ("kept whole, its output sliced along the sequence instead (sequence parallel)" if sliced
+                   else "other code reads its weight as a plain tensor (a tied weight used outside the module), "
+                        "so it stays whole" if op.target in read_elsewhere(graph)
                    else "replicated for speed within the memory budget" if budget
                    else f"no style splits it evenly at tp={tp}")
             out.append(f"{name}: weight {shapes[0] if len(shapes) == 1 else shapes} not sharded: {why}")

@@ -77,6 +77,8 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
     sp_opt = getattr(opts, "sequence_parallel", None)
     sp = sp_opt is not False
     kind = op.module_kind
+    if op.target in read_elsewhere(graph):
+        kind = "read elsewhere"  # its weight is also read as a plain tensor outside it: kept whole
     if kind in ("linear", "conv1d") and len(op.inputs) == 1:
         found = _linear(op, graph, module, tp, sp)
     elif kind == "embedding" and len(op.inputs) == 1:
@@ -91,6 +93,25 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
         found = [_replicate(op, graph, module)]
     full = _weight_bytes(module)
     return [replace(s, weight_bytes=full if s.layouts.get("weight", "R") == "R" else full / tp) for s in found]
+
+
+def read_elsewhere(graph: OpGraph) -> frozenset[str]:
+    """Weight modules whose parameter other code reads as an attribute and computes with
+    (torchtune's ``TiedLinear``: ``F.linear(x, self.tied_module.weight)`` in a plain object):
+    a sharded weight would reach that code as a DTensor beside plain tensors. Reads for
+    metadata only (``self.wo.weight.dtype``) do not count."""
+    cached = graph.strategy_cache.get("read_elsewhere")
+    if cached is None:
+        from .propagation import metadata_only
+
+        leaves = {op.target for op in graph.ops if op.kind in ("module", "folded")}
+        found = set()
+        for op in graph.ops:
+            owner = op.target.rpartition(".")[0] if op.kind == "const" else None
+            if owner in leaves and any(not metadata_only(graph.ops[c]) for c in graph.consumers.get(op.output, [])):
+                found.add(owner)
+        cached = graph.strategy_cache["read_elsewhere"] = frozenset(found)
+    return cached
 
 
 def _acts_like_norm(op: Op, graph: OpGraph, module: nn.Module) -> bool:

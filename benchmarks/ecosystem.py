@@ -1,0 +1,556 @@
+"""Model code from public libraries: shardplan's plan against each library's own hand-written TP plan.
+
+For each model (``--models``; default all six), built tiny (dim 96 unless ``--dim``, 2 layers, vocab 256,
+head counts divisible by 4) from the library's own config builders, nothing downloaded:
+
+* ``torchtitan`` 0.3.0: ``llama3``, ``qwen3`` (dense) and ``deepseek_v3`` (MLA + MoE). The
+  library plan is read off the model itself: torchtitan 0.3.0 declares TP as a
+  ``ShardingConfig`` per module config (``models/<name>/sharding.py``, helpers in
+  ``models/common/decoder_sharding.py`` and ``moe_sharding.py``), set here exactly as
+  ``update_from_config`` does (``enable_sequence_parallel=True``, the default; EP off), and
+  ``Module.build`` copies it onto each module as ``_sharding_config``. The TP placement of
+  each weight names the style (:func:`titan_style`).
+* ``torchtune`` 0.6.1: ``llama3``, ``qwen2`` and ``gemma``. Its only TP plan is
+  ``torchtune.models.llama3.base_llama_tp_plan`` (``_parallelism.py``); qwen2 and gemma have
+  none in 0.6.1, so they are compared with the llama plan applied to their module names
+  (the same ``attn.q_proj`` / ``mlp.w1`` layout), marked ``llama-plan``.
+
+Per model and tp in (2, 4): ``shardplan.plan_model(model, {"tp": tp}, example_inputs=(tokens,),
+explain=False)`` on the meta device, median wall time of 3 calls, and a weight-by-weight
+comparison of ``plan.module_styles()`` with the library's style (``agree``/``differ``;
+``whole``: weights the library leaves whole, i.e. names no TP placement for or replicates;
+``fam``: agreements by family, colwise/rowwise/replicate/experts, per
+``shardplan.interop.hf.STYLE_FAMILY``). Every difference is listed under the table with the
+plan's warning for that module, if any. ``numerics``: ``shardplan.tools.verify.verify`` of
+shardplan's tp=2 plan on 2 gloo ranks against one process (outputs, loss, every gradient).
+
+Usage (repository root): ``python benchmarks/ecosystem.py [--models titan-llama3,tune-gemma]
+[--runs 3] [--no-verify]``. A library that is not installed is skipped with the reason.
+~1.5 minutes on 2 cores, most of it in ``verify``.
+
+Import shims (scoped to this script, installed only where the real module is missing):
+torchtitan's ``distributed.minimal_async_ep.kernels`` is Triton code imported at module level
+by the MoE token dispatcher; the CPU torch has no Triton, so that one module is replaced by
+a stub whose kernels raise (EP is never enabled here). A stub ``triton`` package is not used
+because torch's own inductor/dynamo modules then import it as if Triton were real.
+torchtune's package ``__init__`` imports ``datasets``, ``omegaconf``, ``sentencepiece`` and
+``tiktoken`` for its data, config and tokenizer modules, none of which the model code uses:
+each is stubbed when absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import importlib.util
+import logging
+import os
+import re
+import statistics
+import sys
+import time
+import types
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+# dim 96 / 8 heads: head_dim 12. No head count equals another dim size (head_dim, head_dim/2
+# in RoPE's pairs, batch, seq), which would stop shardplan from telling head counts apart
+# (--dim 128: head_dim/2 = 8 = heads, and torchtune's attention is then planned to run whole)
+DIM = int(os.environ.get("ECOSYSTEM_DIM", "96"))
+LAYERS, VOCAB, HEADS, KV_HEADS, SEQ, BATCH = 2, 256, 8, 4, 16, 2
+HEAD_DIM = DIM // HEADS
+TPS = (2, 4)
+TUNE_STUB_MODULES = ("datasets", "datasets.distributed", "omegaconf", "sentencepiece", "tiktoken", "tiktoken.load")
+TITAN_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
+
+
+# --------------------------------------------------------------------------- import shims
+
+
+def _missing(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def _stub_module(name: str, attr: Callable[[str], object]) -> None:
+    mod = types.ModuleType(name)
+    mod.__path__ = []  # a package, so that `import datasets.distributed` resolves to a stub as well
+
+    def __getattr__(n: str) -> object:
+        if n.startswith("__"):  # inspect and pickle probe dunders: a stub must not claim them
+            raise AttributeError(n)
+        return attr(n)
+
+    mod.__getattr__ = __getattr__  # type: ignore[method-assign]
+    sys.modules[name] = mod
+
+
+def _no_kernel(name: str) -> Callable[..., None]:
+    def kernel(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"{name}: torchtitan's Triton kernels are stubbed on this CPU-only machine")
+    return kernel
+
+
+def shim_torchtitan() -> None:
+    if TITAN_KERNELS not in sys.modules and _missing("triton"):
+        _stub_module(TITAN_KERNELS, _no_kernel)
+
+
+def shim_torchtune() -> None:
+    for name in TUNE_STUB_MODULES:
+        if name not in sys.modules and _missing(name.split(".")[0]):
+            _stub_module(name, lambda n: type(n, (), {}))  # classes: torchtune subclasses / annotates with them
+
+
+def library_missing(library: str) -> str | None:
+    """Why ``library`` cannot be measured here, or ``None``."""
+    if _missing(library):
+        return f"{library} is not installed (pip install --no-deps {LIBRARY_PINS[library]})"
+    try:
+        import_library(library)
+    except Exception as exc:  # noqa: BLE001 - the reason is the row
+        return f"{library} does not import: {type(exc).__name__}: {exc}"
+    return None
+
+
+LIBRARY_PINS = {"torchtitan": "torchtitan==0.3.0 spmd-types tyro docstring-parser",
+                "torchtune": "torchtune==0.6.1 torchao==0.14.1"}
+
+
+def import_library(library: str) -> None:
+    if library == "torchtitan":
+        shim_torchtitan()
+        import torchtitan.models.deepseek_v3  # noqa: F401
+        import torchtitan.models.llama3  # noqa: F401
+        import torchtitan.models.qwen3  # noqa: F401
+    else:
+        shim_torchtune()
+        import torchtune.models.gemma  # noqa: F401
+        import torchtune.models.llama3  # noqa: F401
+        import torchtune.models.qwen2  # noqa: F401
+
+
+# --------------------------------------------------------------------------- builders (zero-argument: verify calls them)
+
+
+def _on_meta() -> bool:
+    return torch.get_default_device().type == "meta"
+
+
+def _sdpa(layers: list) -> None:
+    # the library default is FlexAttention, which needs torch.compile and a BlockMask; SDPA is
+    # the same math with is_causal=True and runs eagerly on CPU and on meta
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+
+
+def _titan_build(config) -> nn.Module:
+    model = config.build()
+    if not _on_meta():  # RoPE caches are torch.empty until init_states fills them
+        model.init_states(buffer_device=torch.get_default_device())
+    return model
+
+
+def build_titan_llama3() -> nn.Module:
+    shim_torchtitan()
+    from torchtitan.models import llama3 as L
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    config = L.Llama3Model.Config(  # llama3 "debugmodel" shrunk; fused wqkv as every llama3 flavor
+        dim=DIM, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=L._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=L._NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=L._output_linear_init(DIM)),
+        layers=L._build_llama3_layers(
+            fuse_qkv=True, n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS,
+            hidden_dim=compute_ffn_hidden_dim(DIM, multiple_of=32),
+            rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=64, theta=500000, scaling="llama"),
+            attn_backend="varlen"),
+    )
+    _sdpa(config.layers)
+    set_llama3_sharding_config(config, enable_sp=True)
+    return _titan_build(config)
+
+
+def build_titan_qwen3() -> nn.Module:
+    shim_torchtitan()
+    from torchtitan.models import qwen3 as Q
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    head_dim = HEAD_DIM
+    config = Q.Qwen3Model.Config(  # qwen3 "debugmodel" shrunk: tied embeddings, fused wqkv, q/k norms
+        vocab_size=VOCAB, dim=DIM, norm=Q._qwen3_norm(DIM), enable_weight_tying=True,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=Q._EMBEDDING_SKIP_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=Q._LINEAR_INIT),
+        layers=Q._build_qwen3_layers(
+            fuse_qkv=True, n_layers=LAYERS, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=head_dim,
+            hidden_dim=256, attn_backend="varlen",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1000000.0)),
+    )
+    _sdpa(config.layers)
+    set_qwen3_sharding_config(config, enable_sp=True, enable_ep=False)
+    return _titan_build(config)
+
+
+def build_titan_deepseek_v3() -> nn.Module:
+    shim_torchtitan()
+    from torchtitan.models import deepseek_v3 as D
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+
+    rope_dim = HEAD_DIM
+    layers = D._build_dsv3_layers(  # deepseek_v3 "debugmodel" shrunk: layer 0 dense, layer 1 MoE
+        n_layers=LAYERS, n_dense_layers=1, dim=DIM, n_heads=HEADS, q_lora_rank=0, kv_lora_rank=32,
+        qk_nope_head_dim=HEAD_DIM, qk_rope_head_dim=rope_dim, v_head_dim=HEAD_DIM, mscale=0.70,
+        dense_hidden_dim=256, moe_hidden_dim=64, num_experts=4, num_shared_experts=2, router_top_k=2,
+        router_score_func="softmax", attn_backend="varlen", moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=rope_dim, max_seq_len=64, theta=10000.0, scaling="yarn", rope_factor=40.0,
+                                beta_fast=32.0, beta_slow=1.0, original_seq_len=32),
+    )
+    config = D.DeepSeekV3Model.Config(
+        vocab_size=VOCAB, dim=DIM,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=D._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=D._NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=D._output_linear_init(DIM)),
+        layers=layers, mtp_layers=[],
+    )
+    _sdpa(config.layers)
+    set_deepseek_v3_sharding_config(config, enable_sp=True, enable_ep=False)
+    return _titan_build(config)
+
+
+def build_tune_llama3() -> nn.Module:
+    shim_torchtune()
+    from torchtune.models.llama3 import llama3
+
+    return llama3(vocab_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, embed_dim=DIM,
+                  max_seq_len=64, intermediate_dim=256)
+
+
+def build_tune_qwen2() -> nn.Module:
+    shim_torchtune()
+    from torchtune.models.qwen2 import qwen2
+
+    return qwen2(vocab_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, embed_dim=DIM,
+                 intermediate_dim=256, max_seq_len=64)
+
+
+def build_tune_gemma() -> nn.Module:
+    shim_torchtune()
+    from torchtune.models.gemma import gemma
+
+    return gemma(vocab_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, head_dim=HEAD_DIM, num_kv_heads=KV_HEADS,
+                 embed_dim=DIM, intermediate_dim=256, max_seq_len=64)
+
+
+# --------------------------------------------------------------------------- the libraries' own plans -> shardplan styles
+
+
+def _tp_type(layout) -> object:
+    from torchtitan.distributed.parallel_dims import MeshAxisName
+
+    return None if layout is None else layout.per_axis_spmd_types().get(MeshAxisName.TP)
+
+
+def titan_style(module: nn.Module) -> str | None:
+    """The shardplan style of torchtitan's ``ShardingConfig`` on ``module``; ``None``: no TP placement."""
+    import spmd_types as spmd
+
+    config = getattr(module, "_sharding_config", None)
+    if config is None:
+        return None
+    states = config.state_shardings or {}
+    weight = _tp_type(states.get("weight"))
+    if weight is None and any(isinstance(_tp_type(s), spmd.Shard) for s in states.values()):
+        return "moe_tp_experts"  # GroupedExperts: w1_EFD/w3_EFD Shard(1), w2_EDF Shard(2) on the hidden dim
+    if isinstance(weight, spmd.Shard) and weight.dim == 0:
+        if isinstance(module, nn.Embedding):
+            return "embedding_rowwise"  # vocab rows split, Partial output reduced to the (sequence) layout
+        gathered = _tp_type(config.out_dst_shardings) is spmd.R
+        return "colwise_gather_output" if gathered else "colwise"
+    if isinstance(weight, spmd.Shard) and weight.dim == 1:
+        return "rowwise"
+    split = [_tp_type(l).dim for l in (config.in_src_shardings or {}).values() if isinstance(_tp_type(l), spmd.Shard)]
+    if weight is spmd.R and 1 in split:
+        return "sequence_parallel"  # a norm on Shard(1) (sequence) activations
+    if weight is spmd.R and split:
+        return "replicated_with_grad_allreduce"  # qwen3's q/k norms on head-split inputs: Partial weight grads
+    return "replicate"
+
+
+def titan_plan(model: nn.Module) -> dict[str, str]:
+    out = {}
+    for fqn, module in model.named_modules():
+        style = titan_style(module)
+        if fqn and style is not None and any(True for _ in module.parameters(recurse=False)):
+            out[fqn] = style
+    return out
+
+
+def _tune_style(style, module: nn.Module) -> str | None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+    )
+
+    if isinstance(style, PrepareModuleInput):
+        return None  # a region boundary, not a weight style
+    if isinstance(style, SequenceParallel):
+        return "sequence_parallel"
+    if isinstance(style, ColwiseParallel):
+        return "colwise_gather_output" if isinstance(style.output_layouts[0], Replicate) else "colwise"
+    if isinstance(style, RowwiseParallel):
+        if isinstance(module, nn.Embedding):
+            return "embedding_rowwise"
+        return "rowwise_split_input" if isinstance(style.input_layouts[0], Replicate) else "rowwise"
+    return f"?{type(style).__name__}"
+
+
+def tune_plan(model: nn.Module) -> tuple[dict[str, str], list[str]]:
+    """torchtune's ``base_llama_tp_plan`` expanded over ``model`` (``*`` as in ``parallelize_module``),
+    and the plan's keys that match no module."""
+    from torchtune.models.llama3 import base_llama_tp_plan
+
+    out, unused = {}, []
+    modules = dict(model.named_modules())
+    for pattern, style in base_llama_tp_plan().items():
+        hits = [fqn for fqn in modules if fqn and fnmatch.fnmatchcase(fqn, pattern) and fqn.count(".") == pattern.count(".")]
+        if not hits:
+            unused.append(pattern)
+        for fqn in hits:
+            name = _tune_style(style, modules[fqn])
+            if name is not None:
+                out[fqn] = name
+    return out, unused
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Spec:
+    library: str
+    model: str
+    builder: str
+    note: str = ""
+
+
+SPECS = {
+    "titan-llama3": Spec("torchtitan", "llama3", "build_titan_llama3"),
+    "titan-qwen3": Spec("torchtitan", "qwen3", "build_titan_qwen3"),
+    "titan-deepseek_v3": Spec("torchtitan", "deepseek_v3", "build_titan_deepseek_v3"),
+    "tune-llama3": Spec("torchtune", "llama3", "build_tune_llama3"),
+    "tune-qwen2": Spec("torchtune", "qwen2", "build_tune_qwen2", "llama-plan"),
+    "tune-gemma": Spec("torchtune", "gemma", "build_tune_gemma", "llama-plan"),
+}
+
+
+@dataclass
+class Row:
+    spec: Spec
+    tp: int
+    weights: int = 0
+    agree: int = 0
+    differ: int = 0
+    whole: int = 0
+    family: int = 0
+    plan_s: float = 0.0
+    numerics: str = ""
+    diffs: list[tuple[str, str, str]] = field(default_factory=list)  # (module pattern, styles, warning)
+    error: str = ""
+
+
+def _warning_for(plan, fqn: str) -> str:
+    rule = plan.rule_for(fqn)
+    names = {fqn} | ({rule.module} if rule else set())
+    return " | ".join(w for w in plan.warnings if any(w.startswith(f"{n}:") for n in names))
+
+
+def _generic(fqn: str) -> str:
+    return ".".join("*" if part.isdigit() else part for part in fqn.split("."))
+
+
+def compare(row: Row, ours: dict[str, str], theirs: dict[str, str], plan) -> None:
+    from shardplan.interop.hf import style_family
+
+    for fqn, style in ours.items():
+        lib = theirs.get(fqn, "replicate")
+        row.weights += 1
+        row.whole += style_family(lib) == "replicate"
+        row.family += style_family(lib) == style_family(style)
+        if lib == style:
+            row.agree += 1
+            continue
+        row.differ += 1
+        row.diffs.append((_generic(fqn), f"library {lib}{'' if fqn in theirs else ' (unnamed)'}, shardplan {style}",
+                          _warning_for(plan, fqn)))
+    for fqn in sorted(set(theirs) - set(ours)):
+        row.diffs.append((_generic(fqn), f"library {theirs[fqn]}, not a weight module of shardplan's plan", ""))
+
+
+def _plan_timed(model: nn.Module, tp: int, tokens: torch.Tensor, runs: int):
+    import shardplan
+
+    times, plan = [], None
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=(tokens,), explain=False)
+        times.append(time.perf_counter() - t0)
+    return plan, statistics.median(times)
+
+
+def measure(spec: Spec, runs: int) -> tuple[list[Row], list[str]]:
+    builder = globals()[spec.builder]
+    with torch.device("meta"):
+        model = builder()
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), device="meta")
+    if spec.library == "torchtitan":
+        theirs, unused = titan_plan(model), []
+    else:
+        theirs, unused = tune_plan(model)
+    rows = []
+    for tp in TPS:
+        row = Row(spec, tp)
+        try:
+            plan, row.plan_s = _plan_timed(model, tp, tokens, runs)
+            compare(row, plan.module_styles(), theirs, plan)
+        except Exception as exc:  # noqa: BLE001 - a row of the table
+            row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        rows.append(row)
+    return rows, [f"library plan key {k!r} matches no module" for k in unused]
+
+
+def numerics(spec: Spec) -> str:
+    from shardplan.tools.verify import VerifyError, verify
+
+    try:
+        result = verify(f"benchmarks.ecosystem:{spec.builder}", nproc=2, timeout_s=300)
+    except VerifyError as exc:
+        return f"error: {exc}"
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return result.summary()
+
+
+# --------------------------------------------------------------------------- output
+
+
+HEADER = (f"{'library':<10} {'model':<12} {'tp':>2} {'weights':>7} {'agree':>5} {'differ':>6} {'whole':>5} "
+          f"{'fam':>4} {'plan s':>6}  numerics (tp=2)")
+
+
+def _fmt(row: Row, verdict: str) -> str:
+    model = row.spec.model + ("*" if row.spec.note else "")
+    head = f"{row.spec.library:<10} {model:<12} {row.tp:>2}"
+    if row.error:
+        return f"{head} plan failed: {row.error}"
+    return (f"{head} {row.weights:>7} {row.agree:>5} {row.differ:>6} {row.whole:>5} {row.family:>4} "
+            f"{row.plan_s:>6.2f}  {verdict}")
+
+
+def _diff_lines(rows: list[Row]) -> list[str]:
+    """One line per (model, module pattern, styles), with the tps it occurs at: layers and tps
+    that differ alike are the same finding."""
+    seen: dict[tuple[str, str, str, str], list] = {}
+    for row in rows:
+        for pattern, styles, warning in row.diffs:
+            key = (f"{row.spec.library} {row.spec.model}", pattern, styles, re.sub(r"\.\d+\.", ".*.", warning.replace(f"tp={row.tp}", "tp=N")))
+            tps = seen.setdefault(key, [])
+            if row.tp not in tps:
+                tps.append(row.tp)
+    lines = []
+    for (model, pattern, styles, warning), tps in seen.items():
+        lines.append(f"  {model} tp={','.join(map(str, tps))}: {pattern}: {styles}")
+        if warning:
+            lines.append(f"      warning: {warning}")
+    return lines
+
+
+def _short(verdict: str) -> str:
+    if verdict.startswith("PASS"):
+        return "PASS"
+    if verdict.startswith("FAIL"):
+        return "FAIL: " + verdict.split("differs from the unsharded model: ", 1)[-1]
+    return verdict[:110]
+
+
+def _set_dim(dim: int) -> None:
+    global DIM, HEAD_DIM
+    os.environ["ECOSYSTEM_DIM"] = str(dim)  # verify's ranks re-import this module and build from it
+    DIM, HEAD_DIM = dim, dim // HEADS
+
+
+def main() -> int:
+    from _machine import speed_note
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(SPECS), help=f"comma-separated, of {', '.join(SPECS)}")
+    parser.add_argument("--runs", type=int, default=3, help="plan_model calls per (model, tp); the median is shown")
+    parser.add_argument("--no-verify", action="store_true", help="skip the 2-rank numerics check")
+    parser.add_argument("--dim", type=int, default=DIM, help="model width (8 heads, 4 kv heads)")
+    args = parser.parse_args()
+    _set_dim(args.dim)
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    names = [n for n in args.models.split(",") if n]
+    unknown = [n for n in names if n not in SPECS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(SPECS)}")
+    print(f"# ecosystem: {time.strftime('%Y-%m-%dT%H:%M:%S')}; {speed_note()}")
+    print(f"# tiny configs: dim {DIM}, {LAYERS} layers, vocab {VOCAB}, {HEADS} heads / {KV_HEADS} kv; "
+          f"plan on meta, tokens {BATCH} x {SEQ}; plan s = median of {args.runs}")
+    skipped = {lib: library_missing(lib) for lib in {SPECS[n].library for n in names}}
+    rows, details, verdicts = [], [], {}
+    for name in names:
+        spec = SPECS[name]
+        if skipped[spec.library]:
+            continue
+        try:
+            got, notes = measure(spec, args.runs)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            details.append(f"{name}: build/trace failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            continue
+        verdicts[name] = "skipped" if args.no_verify else numerics(spec)
+        rows += got
+        details += [f"{name}: {n}" for n in notes]
+    print(HEADER)
+    for row in rows:
+        name = next(k for k, s in SPECS.items() if s is row.spec)
+        print(_fmt(row, _short(verdicts[name]) if row.tp == 2 else ""), flush=True)
+    for lib, why in sorted(skipped.items()):
+        if why:
+            print(f"# skipped {lib}: {why}")
+    print("# * no TP plan of its own in torchtune 0.6.1: compared with torchtune's llama3 plan on its module names")
+    print("# whole: weights the library leaves whole (no TP placement, or replicated/sequence-parallel); "
+          "fam: agreements by style family")
+    print("\n## differences (library style vs shardplan style; * = every layer index that differs)")
+    for line in _diff_lines(rows):
+        print(line)
+    for line in details:
+        print(f"  {line}")
+    print("\n## numerics (verify, tp=2, 2 gloo ranks)")
+    for name, verdict in verdicts.items():
+        print(f"  {name}: {verdict}")
+    print(f"# machine at end: {speed_note()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

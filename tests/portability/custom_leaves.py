@@ -1,0 +1,55 @@
+"""Weight modules outside the repeated blocks written the way libraries write them."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+class LocalEmbedding(nn.Embedding):
+    """torchtitan 0.3.0's Embedding: reads its weight's local tensor in its own forward."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        return F.embedding(tokens, weight)
+
+
+class TiedHead:
+    """torchtune's TiedLinear: a plain object (not a module) computing with another
+    module's weight."""
+
+    def __init__(self, owner: nn.Module) -> None:
+        self.owner = owner
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.owner.weight)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class LocalEmbeddingLM(nn.Module):
+    def __init__(self, vocab: int = 128, dim: int = 32, layers: int = 2, tied: bool = False) -> None:
+        super().__init__()
+        self.embed = LocalEmbedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.tied = TiedHead(self.embed) if tied else None
+        self.head = None if tied else nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.tied(x) if self.tied is not None else self.head(x)
+
+
+def local_embedding_lm() -> LocalEmbeddingLM:
+    torch.manual_seed(0)
+    return LocalEmbeddingLM()

@@ -1,0 +1,38 @@
+"""Weight modules that are not the stock classes, outside the repeated blocks: the local
+check runs them on their shards too, and what fails there is kept whole and run on local
+tensors (torchtitan 0.3.0's Embedding reads ``self.weight.to_local()``)."""
+
+from __future__ import annotations
+
+import torch
+
+import shardplan
+from shardplan.tools.verify import verify
+from tests.portability.custom_leaves import LocalEmbeddingLM
+
+TOKENS = (torch.zeros(2, 16, dtype=torch.long, device="meta"),)
+
+
+def _plan(**kw) -> shardplan.Plan:
+    with torch.device("meta"):
+        model = LocalEmbeddingLM(**kw)
+    return shardplan.plan_model(model, {"tp": 2}, example_inputs=TOKENS)
+
+
+def test_an_embedding_that_reads_its_local_weight_is_kept_whole() -> None:
+    plan = _plan()
+    styles = plan.module_styles()
+    assert styles["embed"] == "replicate" and styles["layers.0.up"] == "colwise", styles
+    (note,) = [w for w in plan.warnings if w.startswith("embed:")]
+    assert "own forward fails on its shards" in note and "custom_leaves.py" in note
+
+
+def test_a_weight_read_by_code_outside_its_module_is_kept_whole() -> None:
+    plan = _plan(tied=True)
+    assert plan.module_styles()["embed"] == "replicate"
+    assert any("other code reads its weight as a plain tensor" in w for w in plan.warnings), plan.warnings
+
+
+def test_kept_whole_embedding_matches_one_process_on_gloo() -> None:
+    result = verify("tests.portability.custom_leaves:local_embedding_lm", nproc=2, timeout_s=240)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
