@@ -19,7 +19,6 @@ byte-identical to ``plan_model(model, that_split)`` with the same options.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import warnings
 from collections.abc import Mapping
@@ -33,7 +32,8 @@ from torch import nn
 from .decide import cost
 from .decide.estimate import estimate
 from .decide.explain import explain_decisions
-from .analyze.graph import OpGraph, build_graph
+from .analyze.frontend import op_graph
+from .analyze.graph import OpGraph
 from .decide import assemble
 from .apply.localcheck import LocalShapeError, check_local_shapes, find_local_attributes
 from .plan.model import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint
@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 _EXTRA_OPTIONS = ("explain", "tp_axis", "fold_repeated", "strict", "check", "front_end", "_pinned")
-FRONT_ENDS = ("auto", "fx", "export")
 _OPTION_NAMES = set(PlanOptions.model_fields) | set(_EXTRA_OPTIONS)
 
 
@@ -168,25 +167,6 @@ def _state_shards(axes: dict[str, int], tp_axis: str, data_parallel: str) -> int
     return axes[data[-1]]
 
 
-@contextlib.contextmanager
-def _training_trace(model: nn.Module):
-    """Hugging Face models build a KV cache unless told not to; planning traces training."""
-    config = getattr(model, "config", None)
-    saved = getattr(config, "use_cache", None)
-    if saved:
-        config.use_cache = False
-    try:
-        yield
-    finally:
-        if saved:
-            config.use_cache = saved
-
-
-def _trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None, fold: bool):
-    with _training_trace(model):
-        return trace_model(model, example_inputs, example_kwargs=example_kwargs, fold_repeated=fold)
-
-
 def plan_model(
     model: nn.Module, mesh: Any = None, *, example_inputs: tuple | None = None, example_kwargs: dict | None = None,
     world_size: int | None = None, **options: Any,
@@ -235,37 +215,11 @@ def _defaults(model: nn.Module, opts: PlanOptions, example_inputs: Any) -> tuple
 
 def _graph(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None, extra: dict[str, Any]) -> OpGraph:
     """The op graph: it depends on the model and inputs only, never on the mesh."""
-    front = extra.get("front_end", "auto")
-    if front not in FRONT_ENDS:
-        raise ValueError(f"front_end={front!r}; expected one of {FRONT_ENDS} ('auto': the meta fx tracer, "
-                         "then torch.export where it fails)")
-    if front == "export":
-        graph = _exported_graph(model, example_inputs, example_kwargs, None)
-    else:
-        try:
-            graph = build_graph(_trace(model, example_inputs, example_kwargs, extra.get("fold_repeated", True)))
-        except Exception as fx_exc:  # noqa: BLE001 - any failure of the fast path: try the second front end
-            if front == "fx":
-                raise
-            graph = _exported_graph(model, example_inputs, example_kwargs, fx_exc)
+    graph = op_graph(model, example_inputs, example_kwargs, front_end=extra.get("front_end", "auto"),
+                     fold=extra.get("fold_repeated", True), tracer=trace_model)
     if not any(op.kind == "module" for op in graph.ops):
         raise PlanningError(f"{type(model).__name__} has no weight modules called in forward: nothing to shard")
     return graph
-
-
-def _exported_graph(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
-                    fx_exc: Exception | None) -> OpGraph:
-    """The op graph through torch.export, when the meta fx tracer could not follow the code
-    (a module built in forward, ``callable(x)``, ``autocast(device_type=x.device.type)``)."""
-    from .analyze.export import export_trace
-
-    try:
-        with _training_trace(model):
-            return build_graph(export_trace(model, example_inputs, example_kwargs))
-    except TraceError as exc:
-        if fx_exc is None:
-            raise
-        raise TraceError(f"{fx_exc} (the fx tracer); {exc} (the second front end)") from fx_exc
 
 
 def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: str, opts: PlanOptions,

@@ -5,6 +5,8 @@ Contract
 :mod:`.trace` runs the model on the meta device (nothing is allocated; a 405B model costs
 no memory) under a ``torch.fx`` tracer that carries meta tensors along, so every value has
 a shape; weight-bearing modules stay leaves and repeated blocks are traced once.
+:mod:`.export` is the second front end, torch.export on fake tensors rewritten into the
+same graph form, for code the tracer cannot follow; :mod:`.frontend` chooses between them.
 :mod:`.graph` turns the trace into an :class:`~.graph.OpGraph` (``networkx``): weight
 modules and the ops between them, with shapes, multiplicities and source lines. Nothing
 here knows sharding, costs or plans; the stages above read this graph.

@@ -1,0 +1,69 @@
+"""Front ends: a model and its example inputs -> the op graph, by the meta fx tracer or torch.export.
+
+Contract
+--------
+``op_graph(model, example_inputs, example_kwargs, *, front_end="auto", fold=True)`` returns
+the :class:`~shardplan.analyze.graph.OpGraph` the planner solves. ``"fx"``: the meta fx
+tracer (:mod:`.trace`, folds repeated blocks, the fast path); ``"export"``: torch.export
+(:mod:`.export`); ``"auto"``: the tracer, then torch.export wherever the tracer or the graph
+built from it fails, and a :class:`~shardplan.analyze.trace.TraceError` carrying both
+reasons when both fail. Hugging Face models are traced with ``config.use_cache = False``
+(planning traces training). The result depends on the model and inputs only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+from torch import nn
+
+from .graph import OpGraph, build_graph
+from .trace import TraceError, trace_model
+
+__all__ = ["FRONT_ENDS", "op_graph"]
+
+FRONT_ENDS = ("auto", "fx", "export")
+
+
+@contextlib.contextmanager
+def _training_trace(model: nn.Module) -> Iterator[None]:
+    config = getattr(model, "config", None)
+    saved = getattr(config, "use_cache", None)
+    if saved:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if saved:
+            config.use_cache = saved
+
+
+def op_graph(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None, *, front_end: str = "auto",
+             fold: bool = True, tracer: Callable[..., Any] = trace_model) -> OpGraph:
+    """The op graph of ``model``; see the module docstring. ``tracer``: the fx front end."""
+    if front_end not in FRONT_ENDS:
+        raise ValueError(f"front_end={front_end!r}; expected one of {FRONT_ENDS} ('auto': the meta fx tracer, "
+                         "then torch.export where it fails)")
+    if front_end == "export":
+        return _exported(model, example_inputs, example_kwargs, None)
+    try:
+        with _training_trace(model):
+            return build_graph(tracer(model, example_inputs, example_kwargs=example_kwargs, fold_repeated=fold))
+    except Exception as fx_exc:  # noqa: BLE001 - any failure of the fast path: try the second front end
+        if front_end == "fx":
+            raise
+        return _exported(model, example_inputs, example_kwargs, fx_exc)
+
+
+def _exported(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
+              fx_exc: Exception | None) -> OpGraph:
+    from .export import export_trace
+
+    try:
+        with _training_trace(model):
+            return build_graph(export_trace(model, example_inputs, example_kwargs))
+    except TraceError as exc:
+        if fx_exc is None:
+            raise
+        raise TraceError(f"{fx_exc} (the fx tracer); {exc} (the second front end)") from fx_exc
