@@ -4,6 +4,7 @@ tensors (torchtitan 0.3.0's Embedding reads ``self.weight.to_local()``)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import shardplan
@@ -19,8 +20,9 @@ def _plan(**kw) -> shardplan.Plan:
     return shardplan.plan_model(model, {"tp": 2}, example_inputs=TOKENS)
 
 
-def test_an_embedding_that_reads_its_local_weight_is_kept_whole() -> None:
-    plan = _plan()
+@pytest.mark.parametrize("layers", [2, 1])  # 1: nothing folds, the check runs the whole model
+def test_an_embedding_that_reads_its_local_weight_is_kept_whole(layers: int) -> None:
+    plan = _plan(layers=layers)
     styles = plan.module_styles()
     assert styles["embed"] == "replicate" and styles["layers.0.up"] == "colwise", styles
     (note,) = [w for w in plan.warnings if w.startswith("embed:")]

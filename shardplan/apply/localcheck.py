@@ -210,7 +210,8 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
             block(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
         leaf = _failing_leaf(block, stack, target)  # a weight module's own forward: it can be kept whole
-        if leaf is not None and _fails_unsharded(graph.model.get_submodule(leaf), graph.traced.calls[leaf][0]):
+        calls = graph.traced.calls.get(leaf or "", [])
+        if leaf is not None and calls and _fails_unsharded(graph.model.get_submodule(leaf), calls[0]):
             leaf = None  # it fails whole too (experts routing on meta): not its style's doing
         if leaf is None and _fails_unsharded(graph.model.get_submodule(target), call):
             raise LocalShapeError(
