@@ -42,7 +42,8 @@ def fsdp_units(
     if reshard_after_forward not in RESHARD_POLICIES:
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r} is not a policy; expected one of "
                          f"{', '.join(RESHARD_POLICIES)} (torchtitan's names)")
-    blocks = [b for b in _blocks(repeats, model) if not _shares_outside(model, b)]
+    owners = _param_owners(model)
+    blocks = [b for b in _blocks(repeats, model) if not _shares_outside(owners, b)]
     reshard = reshard_after_forward != "never"
     units = [(b, reshard) for b in blocks]
     if units and reshard_after_forward == "default":  # the last block runs first in backward
@@ -64,15 +65,20 @@ def _blocks(repeats: Mapping[str, int | list[str]], model: nn.Module) -> list[st
     return out
 
 
-def _shares_outside(model: nn.Module, block: str) -> bool:
-    """Whether a parameter of ``block`` is also registered on a module outside it."""
-    inside = {id(p) for p in model.get_submodule(block).parameters()}
+def _param_owners(model: nn.Module) -> dict[int, list[str]]:
+    """Parameter id -> every module FQN that registers it (a tied weight has two)."""
+    owners: dict[int, list[str]] = {}
     for fqn, mod in model.named_modules(remove_duplicate=False):
-        if fqn == block or fqn.startswith(block + "."):
-            continue
-        if any(id(p) in inside for p in mod.parameters(recurse=False)):
-            return True
-    return False
+        for p in mod.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(fqn)
+    return owners
+
+
+def _shares_outside(owners: dict[int, list[str]], block: str) -> bool:
+    """Whether a parameter of ``block`` is also registered on a module outside it: one pass
+    over the model's modules for all blocks, not one per block."""
+    inside = lambda fqn: fqn == block or fqn.startswith(block + ".")  # noqa: E731
+    return any(any(inside(f) for f in fqns) and not all(inside(f) for f in fqns) for fqns in owners.values() if len(fqns) > 1)
 
 
 def unit_of(module: str, units: list[tuple[str, bool]]) -> str:
