@@ -10,7 +10,7 @@ import torch
 import shardplan
 from shardplan.plan.validate import check_findings
 from shardplan.tools.verify import verify
-from tests.portability.heads import HardCodedLM
+from tests.portability.heads import DerivedLM, HardCodedLM
 
 TOKENS = (torch.zeros(2, 16, dtype=torch.long, device="meta"),)
 
@@ -60,4 +60,15 @@ def test_plans_without_attributes_keep_their_files() -> None:
 def test_local_head_count_matches_one_process_on_gloo() -> None:
     result = verify("tests.portability.heads:hard_coded_lm", nproc=2, timeout_s=240)
     assert result.plan.attributes and result.plan.rule_for("blocks.0.q").style == "colwise"
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_a_size_other_sizes_derive_from_is_rewritten_with_them() -> None:
+    """head_dim = self.dim // self.heads: halving dim alone runs, on heads half as wide;
+    the views the code makes must have the shapes the plan expects, so only both are set."""
+    with torch.device("meta"):
+        model = DerivedLM()
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=TOKENS)
+    assert [(a.module, a.values) for a in plan.attributes] == [("blocks.*", {"dim": 32, "heads": 2})]
+    result = verify("tests.portability.heads:derived_lm", nproc=2, timeout_s=240)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

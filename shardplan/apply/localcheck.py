@@ -274,5 +274,69 @@ def find_local_attributes(graph: OpGraph, plan: Plan, placements: dict[int, str]
             except LocalShapeError as exc:
                 if exc.module == fqn:
                     continue
-            return entries
+            if _views_as_planned(graph, trial, placements, fqn, mesh):
+                return entries
     return None
+
+
+_VIEW_OPS = {"view", "reshape"}
+
+
+def _views_as_planned(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> bool:
+    """Running is not enough: with ``dim`` halved instead of ``heads``, ``view(b, s,
+    self.heads, self.dim // self.heads)`` runs too, on heads of half the width. Every view
+    the module's code makes must give the local shape the plan expects of that value (its
+    global shape with the sharded dim / tp), in the order the tracer recorded them."""
+    expected = [_local_shape(graph.values[op.output].shape, placements.get(op.output, "R"), plan.tp)
+                for op in graph.ops if op.kind == "function" and op.target in _VIEW_OPS
+                and (op.owner == fqn or op.owner.startswith(fqn + "."))]
+    try:
+        seen = _record_views(graph, plan, placements, fqn, mesh)
+    except Exception:  # noqa: BLE001 - it ran in the check; any failure here is a refusal
+        return False
+    return seen == expected
+
+
+def _local_shape(shape: tuple[int, ...], p: str, tp: int) -> tuple[int, ...]:
+    if not p.startswith("S"):
+        return tuple(shape)
+    d = int(p[1:].split("p")[0])
+    return tuple(n // tp if i == d else n for i, n in enumerate(shape))
+
+
+def _record_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> list[tuple[int, ...]]:
+    """The output shapes of the views ``fqn``'s own code makes (not its weight modules'),
+    running its shards under ``plan``."""
+    from torch.overrides import TorchFunctionMode
+
+    from ..analyze.trace import is_weight_leaf
+
+    call = graph.traced.calls[fqn][0]
+    seen: list[tuple[int, ...]] = []
+    depth = [0]
+
+    class Views(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if depth[0] == 0 and getattr(func, "__name__", "") in _VIEW_OPS and isinstance(out, torch.Tensor):
+                seen.append(tuple(out.shape))
+            return out
+
+    def run(block: nn.Module) -> None:
+        for sub in block.modules():
+            if is_weight_leaf(sub):
+                sub.register_forward_pre_hook(lambda *_: depth.__setitem__(0, depth[0] + 1), prepend=True)
+                sub.register_forward_hook(lambda *_: depth.__setitem__(0, depth[0] - 1))
+        args, kwargs = _local_args(call, placements, plan.tp)
+        with torch.no_grad(), quiet_probes(), Views():
+            block(*args, **kwargs)
+
+    if dist.is_initialized():
+        tp_mesh = _caller_tp_mesh(mesh, plan)
+        if tp_mesh is None:
+            return []
+        run(shard(_meta_copy(graph.model.get_submodule(fqn)), tp_mesh, _sub_plan(plan, fqn)))
+    else:
+        with fake_process_group(plan.tp):
+            run(shard(_meta_copy(graph.model.get_submodule(fqn)), make_mesh({"tp": plan.tp}), _sub_plan(plan, fqn)))
+    return seen

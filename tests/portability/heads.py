@@ -48,3 +48,30 @@ class HardCodedLM(nn.Module):
 def hard_coded_lm() -> HardCodedLM:
     torch.manual_seed(0)
     return HardCodedLM()
+
+
+class DerivedHeads(nn.Module):
+    """Width and head count stored, head_dim derived in forward: halving ``dim`` alone also
+    runs (4 heads of 8 instead of 2 of 16), so only {dim, heads} together is right."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.dim, self.heads = dim, heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (m(x).view(b, s, self.heads, self.dim // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(b, s, self.dim))
+
+
+class DerivedLM(HardCodedLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(DerivedHeads() for _ in range(2))
+
+
+def derived_lm() -> DerivedLM:
+    torch.manual_seed(0)
+    return DerivedLM()
