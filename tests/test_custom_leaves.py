@@ -31,8 +31,16 @@ def test_an_embedding_that_reads_its_local_weight_is_kept_whole(layers: int) -> 
 
 def test_a_weight_read_by_code_outside_its_module_is_kept_whole() -> None:
     plan = _plan(tied=True)
-    assert plan.module_styles()["embed"] == "replicate"
+    assert plan.module_styles()["embed"] == "replicate" and plan.rule_for("embed").read_outside
     assert any("other code reads its weight as a plain tensor" in w for w in plan.warnings), plan.warnings
+
+
+def test_a_weight_read_outside_its_module_matches_one_process_on_gloo() -> None:
+    """torchtune's TiedLinear, a plain object, computes with the embedding's weight in the
+    root's forward: that weight is its local tensor for the whole forward."""
+    result = verify("tests.portability.custom_leaves:tied_lm", nproc=2, timeout_s=240)
+    assert result.plan.rule_for("embed").read_outside
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
 
 
 def test_kept_whole_embedding_matches_one_process_on_gloo() -> None:

@@ -37,7 +37,7 @@ from .gradsync import install_gradient_sync
 from .styles import (
     Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, MoEExpertsParallel, PackedColwise,
     ReplicateParallel,
-    combine, placement,
+    combine, local_during_forward, placement,
 )
 
 __all__ = [
@@ -67,7 +67,7 @@ def _style(rule: Rule, *, conv1d: bool = False) -> ParallelStyle:
     if rule.style == "moe_tp_experts":
         return MoEExpertsParallel()
     if rule.style == "replicate":
-        return ReplicateParallel(output_layouts=out)
+        return ReplicateParallel(output_layouts=out, local=rule.read_outside)
     raise ValueError(f"style {rule.style!r} of {rule.module!r} has no emitter; expected one of colwise, rowwise, ...")
 
 
@@ -233,6 +233,11 @@ def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
     tied = _tied_groups(model)
     parallelize_module(model, mesh, to_parallelize_plan(plan, model))
     set_local_attributes(model, plan)
+    read_outside = [f"{fqn}.{n}" if fqn else n for rule in plan.rules if rule.read_outside
+                    for fqn in expand_pattern(rule.module, plan.model.repeats)
+                    for n, _ in model.get_submodule(fqn).named_parameters(recurse=False)]
+    if read_outside:  # the code that reads them runs in the root's forward, outside any style
+        local_during_forward(model, read_outside)
     # output regions hook in after the module's own style has turned its output local
     outputs = {r.module: _region_style(r) for r in plan.regions if r.input == "output" and not r.use_local_output}
     for rule in plan.rules:

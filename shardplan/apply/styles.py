@@ -63,8 +63,9 @@ class ReplicateParallel(ParallelStyle):
     inputs computes the same thing on every rank, and its gradients need no collective.
     """
 
-    def __init__(self, *, output_layouts: Any = None) -> None:
+    def __init__(self, *, output_layouts: Any = None, local: bool = False) -> None:
         super().__init__()
+        self.local = local  # run on plain inputs and local parameters, whatever the class
         # Shard(d): hand on this rank's slice of the (replicated) output, as a position
         # embedding beside sequence-sharded tokens; Replicate -> Shard is a local slice
         # forward and an all-gather of the gradient backward
@@ -72,7 +73,7 @@ class ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         layout = self.output_layouts
-        if not type(module).forward.__module__.startswith("torch.nn."):
+        if self.local or not type(module).forward.__module__.startswith("torch.nn."):
             return self._apply_local(module, device_mesh)
 
         def to_shard(_module, outputs, mesh):  # distribute_module wants exactly 3 arguments
@@ -328,9 +329,35 @@ def _swap_to_local(module, args, *, names, partial_grads=()):
     module._shardplan_params = {}
     for path in names:
         owner, name = _owner(module, path)
-        param = module._shardplan_params[path] = owner._parameters[name]
+        param = owner._parameters[name]
+        if not isinstance(param, DTensor):  # already local: the whole forward reads it so
+            continue
+        module._shardplan_params[path] = param
         grads = (Partial(),) * param.device_mesh.ndim if path in partial_grads else None
         owner._parameters[name] = param.to_local(grad_placements=grads)
+
+
+def local_during_forward(model: nn.Module, paths: list[str]) -> None:
+    """The parameters ``paths`` are their local tensors for the whole of ``model``'s forward:
+    code that is not a module (a tied head as a plain object) reads them beside plain
+    activations. ``to_local`` is differentiable, so gradients reach the DTensors."""
+    state: dict[str, Any] = {}
+
+    def swap(module, args):
+        for path in paths:
+            owner, name = _owner(module, path)
+            if isinstance(owner._parameters[name], DTensor):  # not already swapped by its own style
+                state[path] = owner._parameters[name]
+                owner._parameters[name] = state[path].to_local()
+
+    def restore(module, args, output):
+        for path, param in state.items():
+            owner, name = _owner(module, path)
+            owner._parameters[name] = param
+        state.clear()
+
+    model.register_forward_pre_hook(swap)
+    model.register_forward_hook(restore)
 
 
 def _restore_params(module, args, output):

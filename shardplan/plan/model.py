@@ -85,6 +85,10 @@ class Rule(_Strict):
     # a container's own parameters (``replicate`` rule) placed other than Replicate, by
     # name: gpt-oss's per-head ``sinks: Shard(0)`` beside attention split by heads
     param_layouts: dict[str, Layout] = Field(default_factory=dict)
+    # replicate: other code reads this module's parameters as plain tensors (torchtune's
+    # TiedLinear, a plain object, computes with the embedding's weight): the model's whole
+    # forward sees their local tensors, and the module runs on plain inputs
+    read_outside: bool = False
     # a container's own parameters kept whole whose gradients come out Partial (a learned
     # temperature scaling scores split by heads): all-reduced once when backward ends
     partial_grads: list[str] = Field(default_factory=list)

@@ -53,3 +53,10 @@ class LocalEmbeddingLM(nn.Module):
 def local_embedding_lm() -> LocalEmbeddingLM:
     torch.manual_seed(0)
     return LocalEmbeddingLM()
+
+
+def tied_lm() -> LocalEmbeddingLM:
+    torch.manual_seed(0)
+    model = LocalEmbeddingLM(tied=True)
+    model.embed.__class__ = nn.Embedding  # the stock class: its style would run it on DTensors
+    return model
