@@ -117,8 +117,7 @@ def _quiet() -> Iterator[None]:
 
 
 def _meta_example(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    to_meta = lambda t: torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")  # noqa: E731
-    return tree_map_only(torch.Tensor, to_meta, tuple(args)), tree_map_only(torch.Tensor, to_meta, kwargs)
+    return tree_map_only(torch.Tensor, _to_meta, tuple(args)), tree_map_only(torch.Tensor, _to_meta, kwargs)
 
 
 def _to_meta(val: Any) -> Any:

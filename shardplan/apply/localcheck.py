@@ -15,8 +15,9 @@ without a process group.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from torch.utils._pytree import tree_map_only
 from ..analyze.graph import OpGraph
 from ..analyze.trace import portable_path, user_frame
 from ..plan.model import LocalAttributes, Plan, expand_pattern
+from ..decide.placements import shard_dim
 from ..decide.propagation import quiet_probes
 from ..decide.solve import PlanningError
 from .emit import shard
@@ -83,11 +85,9 @@ def _local_args(call, placements: dict[int, str], tp: int) -> tuple[tuple, dict]
             # blocks real buffers (a RoPE table), which a meta block cannot mix with
             return tree_map_only(torch.Tensor, _on_meta, value)
         p = placements.get(node.meta.get("shardplan_op"), "R") if node is not None else "R"
-        if not p.startswith("S"):
+        if shard_dim(p) is None:
             return _on_meta(value)
-        shape = list(value.shape)
-        shape[int(p[1:])] //= tp
-        return torch.empty(shape, dtype=value.dtype, device="meta")
+        return torch.empty(_local_shape(value.shape, p, tp), dtype=value.dtype, device="meta")
 
     args, kwargs = call.example
     return (
@@ -138,16 +138,23 @@ def check_local_shapes(graph: OpGraph, plan: Plan, placements: dict[int, str], *
     check, and the plan, are the same with or without a process group."""
     if plan.tp == 1 or graph.traced.notes:
         return  # nothing split / shapes were assumed
+    with _check_mesh(plan, mesh) as tp_mesh:
+        if tp_mesh is None:
+            raise LocalCheckUnavailable(
+                f"a process group exists and the mesh was given as sizes {dict(plan.mesh.axes)}, not as a DeviceMesh "
+                f"of tp={plan.tp}; pass the DeviceMesh (as auto_parallelize does) so the plan is checked as without one")
+        _run_blocks(graph, plan, placements, tp_mesh)
+
+
+@contextlib.contextmanager
+def _check_mesh(plan: Plan, mesh: Any) -> Iterator[Any]:
+    """The tp mesh the check runs on: a temporary fake group's without a process group, the
+    caller's tp axis under one (None when the caller gave sizes, not a DeviceMesh)."""
     if not dist.is_initialized():
         with fake_process_group(plan.tp):
-            _run_blocks(graph, plan, placements, make_mesh({"tp": plan.tp}))
-        return
-    tp_group = _caller_tp_mesh(mesh, plan)
-    if tp_group is None:
-        raise LocalCheckUnavailable(
-            f"a process group exists and the mesh was given as sizes {dict(plan.mesh.axes)}, not as a DeviceMesh of "
-            f"tp={plan.tp}; pass the DeviceMesh (as auto_parallelize does) so the plan is checked as without one")
-    _run_blocks(graph, plan, placements, tp_group)
+            yield make_mesh({"tp": plan.tp})
+    else:
+        yield _caller_tp_mesh(mesh, plan)
 
 
 def _fails_unsharded(module: nn.Module, call) -> bool:
@@ -210,8 +217,8 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
             block(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
         leaf = _failing_leaf(block, stack, target)  # a weight module's own forward: it can be kept whole
-        calls = graph.traced.calls.get(leaf or "", [])
-        if leaf is not None and calls and _fails_unsharded(graph.model.get_submodule(leaf), calls[0]):
+        calls = graph.traced.calls.get(leaf, []) if leaf is not None else []
+        if calls and _fails_unsharded(graph.model.get_submodule(leaf), calls[0]):
             leaf = None  # it fails whole too (experts routing on meta): not its style's doing
         if leaf is None and _fails_unsharded(graph.model.get_submodule(target), call):
             raise LocalShapeError(
@@ -237,10 +244,10 @@ def _dim_sizes(graph: OpGraph, placements: dict[int, str], fqn: str) -> tuple[se
     split: set[int] = set()
     whole: set[int] = set()
     for op in graph.ops:
-        p = placements.get(op.output, "R") if op.output is not None else "R"
-        if not p.startswith("S") or not (op.owner == fqn or op.owner.startswith(fqn + ".")):
+        d = shard_dim(placements.get(op.output, "R")) if op.output is not None else None
+        if d is None or not (op.owner == fqn or op.owner.startswith(fqn + ".")):
             continue
-        shape, d = graph.values[op.output].shape, int(p[1:].split("p")[0])
+        shape = graph.values[op.output].shape
         split.add(shape[d])
         whole.update(n for i, n in enumerate(shape) if i != d)
     return split, whole
@@ -300,9 +307,8 @@ def _views_as_planned(graph: OpGraph, plan: Plan, placements: dict[int, str], fq
 
 
 def _local_shape(shape: tuple[int, ...], p: str, tp: int) -> tuple[int, ...]:
-    if not p.startswith("S"):
-        return tuple(shape)
-    d = int(p[1:].split("p")[0])
+    """One rank's shape of a value placed ``p`` (a Shard(d) value holds 1/tp of dim d)."""
+    d = shard_dim(p)
     return tuple(n // tp if i == d else n for i, n in enumerate(shape))
 
 
@@ -333,12 +339,8 @@ def _record_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: s
         with torch.no_grad(), quiet_probes(), Views():
             block(*args, **kwargs)
 
-    if dist.is_initialized():
-        tp_mesh = _caller_tp_mesh(mesh, plan)
+    with _check_mesh(plan, mesh) as tp_mesh:
         if tp_mesh is None:
             return []
         run(shard(_meta_copy(graph.model.get_submodule(fqn)), tp_mesh, _sub_plan(plan, fqn)))
-    else:
-        with fake_process_group(plan.tp):
-            run(shard(_meta_copy(graph.model.get_submodule(fqn)), make_mesh({"tp": plan.tp}), _sub_plan(plan, fqn)))
     return seen

@@ -85,14 +85,9 @@ class ReplicateParallel(ParallelStyle):
         """A class with its own ``forward`` (torchtitan's Embedding reads
         ``self.weight.to_local()``) may not run on DTensors: it runs on plain inputs and the
         parameters' local tensors, which, replicated, are the whole parameters."""
-        names = [n for n, _ in module.named_parameters(recurse=False)]
-        for name in names:
-            p = module._parameters[name]
-            if not isinstance(p, DTensor):
-                dist = distribute_tensor(p.detach(), device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
-                module.register_parameter(name, nn.Parameter(dist, requires_grad=p.requires_grad))
-        module.register_forward_pre_hook(partial(_swap_to_local, names=names))
-        module.register_forward_hook(_restore_params)
+        own = ContainerParams([n for n, _ in module.named_parameters(recurse=False)])
+        own.src_data_rank = self.src_data_rank
+        own._apply(module, device_mesh)
         if self.output_layouts is not None:
             layout = self.output_layouts
             module.register_forward_hook(lambda _m, _i, out: DTensor.from_local(
