@@ -258,9 +258,11 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 check_local_shapes(graph, plan, solution.placements, mesh=mesh)
             break
         except LocalShapeError as exc:
+            # its code sizes by a global count (a weight module then fails on what it was
+            # handed: o_proj on twice its features): the local count makes its shards run
             found = find_local_attributes(graph, plan, solution.placements, exc.module, mesh=mesh) if (
-                exc.module and exc.leaf is None and len(attributes) < 16) else None
-            if found:  # its code sizes by a global count: the local count makes its shards run
+                exc.module and exc.module != exc.leaf and len(attributes) < 16) else None
+            if found:
                 attributes += found
                 pending = solution
                 continue

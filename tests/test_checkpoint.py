@@ -34,17 +34,19 @@ import shardplan  # noqa: E402
 from shardplan.tools.launch import run_on_gloo  # noqa: E402
 from tests import _checkpoint_workers as w  # noqa: E402
 
-TYPES = ["phi3", "mixtral"]
+TYPES = ["phi3", "mixtral", "qwen3_moe"]
 
 
-PACKED = {"phi3": "packed_colwise", "mixtral": "moe_tp_experts"}  # the style each type tests
+# the style each type tests, at each tp; qwen3_moe's 2 kv heads are on 2 ranks each at tp=4
+PACKED = {("phi3", 2): "packed_colwise", ("phi3", 4): "packed_colwise", ("mixtral", 2): "moe_tp_experts",
+          ("mixtral", 4): "moe_tp_experts", ("qwen3_moe", 4): "colwise_kv_replicated"}
 
 
 def _plan(model_type: str, tp: int) -> str:
     model, ids = w.build(model_type, 0)
     plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=(ids,))
-    if model_type in PACKED:
-        assert PACKED[model_type] in set(plan.module_styles().values()), plan.module_styles()
+    if (model_type, tp) in PACKED:
+        assert PACKED[model_type, tp] in set(plan.module_styles().values()), plan.module_styles()
     return plan.to_yaml()
 
 

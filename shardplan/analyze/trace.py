@@ -63,6 +63,7 @@ class Traced:
     # folded instance FQN -> FQN of the representative that was traced through
     folded: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # assumptions the tracer had to make
+    assumed: list[str] = field(default_factory=list)  # modules whose output shape a note assumed
     front_end: str = "fx"  # "export": shardplan.analyze.export built it, unfolded
 
     def module(self, fqn: str) -> nn.Module:
@@ -132,6 +133,7 @@ class _ShardTracer(MetaTracer):
         self._fold_cache: dict[str, tuple[tuple, Any]] = {}
         self._computing_meta = False
         self.notes: list[str] = []
+        self.assumed: list[str] = []
         self._constants: dict[int, str] = {}
         self._keep: list[torch.Tensor] = []
         self._module_paths = {id(m): n for n, m in model.named_modules()}
@@ -241,6 +243,7 @@ class _ShardTracer(MetaTracer):
             first = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if first is None or not is_weight_leaf(mod) or all(p.dim() < 3 for p in mod.parameters(recurse=False)):
                 raise
+            self.assumed.append(target.removeprefix("m."))
             self.notes.append(
                 f"{target.removeprefix('m.')}: output shape taken from its input "
                 f"({type(exc).__name__} on the meta device: data-dependent routing)"
@@ -479,7 +482,8 @@ def _strip_root(graph: torch.fx.Graph, model: nn.Module, tracer: _ShardTracer) -
     for node in graph.nodes:  # tensors fx captured as constants (sliced buffers, rope tables)
         if node.op == "get_attr" and "val" not in node.meta:
             node.meta["val"] = _to_meta(getattr(tracer.root, node.target, None))
-    return Traced(graph=graph, model=model, calls=calls, folded=folded, notes=list(tracer.notes))
+    return Traced(graph=graph, model=model, calls=calls, folded=folded, notes=list(tracer.notes),
+                  assumed=list(tracer.assumed))
 
 
 def signature_params(model: nn.Module) -> list[str]:

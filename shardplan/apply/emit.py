@@ -35,7 +35,7 @@ from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern
 from .agree import agree
 from .gradsync import install_gradient_sync
 from .styles import (
-    Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, MoEExpertsParallel, PackedColwise,
+    ColwiseKVReplicated, Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, MoEExpertsParallel, PackedColwise,
     ReplicateParallel,
     combine, local_during_forward, placement,
 )
@@ -54,6 +54,8 @@ def _style(rule: Rule, *, conv1d: bool = False) -> ParallelStyle:
         return col(input_layouts=inp or Replicate(), output_layouts=out or Shard(-1), use_local_output=out is None)
     if rule.style == "packed_colwise":
         return PackedColwise(parts=rule.packed or 2, input_layouts=inp or Replicate(), output_layouts=Shard(-1))
+    if rule.style == "colwise_kv_replicated":
+        return ColwiseKVReplicated(groups=rule.groups)
     if rule.style == "colwise_gather_output":
         return col(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
     if rule.style == "rowwise":  # a Partial output stays a DTensor for the block's exit to sum
@@ -256,6 +258,9 @@ def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
     partial_grads = [f"{fqn}.{name}" for fqn, style in plan.module_styles().items()
                      if style in ("sequence_parallel", "replicated_with_grad_allreduce")
                      for name, _ in model.get_submodule(fqn).named_parameters(recurse=False)]
+    partial_grads += [f"{fqn}.{name}" for rule in plan.rules if rule.style == "colwise_kv_replicated"
+                      for fqn in expand_pattern(rule.module, plan.model.repeats)
+                      for name, _ in model.get_submodule(fqn).named_parameters(recurse=False)]
     partial_grads += [f"{fqn}.{name}" if fqn else name for rule in plan.rules if rule.partial_grads
                       for fqn in expand_pattern(rule.module, plan.model.repeats) for name in rule.partial_grads]
     install_gradient_sync(model, partial_grads)

@@ -120,6 +120,6 @@ def _check_model(model: nn.Module, plan: Plan) -> None:
         raise ValueError(f"{type(model).__name__} is not sharded on the tp axis yet ({plain!r} is a plain tensor, "
                          "expected a DTensor); call shardplan.apply_plan(model, mesh, plan) first, then fully_shard_plan")
     for name, p in params:
-        if p.device_mesh.ndim != 1 or p.device_mesh.size() != plan.tp:
+        if p.device_mesh.size() != plan.tp:  # 2-D: the tp axis unflattened for kv heads in groups
             raise ValueError(f"{name!r} is sharded over {p.device_mesh.size()} ranks (mesh {p.device_mesh.mesh_dim_names}), "
                              f"but the plan given is for tp={plan.tp}; pass the plan apply_plan applied")

@@ -101,33 +101,37 @@ def reduce_partial_gradients(model: nn.Module) -> int:
             buckets.setdefault(_bucket_key(grad), []).append(param)
     with torch.no_grad():
         for key, params in buckets.items():
-            if key[0] is None:  # not a plain sum over a 1-D mesh: let DTensor do it, one by one
+            if key[0] is None:  # not a plain sum on one mesh axis: let DTensor do it, one by one
                 for p in params:
-                    p.grad = p.grad.redistribute(placements=[Replicate()] * p.grad.device_mesh.ndim)
+                    p.grad = p.grad.redistribute(placements=p.placements)
             else:
-                _reduce_bucket(params)
+                _reduce_bucket(params, axis=key[1])
     return sum(len(ps) for ps in buckets.values())
 
 
 def _bucket_key(grad: DTensor) -> tuple:
-    mesh, (pl, *rest) = grad.device_mesh, grad.placements
-    if mesh.ndim != 1 or rest or getattr(pl, "reduce_op", None) != "sum":
+    """Gradients Partial (a sum) on exactly one mesh axis, whatever they are on the others (a
+    kv weight ``[Shard(0), Partial()]`` on the unflattened tp axis), share one all-reduce
+    over that axis's group."""
+    partial = [i for i, p in enumerate(grad.placements) if p.is_partial()]
+    if len(partial) != 1 or getattr(grad.placements[partial[0]], "reduce_op", None) != "sum":
         return (None, id(grad))
-    return (mesh, grad.dtype, grad.device)
+    return (grad.device_mesh, partial[0], grad.placements, grad.dtype, grad.device)
 
 
-def _reduce_bucket(params: list[nn.Parameter]) -> None:
-    """Flatten the local Partial summands into one buffer, sum it over the tp group, copy
-    each slice back into its own local tensor and relabel the gradient Replicate."""
-    mesh = params[0].grad.device_mesh
+def _reduce_bucket(params: list[nn.Parameter], *, axis: int) -> None:
+    """Flatten the local Partial summands into one buffer, sum it over the group of mesh axis
+    ``axis``, copy each slice back into its own local tensor and relabel that axis Replicate."""
+    mesh, placements = params[0].grad.device_mesh, list(params[0].grad.placements)
+    placements[axis] = Replicate()
     locals_ = [p.grad.to_local() for p in params]
     flat = torch.cat([t.reshape(-1) for t in locals_])
-    out = _all_reduce(flat, mesh.get_group().group_name)
+    out = _all_reduce(flat, mesh.get_group(axis).group_name)
     offset = 0
     for p, local in zip(params, locals_):
         local.copy_(out[offset:offset + local.numel()].view_as(local))
         offset += local.numel()
-        p.grad = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+        p.grad = DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def set_requires_gradient_sync(model: nn.Module, requires_gradient_sync: bool) -> None:

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_map_only
 from ..analyze.graph import OpGraph
 from ..analyze.trace import portable_path, user_frame
 from ..plan.model import LocalAttributes, Plan, expand_pattern
-from ..decide.placements import shard_dim
+from ..decide.placements import groups_of, local_shape, shard_dim
 from ..decide.propagation import quiet_probes
 from ..decide.solve import PlanningError
 from .emit import shard
@@ -48,8 +48,24 @@ class LocalShapeError(PlanningError):
 
 
 def _targets(graph: OpGraph) -> list[str]:
-    reps = sorted(r for r in set(graph.traced.folded.values()) if r in graph.traced.calls)  # ran in forward
-    return reps or [""]
+    """The modules the check runs: each kind of repeated block (or the whole model), and
+    where one holds a module whose output shape the tracer assumed (experts routing on meta
+    tensors), the parts of it that do not (the attention beside the experts)."""
+    cached = graph.strategy_cache.get("check_targets")
+    if cached is None:
+        reps = sorted(r for r in set(graph.traced.folded.values()) if r in graph.traced.calls)  # ran in forward
+        cached = graph.strategy_cache["check_targets"] = [t for r in reps or [""] for t in _around_assumed(graph, r)]
+    return cached
+
+
+def _around_assumed(graph: OpGraph, fqn: str) -> list[str]:
+    inside = [a for a in graph.traced.assumed if not fqn or a == fqn or a.startswith(fqn + ".")]
+    if not inside:
+        return [fqn] if fqn in graph.traced.calls else []
+    if fqn in inside:
+        return []
+    module = graph.model.get_submodule(fqn) if fqn else graph.model
+    return [t for name, _ in module.named_children() for t in _around_assumed(graph, f"{fqn}.{name}" if fqn else name)]
 
 
 def _sub_plan(plan: Plan, prefix: str) -> Plan:
@@ -136,8 +152,8 @@ def check_local_shapes(graph: OpGraph, plan: Plan, placements: dict[int, str], *
     process group (``auto_parallelize`` under torchrun) it runs on ``mesh``'s tp axis
     instead: DTensor on meta tensors computes shapes only and communicates nothing, so the
     check, and the plan, are the same with or without a process group."""
-    if plan.tp == 1 or graph.traced.notes:
-        return  # nothing split / shapes were assumed
+    if plan.tp == 1:
+        return  # nothing split
     with _check_mesh(plan, mesh) as tp_mesh:
         if tp_mesh is None:
             raise LocalCheckUnavailable(
@@ -187,7 +203,7 @@ def _custom_leaves(graph: OpGraph) -> list[str]:
     (an Embedding that reads ``self.weight.to_local()``): the blocks' run does not reach them."""
     from ..analyze.trace import is_weight_leaf
 
-    blocks = [t for t in _targets(graph) if t]
+    blocks = [r for r in set(graph.traced.folded.values()) if r in graph.traced.calls]
     out = []
     for fqn, calls in graph.traced.calls.items():
         module = graph.model.get_submodule(fqn) if fqn else graph.model
@@ -199,7 +215,7 @@ def _custom_leaves(graph: OpGraph) -> list[str]:
 
 
 def _run_blocks(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any) -> None:
-    if _targets(graph) != [""]:  # the whole model's run covers every module already
+    if "" not in _targets(graph):  # the whole model's run covers every module already
         for fqn in _custom_leaves(graph):
             _run_one(graph, plan, placements, mesh, fqn)
     for target in _targets(graph):
@@ -236,54 +252,74 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
 
 
 _MAX_ATTRIBUTE_CANDIDATES = 12
+_MAX_ATTRIBUTE_TRIALS = 64  # smallest sets first: every subset of up to 6 candidates
 
 
-def _dim_sizes(graph: OpGraph, placements: dict[int, str], fqn: str) -> tuple[set[int], set[int]]:
-    """Inside ``fqn``, the sizes of the dims the plan shards and of the other dims of those
-    sharded values."""
-    split: set[int] = set()
+def _dim_sizes(graph: OpGraph, placements: dict[int, str], fqn: str, tp: int) -> tuple[dict[int, int], set[int]]:
+    """Inside ``fqn``, the sizes of the dims the plan splits, each with the number of parts
+    it is split into (tp; a kv-grouped dim's group count; the repeat of grouped kv heads
+    ``tp / groups``), and the sizes of the other dims of those values."""
+    split: dict[int, int] = {}
     whole: set[int] = set()
     for op in graph.ops:
-        d = shard_dim(placements.get(op.output, "R")) if op.output is not None else None
+        p = placements.get(op.output, "R") if op.output is not None else "R"
+        d = shard_dim(p)
         if d is None or not (op.owner == fqn or op.owner.startswith(fqn + ".")):
             continue
         shape = graph.values[op.output].shape
-        split.add(shape[d])
-        whole.update(n for i, n in enumerate(shape) if i != d)
+        kind, n = groups_of(p) or ("", tp)
+        parts = {d: n, d + 1: tp // n} if kind == "e" else {d: n}
+        split.update((shape[i], k) for i, k in parts.items())
+        whole.update(size for i, size in enumerate(shape) if i not in parts)
+    for op in graph.ops:  # x.repeat_interleave(g, dim): each rank repeats its kv head g / (tp / n) times
+        src = placements.get(op.inputs[0], "R") if op.target == "repeat_interleave" and op.inputs else "R"
+        repeats = op.node.args[1] if len(op.node.args) > 1 else op.node.kwargs.get("repeats")
+        if (groups_of(src) or ("",))[0] == "g" and isinstance(repeats, int) and op.owner.startswith(fqn):
+            split[repeats] = tp // groups_of(src)[1]
     return split, whole
 
 
 def find_local_attributes(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, *,
                           mesh: Any = None) -> list[LocalAttributes] | None:
-    """The fewest integer attributes of ``fqn`` that, set to their value / tp, let its shards
-    run (``self.num_heads``, ``self.n_kv_heads``): tried one at a time, then in pairs, each
-    proven by running the check again. None when no such set exists."""
-    from itertools import combinations
+    """The fewest integer attributes of ``fqn`` that, set to their local value, let its shards
+    run (``self.num_heads`` / tp; with kv heads in groups, ``self.n_kv_heads`` / groups and
+    ``self.n_rep`` / (tp / groups)): the smallest sets first, each proven by running the
+    check again and by every view having its planned local shape. None when no set is found."""
+    from itertools import combinations, islice
 
     from ..decide.assemble import pattern_map, patterned
 
     module = graph.model.get_submodule(fqn)
-    split, whole = _dim_sizes(graph, placements, fqn)
-    # a count the plan splits (heads: the sharded dim of the viewed q) and never a size it
-    # keeps whole (head_dim): rewriting head_dim instead would also run, on wrong heads
-    candidates = sorted(k for k, v in vars(module).items() if type(v) is int and not k.startswith("_")
-                        and v % plan.tp == 0 and v in split and v not in whole)[:_MAX_ATTRIBUTE_CANDIDATES]
+    split, whole = _dim_sizes(graph, placements, fqn, plan.tp)
+    # a count the plan splits (heads: the sharded dim of the viewed q); first those that are
+    # never a size it keeps whole (head_dim: rewriting it instead would also run, on wrong
+    # heads), then those that also are one (2 kv heads beside a batch of 2, 16 heads of 16),
+    # for which the view check alone decides
+    counts = sorted(k for k, v in vars(module).items() if type(v) is int and not k.startswith("_")
+                    and v in split and v % split[v] == 0)
+    clean = [k for k in counts if getattr(module, k) not in whole]
+    candidates = (clean + [k for k in counts if k not in clean])[:_MAX_ATTRIBUTE_CANDIDATES]
     names = patterned(fqn, graph, pattern_map(graph))
-    for size in sorted({1, 2, len(candidates)} - {0}):
-        for subset in combinations(candidates, size):
-            values = {k: getattr(module, k) // plan.tp for k in subset}
-            why = ", ".join(f"{k} {getattr(module, k)} -> {v}" for k, v in values.items())
-            entries = [LocalAttributes(module=n, values=values, why=f"its code sizes tensors by them: {why} on a 1/tp shard")
-                       for n in names]
-            trial = plan.model_copy(update={"attributes": plan.attributes + entries})
-            try:
-                check_local_shapes(graph, trial, placements, mesh=mesh)
-            except LocalShapeError as exc:
-                if exc.module == fqn:
-                    continue
-            if _views_as_planned(graph, trial, placements, fqn, mesh):
-                return entries
+    subsets = (sub for size in range(1, len(candidates) + 1) for sub in combinations(candidates, size))
+    for subset in islice(subsets, _MAX_ATTRIBUTE_TRIALS):
+        values = {k: getattr(module, k) // split[getattr(module, k)] for k in subset}
+        entries = [LocalAttributes(module=n, values=values, why=_attribute_why(module, values, split, plan.tp))
+                   for n in names]
+        trial = plan.model_copy(update={"attributes": plan.attributes + entries})
+        try:
+            check_local_shapes(graph, trial, placements, mesh=mesh)
+        except LocalShapeError as exc:
+            if exc.module == fqn:
+                continue
+        if _views_as_planned(graph, trial, placements, fqn, mesh):
+            return entries
     return None
+
+
+def _attribute_why(module: nn.Module, values: dict[str, int], split: dict[int, int], tp: int) -> str:
+    changes = ", ".join(f"{k} {getattr(module, k)} -> {v}" for k, v in values.items())
+    shard = "a 1/tp shard" if all(split[getattr(module, k)] == tp for k in values) else "one rank's shard"
+    return f"its code sizes tensors by them: {changes} on {shard}"
 
 
 _VIEW_OPS = {"view", "reshape"}
@@ -295,9 +331,12 @@ def _views_as_planned(graph: OpGraph, plan: Plan, placements: dict[int, str], fq
     the module's code makes must give the local shape the plan expects of that value (its
     global shape with the sharded dim / tp), in the order the tracer recorded them (views of
     constants the tracer folded away may come between)."""
+    # the reshape after a kv repeat is left out: with one copy per rank the code may skip the
+    # repeat altogether (HF's repeat_kv returns at n_rep == 1)
     expected = [_local_shape(graph.values[op.output].shape, placements.get(op.output, "R"), plan.tp)
                 for op in graph.ops if op.kind == "function" and op.target in _VIEW_OPS
-                and (op.owner == fqn or op.owner.startswith(fqn + "."))]
+                and (op.owner == fqn or op.owner.startswith(fqn + "."))
+                and (groups_of(placements.get(op.inputs[0], "R")) or ("",))[0] != "e"]
     try:
         seen = iter(_record_views(graph, plan, placements, fqn, mesh))
     except Exception:  # noqa: BLE001 - it ran in the check; any failure here is a refusal
@@ -306,10 +345,7 @@ def _views_as_planned(graph: OpGraph, plan: Plan, placements: dict[int, str], fq
     return all(any(shape == want for shape in seen) for want in expected)
 
 
-def _local_shape(shape: tuple[int, ...], p: str, tp: int) -> tuple[int, ...]:
-    """One rank's shape of a value placed ``p`` (a Shard(d) value holds 1/tp of dim d)."""
-    d = shard_dim(p)
-    return tuple(n // tp if i == d else n for i, n in enumerate(shape))
+_local_shape = local_shape
 
 
 def _record_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> list[tuple[int, ...]]:

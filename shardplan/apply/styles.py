@@ -16,6 +16,8 @@ Each class here is a ``torch.distributed.tensor.parallel.style.ParallelStyle`` t
 * ``MoEExpertsParallel``: tensor parallel inside every expert of a 3-D expert bank (up and
   gate on their output features, down on its input features) with one all-reduce of the
   output forward; a packed up projection is placed as ``PackedColwise``'s weight;
+* ``ColwiseKVReplicated``: a k/v projection with fewer kv heads than tp: colwise on
+  kv-head groups, each group replicated on the ranks whose query heads read it;
 * ``ContainerParams``, ``CopyOutput``, ``Both``: a module's own parameters beside styled
   children, a copy of an output that is modified in place downstream, two styles on one module.
 
@@ -37,7 +39,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
     "placement", "ReplicateParallel", "PackedColwise", "Conv1DColwise", "Conv1DRowwise", "MoEExpertsParallel",
-    "packed_placement", "ContainerParams", "CopyOutput", "Both", "combine",
+    "packed_placement", "ContainerParams", "CopyOutput", "Both", "combine", "ColwiseKVReplicated", "grouped_mesh",
 ]
 
 
@@ -268,6 +270,57 @@ class PackedColwise(ColwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
 
+def grouped_mesh(tp_mesh: Any, groups: int) -> Any:
+    """The tp axis as ``(groups, tp / groups)``: rank r is in group r // (tp / groups), so a
+    ``[Shard(0), Replicate()]`` weight gives the ranks of one group the same rows."""
+    name = tp_mesh.mesh_dim_names[0] if tp_mesh.mesh_dim_names else "tp"
+    rep = tp_mesh.size() // groups
+    return tp_mesh._unflatten(0, (groups, rep), (f"{name}_kv{groups}", f"{name}_kv{groups}_rep"))
+
+
+class ColwiseKVReplicated(ParallelStyle):
+    """``colwise_kv_replicated``: a k or v projection when tp exceeds the kv heads.
+
+    Query head i reads kv head i // (heads / kv_heads); with heads split tp ways, rank r's
+    query heads all read kv head r // (tp / groups). So the weight [kv_heads * head_dim, in]
+    is placed ``[Shard(0), Replicate()]`` on the tp axis unflattened to (groups, tp /
+    groups) (:func:`grouped_mesh`): each rank holds the rows of its kv head, and
+    ``y = x W_local^T`` is that kv head's keys, with no collective. Backward, each rank
+    back-propagates its own query heads' share only: the weight gradient is Partial over the
+    group's tp / groups ranks (``to_local(grad_placements=[Shard(0), Partial()])``, summed
+    by the gradient sync when backward ends), and the input gradient Partial over all tp
+    ranks, summed by the region's all-reduce with the q projection's, or here by one of its own.
+    The global view of the weight is the module's own, so checkpoints reshard as any DTensor."""
+
+    def __init__(self, *, groups: int) -> None:
+        super().__init__()
+        self.groups = groups
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        mesh = grouped_mesh(device_mesh, self.groups)
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        for name in names:
+            param = module._parameters[name]
+            dist = distribute_tensor(param.detach(), mesh, [Shard(0), Replicate()], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+        module.register_forward_pre_hook(partial(_kv_enter, names=names, tp_mesh=device_mesh))
+        module.register_forward_hook(_restore_params)
+        return module
+
+
+def _kv_enter(module, args, *, names, tp_mesh):
+    _swap_to_local(module, args, names=names, partial_grads=names)
+    return tuple(_local_with_partial_grad(a, tp_mesh) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _local_with_partial_grad(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
+    """A Replicate input as a plain tensor whose gradient is declared Partial: a region's
+    DTensor sums it with its other consumers'; a plain input is all-reduced on its own."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
+    return x.to_local(grad_placements=(Partial(),))
+
+
 def _experts_enter(module, args, kwargs, *, names, group, once, tp):
     # run on local shards; to_local is differentiable, so gradients reach the DTensor params
     _swap_to_local(module, args, names=names)
@@ -328,7 +381,8 @@ def _swap_to_local(module, args, *, names, partial_grads=()):
         if not isinstance(param, DTensor):  # already local: the whole forward reads it so
             continue
         module._shardplan_params[path] = param
-        grads = (Partial(),) * param.device_mesh.ndim if path in partial_grads else None
+        # Partial where the parameter is replicated: each rank's gradient is its own share
+        grads = tuple(Partial() if p.is_replicate() else p for p in param.placements) if path in partial_grads else None
         owner._parameters[name] = param.to_local(grad_placements=grads)
 
 

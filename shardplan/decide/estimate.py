@@ -27,11 +27,11 @@ from ..plan.model import Collectives, Estimate, MeshInfo
 from .assemble import repeats
 from .fsdp import DataParallelEvent, data_parallel_events, fsdp_units, unit_of
 from .regions import Entry, PartialBlock, partial_grad_params
-from .solve import Solution, SolveContext, _model_dtype_bytes, _tied_second_owners, strategy_time
+from .solve import Solution, SolveContext, _model_dtype_bytes, _tied_second_owners, group_grad_time, strategy_time
 
 __all__ = ["estimate", "collective_list", "data_parallel_list", "unit_param_bytes"]
 
-Event = tuple[str, str, int]  # (phase, kind, logical bytes)
+Event = tuple[str, str, int, int]  # (phase, kind, logical bytes, group size: 0 for the whole tp axis)
 
 
 # styles whose weight gradients are Partial (the weight saw 1/tp of the tokens or heads)
@@ -48,36 +48,49 @@ def collective_list(
     events: Counter = Counter()
     partial = {r for b in blocks for r in b.rowwise}
     for b in blocks:  # one all-reduce at the block's exit instead of one per branch
-        events[("forward", "all_reduce", graph.values[b.output].nbytes)] += graph.ops[b.rowwise[0]].multiplicity
+        events[("forward", "all_reduce", graph.values[b.output].nbytes, 0)] += graph.ops[b.rowwise[0]].multiplicity
     bucketed = 0
     for op in graph.ops:
         s = solution.strategies[op.index]
         for kind, n in s.fwd if op.index not in partial else ():
-            events[("forward", kind, n)] += op.multiplicity
+            events[("forward", kind, n, 0)] += op.multiplicity
         for kind, n in s.bwd:
             if bucket and s.name in PARTIAL_GRAD_STYLES:
                 bucketed += n * op.multiplicity
             else:
-                events[("backward", kind, n)] += op.multiplicity
+                events[("backward", kind, n, 0)] += op.multiplicity
     for op in _partial_param_ops(graph, solution):  # a container's whole parameter with a Partial gradient
         n = graph.values[op.output].nbytes
         if bucket:
             bucketed += n * op.multiplicity
         else:
-            events[("backward", "all_reduce", n)] += op.multiplicity
+            events[("backward", "all_reduce", n, 0)] += op.multiplicity
     if bucketed:
-        events[("backward", "all_reduce", bucketed)] += 1
+        events[("backward", "all_reduce", bucketed, 0)] += 1
+    for group, n in sorted(_group_grad_bytes(graph, solution).items()):
+        # kv weights replicated on `group` ranks: one bucket per group size (gradsync), or
+        # under fully_shard one reduction per parameter
+        events[("backward", "all_reduce", n if bucket else n // group[1], group[0])] += 1 if bucket else group[1]
     for e in entries:
         n = graph.values[e.value].nbytes
         times = e.num_collectives * graph.ops[e.consumers[0]].multiplicity
         needs_grad = e.value in graph.requires_grad  # no gradient flows into model inputs
         if e.kind == "R" and needs_grad:  # Partial input gradient -> Replicate
-            events[("backward", "all_reduce", n)] += times
+            events[("backward", "all_reduce", n, 0)] += times
         elif e.kind != "R":  # Shard(seq) -> Replicate on entry; its gradient reduce-scattered back
-            events[("forward", "all_gather", n)] += times
+            events[("forward", "all_gather", n, 0)] += times
             if needs_grad:
-                events[("backward", "reduce_scatter", n)] += times
+                events[("backward", "reduce_scatter", n, 0)] += times
     return sorted(events.items())
+
+
+def _group_grad_bytes(graph: OpGraph, solution: Solution) -> dict[tuple[int, int], int]:
+    """(group size, parameters) -> bytes of the Partial gradients reduced over that group."""
+    sizes: dict[int, list[int]] = {}
+    for op in graph.ops:
+        for n, g in solution.strategies[op.index].group_grads:
+            sizes.setdefault(g, []).extend([n] * op.multiplicity)
+    return {(g, len(ns)): sum(ns) for g, ns in sizes.items()}
 
 
 def _partial_param_ops(graph: OpGraph, solution: Solution) -> list:
@@ -96,11 +109,11 @@ def estimate(
     data = data_parallel_list(graph, solution, ctx, mesh)
     # under fully_shard, FSDP2 reduces the Partial norm gradients itself, one by one
     fsdp = bool(data) and getattr(ctx.opts, "data_parallel", "fsdp") == "fsdp"
-    for (phase, kind, n), times in collective_list(graph, solution, entries, blocks, bucket=not fsdp):
+    for (phase, kind, n, group), times in collective_list(graph, solution, entries, blocks, bucket=not fsdp):
         counts[phase][kind] += times
         logical[phase] += n * times
-        comm_bytes += cost.collective_bytes(kind, n, group_size=ctx.tp) * times
-        comm_time += cost.collective_time(kind, n, group_size=ctx.tp, link=ctx.link) * times
+        comm_bytes += cost.collective_bytes(kind, n, group_size=group or ctx.tp) * times
+        comm_time += cost.collective_time(kind, n, group_size=group or ctx.tp, link=ctx.link) * times
     if data:
         counts["data_parallel"], logical["data_parallel"] = Counter(), 0.0
     for e in data:
@@ -112,7 +125,7 @@ def estimate(
     own_comm = sum(
         cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link) * op.multiplicity
         for op in graph.ops for k, n in solution.strategies[op.index].fwd + solution.strategies[op.index].bwd
-    )
+    ) + sum(group_grad_time(solution.strategies[op.index], ctx) * op.multiplicity for op in graph.ops)
     compute_time = total_time - own_comm
     params = _param_bytes(graph, solution)
     elem = _model_dtype_bytes(graph)

@@ -4,7 +4,18 @@ Contract
 --------
 A placement is ``"R"`` (Replicate), ``"P"`` (Partial: each rank holds a summand),
 ``"S{d}"`` (Shard(d)) or ``"S{d}p{k}"`` (a packed output: ``k`` blocks along ``d``, each
-sharded, as a fused gate/up projection's output). A :class:`Strategy` names the placements
+sharded, as a fused gate/up projection's output). Two more describe kv heads replicated
+across the ranks whose query heads read them, when a model has fewer kv heads than tp:
+
+* ``"S{d}g{n}"`` (grouped): dim ``d`` is cut into ``n`` groups (one per kv head) and rank
+  ``r`` holds group ``r // (tp / n)``, so each group is on ``tp / n`` ranks. Forward values
+  are equal copies within a group; their gradients are partial sums (each rank back-propagates
+  only its own query heads' share), which the weight's gradient sync and the region's input
+  all-reduce add up.
+* ``"S{d}e{n}"`` (expanded groups): the ``repeat_kv`` expand ``[b, n, 1, s, hd] -> [b, n, g,
+  s, hd]`` of a grouped value, run with ``g / (tp / n)`` copies per rank: dim ``d`` holds
+  the rank's group, dim ``d + 1`` its share of the group's query heads, so merging the two
+  gives exactly the rank's Shard(d) slice of the query heads. A :class:`Strategy` names the placements
 of an op's inputs and output, the collectives its forward and backward issue, and its
 per-device bytes and flops. Nothing here knows any op: :mod:`.strategies` (plain ops) and
 :mod:`.weights` (weight styles) build the strategies.
@@ -12,12 +23,14 @@ per-device bytes and flops. Nothing here knows any op: :mod:`.strategies` (plain
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..analyze.graph import Op
 
-__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count"]
+__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "grouped", "groups_of", "group_counts",
+           "local_shape"]
 
 Comm = tuple[str, int]  # (collective kind, logical bytes)
 
@@ -36,10 +49,43 @@ class Strategy:
     mem_bytes: float = 0.0  # bytes touched per device (memory-bound ops)
     act_bytes: float = 0.0  # output bytes kept per device
     layouts: dict[str, Any] = field(default_factory=dict, compare=False)
+    # (bytes, ranks): Partial weight gradients all-reduced over a sub-group of the tp axis when
+    # backward ends, all of one group size in one bucket (kv heads replicated on tp / n ranks)
+    group_grads: tuple[tuple[int, int], ...] = ()
 
 
 def shard_dim(p: str) -> int | None:
-    return int(p[1:].split("p")[0]) if p.startswith("S") else None
+    return int(re.match(r"S(\d+)", p).group(1)) if p.startswith("S") else None
+
+
+def grouped(dim: int, num_groups: int, *, expanded: bool = False) -> str:
+    """``S{dim}g{n}`` (kv heads replicated in ``n`` groups) or its expansion ``S{dim}e{n}``."""
+    return f"S{dim}{'e' if expanded else 'g'}{num_groups}"
+
+
+def group_counts(tp: int) -> list[int]:
+    """Group counts a kv-grouped value may have at this tp: divisors strictly between 1 and tp."""
+    return [n for n in range(2, tp) if tp % n == 0]
+
+
+def groups_of(p: str) -> tuple[str, int] | None:
+    """``("g", n)`` or ``("e", n)`` of a grouped placement; None for any other."""
+    m = re.fullmatch(r"S\d+([ge])(\d+)", p)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def local_shape(shape: tuple[int, ...], p: str, tp: int) -> tuple[int, ...]:
+    """One rank's shape of a value placed ``p``: a Shard(d) value holds 1/tp of dim d, a
+    grouped one 1/n of it, an expanded one also 1/(tp/n) of dim d + 1."""
+    d = shard_dim(p)
+    if d is None:
+        return tuple(shape)
+    kind, n = groups_of(p) or ("", tp)
+    out = list(shape)
+    out[d] //= n
+    if kind == "e":
+        out[d + 1] //= tp // n
+    return tuple(out)
 
 
 def placement_str(p: str) -> str:

@@ -37,7 +37,7 @@ from . import cost
 from ..analyze.graph import Op, OpGraph
 from .strategies import Strategy, op_strategies
 
-__all__ = ["SolveContext", "Solution", "solve", "PlanningError", "strategy_time"]
+__all__ = ["SolveContext", "Solution", "solve", "PlanningError", "strategy_time", "group_grad_time"]
 
 
 class PlanningError(ValueError):
@@ -86,9 +86,18 @@ def strategy_time(s: Strategy, ctx: SolveContext) -> float:
     backward), the optimizer's update of the parameters it holds, and for a weight module
     under a parallel style the host's dispatch overhead."""
     comm = sum(cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link) for k, n in s.fwd + s.bwd)
+    comm += group_grad_time(s, ctx)
     compute = cost.matmul_time(s.flops, hardware=ctx.hardware, dtype=ctx.dtype) if s.flops else 0.0
     memory = cost.elementwise_time(s.mem_bytes, hardware=ctx.hardware) if s.mem_bytes else 0.0
     return comm + compute + memory + _update_time(s, ctx) + _host_time(s, ctx)
+
+
+def group_grad_time(s: Strategy, ctx: SolveContext) -> float:
+    """The bandwidth share of the sub-group gradient all-reduces ``s`` adds to: all of one
+    group size go in one bucket when backward ends, so its latency is paid once per step,
+    not once per module (the estimate prices that bucket)."""
+    return sum(cost.collective_time("all_reduce", n, group_size=g, link=ctx.link)
+               - cost.collective_time("all_reduce", 0, group_size=g, link=ctx.link) for n, g in s.group_grads)
 
 
 def _update_time(s: Strategy, ctx: SolveContext) -> float:

@@ -35,7 +35,7 @@ import torch.fx
 
 from ..analyze.graph import Op, OpGraph
 
-from .placements import Strategy, chunk_count, packed, placement_str, shard_dim
+from .placements import Strategy, chunk_count, group_counts, grouped, groups_of, packed, placement_str, shard_dim
 from .propagation import dtensor_strategies, metadata_only
 from .weights import module_strategies
 
@@ -145,12 +145,15 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
     for names, rule in rules:
         if name in names or (op.node.op == "call_module" and name in names):
             strategies += rule(op, graph, tp, out_shape)
+            if rule in _SHARD_LOCAL:
+                strategies += _grouped_variants(op, graph, tp, out_shape, rule)
             break
     else:
         if op.node.op == "call_module" and _param_free_elementwise(op, graph):
             strategies += _unary(op, graph, tp, out_shape)
         else:  # no hand rule: ask DTensor's sharding propagation (checked on local shapes)
             strategies += [Strategy("", ins, out) for ins, out in dtensor_strategies(op, graph, tp=tp)]
+    strategies += _grouped_conversions(op, graph, tp, out_shape)
     seen: set[tuple] = set()
     result = []
     flops = _sdpa_flops(op, graph) if name == "scaled_dot_product_attention" else 0.0
@@ -158,7 +161,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
         key = (s.inputs, s.output)
         if key not in seen and len(s.inputs) == len(op.inputs) and not _partial_gradient(op, graph, s):
             seen.add(key)
-            factor = 1 if s.output == "R" else tp
+            factor = 1 if s.output == "R" else (groups_of(s.output) or ("", tp))[1] if "g" in s.output else tp
             result.append(Strategy(s.name, s.inputs, s.output, mem_bytes=mem / factor, flops=flops / factor,
                                    act_bytes=graph.values[op.output].nbytes / factor))
     return result
@@ -478,3 +481,92 @@ def _expand(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
             result.append(Strategy("", (f"S{d}",) + ("R",) * (len(op.inputs) - 1), f"S{d + lead}"))
     return result
 
+
+
+# Fewer kv heads than tp (see :mod:`.placements` for ``S{d}g{n}`` and ``S{d}e{n}``). Between
+# the k/v projections and the repeat that lines kv heads up with query heads, a grouped value
+# goes through the same shard-local ops a sharded one does (views, RoPE, a per-head norm):
+# each rank holds one kv head, and the rules hold with the group count as the divisor.
+
+
+def _grouped_variants(op: Op, graph: OpGraph, tp: int, out_shape, rule) -> list[Strategy]:
+    """``rule``'s shard-local strategies with ``n`` groups in place of ``tp`` shards, on dims
+    that hold the groups themselves (size ``n``: kv heads) or features (the last dim)."""
+    out = []
+    for n in group_counts(tp):
+        for s in rule(op, graph, n, out_shape):
+            places = s.inputs + (s.output,)
+            if "P" in places or s.output is None or any("p" in p for p in places if p):
+                continue
+            if shard_dim(s.output) is None or not _group_dims_ok(op, graph, s, n, out_shape):
+                continue
+            out.append(Strategy("", tuple(_as_group(p, n) for p in s.inputs), _as_group(s.output, n)))
+    return out
+
+
+def _as_group(p: str, n: int) -> str:
+    d = shard_dim(p)
+    return p if d is None else grouped(d, n)
+
+
+def _group_dims_ok(op: Op, graph: OpGraph, s: Strategy, n: int, out_shape) -> bool:
+    shapes = [_shape(graph, v) for v in op.inputs] + [out_shape]
+    for p, shape in zip(s.inputs + (s.output,), shapes):
+        d = shard_dim(p)
+        if d is not None and shape[d] != n and d != len(shape) - 1:
+            return False
+    return True
+
+
+def _grouped_conversions(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    """Where grouped kv heads meet the query heads' Shard: the expand of ``repeat_kv`` and the
+    reshape after it, ``repeat_interleave`` by the group size, or attention with
+    ``enable_gqa=True``. The repeat's size is the code's own (``self.num_key_value_groups``):
+    the local check finds it must be ``g / (tp / n)`` on a rank and says so in the plan."""
+    if not op.inputs or op.output is None:
+        return []
+    src, rest = _shape(graph, op.inputs[0]), ("R",) * (len(op.inputs) - 1)
+    out = []
+    for n in group_counts(tp):
+        rep = tp // n
+        if op.target in ("expand", "expand_as"):
+            lead = len(out_shape) - len(src)
+            out += [Strategy("", (grouped(d, n),) + rest, grouped(d + lead, n, expanded=True))
+                    for d in range(len(src) - 1) if src[d] == n == out_shape[d + lead] and src[d + 1] == 1
+                    and out_shape[d + lead + 1] % rep == 0 and out_shape[d + lead + 1] > 1]
+        elif op.target in VIEWS:
+            out += [Strategy("", (grouped(d, n, expanded=True),) + rest, f"S{o}")
+                    for d, o in _merged_pairs(src, out_shape) if src[d] == n and out_shape[o] % tp == 0]
+        elif op.target == "repeat_interleave":
+            out += _repeat_interleave(op, src, n, rep)
+        elif op.target == "scaled_dot_product_attention" and op.node.kwargs.get("enable_gqa") is True:
+            heads = [_shape(graph, v)[1] if len(_shape(graph, v)) == 4 else 0 for v in op.inputs[:3]]
+            if len(heads) == 3 and heads[1] == heads[2] == n and heads[0] % tp == 0:
+                out.append(Strategy("", ("S1", grouped(1, n), grouped(1, n)) + ("R",) * (len(op.inputs) - 3), "S1"))
+    return out
+
+
+def _merged_pairs(src, dst) -> list[tuple[int, int]]:
+    """(d, o): source dims d and d + 1 (and nothing else of size > 1) become destination dim o."""
+    pairs = []
+    for gi, gj in view_groups(tuple(src), tuple(dst)):
+        big_in = [k for k in gi if src[k] != 1]
+        big_out = [k for k in gj if dst[k] != 1]
+        if len(big_in) == 2 and big_in[1] == big_in[0] + 1 and len(big_out) == 1:
+            pairs.append((big_in[0], big_out[0]))
+    return pairs
+
+
+def _repeat_interleave(op: Op, src, n: int, rep: int) -> list[Strategy]:
+    """``x.repeat_interleave(g, dim=d)`` on ``n`` grouped kv heads: each rank repeats its one
+    kv head ``g / rep`` times, which is its slice of the ``n * g`` query heads."""
+    args, kw = op.node.args, op.node.kwargs
+    repeats = kw.get("repeats", args[1] if len(args) > 1 else None)
+    dim = kw.get("dim", args[2] if len(args) > 2 else None)
+    if not isinstance(repeats, int) or not isinstance(dim, int) or repeats % rep or len(op.inputs) != 1:
+        return []
+    d = dim % len(src)
+    return [Strategy("", (grouped(d, n),), f"S{d}")] if src[d] == n else []
+
+
+_SHARD_LOCAL = {_unary, _broadcast, _view, _permute, _reduce, _getitem, _cat, _split}

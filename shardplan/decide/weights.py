@@ -25,6 +25,13 @@ The matrix math (Linear computes y = x @ W.T, W is [out, in]):
   local slices. A contiguous split would hand rank 0 the whole gate and rank 1 the up.
 * rowwise_split_input: rowwise on an input that arrives whole; each rank slices its
   features locally, and backward all-gathers the sliced input gradient.
+* colwise_kv_replicated: fewer kv heads than tp (Megatron's and vLLM's answer). The k/v
+  weight is cut into ``n`` groups of rows, one per kv head, and each group is held by the
+  ``tp / n`` ranks whose query heads read that kv head (placed ``[Shard(0), Replicate()]``
+  on the tp axis unflattened to ``(n, tp / n)``). Forward is colwise on that group; each
+  rank back-propagates only its own query heads' share, so the weight gradient is Partial
+  over the group's ``tp / n`` ranks (all-reduced when backward ends) and the input gradient
+  Partial over all tp ranks, summed with the q projection's by the region's all-reduce.
 * sequence_parallel (norms): the activation is sharded on the sequence; the norm is
   per-token so it runs locally, but its weight gradient sums over tokens: Partial,
   all-reduced once per step. replicated_with_grad_allreduce is the same for a norm whose
@@ -34,6 +41,7 @@ The matrix math (Linear computes y = x @ W.T, W is [out, in]):
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -41,7 +49,7 @@ from torch import nn
 
 from ..analyze.graph import Op, OpGraph
 from ..analyze.graph import module_kind as module_kind_of
-from .placements import Strategy, chunk_count, packed
+from .placements import Strategy, chunk_count, group_counts, grouped, packed
 
 __all__ = ["module_strategies", "STYLE_NAMES"]
 
@@ -49,6 +57,7 @@ STYLE_NAMES = (
     "colwise",
     "rowwise",
     "colwise_gather_output",
+    "colwise_kv_replicated",
     "packed_colwise",
     "rowwise_split_input",
     "embedding_rowwise",
@@ -177,6 +186,45 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
             ))
     if n_in % tp == 0:
         out += _rowwise(x, y, module, pbytes, flops, tp, sp, row_w)
+    if module_kind_of(module) == "linear":
+        out += _kv_replicated(x, y, module, pbytes, flops, tp, heads=_viewed_heads(op, graph, tp))
+    return out
+
+
+def _viewed_heads(op: Op, graph: OpGraph, tp: int) -> list[int]:
+    """Head counts below tp (and dividing it) that a view splits this Linear's output features
+    into, ``[b, s, kv * hd] -> [b, s, kv, hd]``, directly or after ops that keep its shape."""
+    values, found = [op.output], set()
+    for _ in range(3):
+        nxt = []
+        for v in values:
+            src = graph.values[v].shape
+            for user in (graph.ops[c] for c in graph.consumers.get(v, [])):
+                dst = graph.values[user.output].shape if user.output is not None else None
+                if dst is None or user.kind != "function":
+                    continue
+                i = len(src) - 1
+                if dst[:i] == src[:i] and len(dst) > i + 1 and math.prod(dst[i:]) == src[i]:
+                    found.add(dst[i])
+                elif dst == src and len(user.inputs) == 1:
+                    nxt.append(user.output)
+        values = nxt
+    return sorted(n for n in found if n in group_counts(tp))
+
+
+def _kv_replicated(x, y, module: nn.Module, pbytes: int, flops: float, tp: int, *, heads: list[int]) -> list[Strategy]:
+    """colwise_kv_replicated with ``n`` groups, one per kv head, for each head count ``n``
+    below tp that divides it (:func:`_viewed_heads`)."""
+    n_out, last = module.weight.shape[0], len(y.shape) - 1
+    out = []
+    for n in heads:
+        if n_out % n:
+            continue
+        grads = tuple((int(p.numel() * p.element_size() // n), tp // n) for p in module.parameters(recurse=False))
+        out.append(Strategy(
+            "colwise_kv_replicated", ("R",), grouped(last, n), entry=("R",), param_bytes=pbytes / n, flops=flops / n,
+            act_bytes=y.nbytes / n, layouts={"weight": grouped(0, n), "groups": n}, group_grads=grads,
+        ))
     return out
 
 
@@ -307,4 +355,15 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
             name, (f"S{d}",), f"S{d}", bwd=tuple(("all_reduce", p.numel() * p.element_size()) for p in module.parameters(recurse=False)),
             param_bytes=pbytes, mem_bytes=2 * x.nbytes / tp, act_bytes=x.nbytes / tp, layouts={"weight": "R", "input": f"S{d}"},
         ))
-    return out
+    return out + _grouped_norm(x, module, pbytes, tp)
+
+
+def _grouped_norm(x, module: nn.Module, pbytes: int, tp: int) -> list[Strategy]:
+    """A per-head norm (Qwen3's k_norm) on grouped kv heads: it runs on the rank's kv head, and
+    its weight gradient, a partial sum (each rank back-propagates its own query heads' share),
+    adds up over all tp ranks like a sequence-parallel norm's."""
+    grads = tuple(("all_reduce", p.numel() * p.element_size()) for p in module.parameters(recurse=False))
+    return [Strategy(
+        "replicated_with_grad_allreduce", (grouped(d, n),), grouped(d, n), bwd=grads, param_bytes=pbytes,
+        mem_bytes=2 * x.nbytes / n, act_bytes=x.nbytes / n, layouts={"weight": "R", "input": f"S{d}"},
+    ) for n in group_counts(tp) for d in range(1, len(x.shape) - 1) if x.shape[d] == n]

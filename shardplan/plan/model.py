@@ -31,11 +31,11 @@ __all__ = [
 ]
 
 STYLES = (
-    "colwise", "rowwise", "colwise_gather_output", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
+    "colwise", "rowwise", "colwise_gather_output", "colwise_kv_replicated", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
     "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "replicate",
 )
 Style = Literal[
-    "colwise", "rowwise", "colwise_gather_output", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
+    "colwise", "rowwise", "colwise_gather_output", "colwise_kv_replicated", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
     "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "replicate",
 ]
 LAYOUT_RE = re.compile(r"^(Replicate|Partial|Shard\((-?\d+)\))$")
@@ -82,6 +82,9 @@ class Rule(_Strict):
     # local view of a DTensor cannot be modified in place
     copy_output: bool = False
     packed: Annotated[int, Field(strict=True, ge=2)] | None = None  # packed_colwise: parts the output dim holds
+    # colwise_kv_replicated: the weight's rows form this many groups (one per kv head), each
+    # held whole by tp / groups ranks
+    groups: Annotated[int, Field(strict=True, ge=2)] | None = None
     # a container's own parameters (``replicate`` rule) placed other than Replicate, by
     # name: gpt-oss's per-head ``sinks: Shard(0)`` beside attention split by heads
     param_layouts: dict[str, Layout] = Field(default_factory=dict)

@@ -18,7 +18,7 @@ from .model import fingerprint, matches
 
 __all__ = ["check_findings", "sharded_dim", "weight_of"]
 
-_COLWISE_STYLES = ("colwise", "colwise_gather_output", "packed_colwise")
+_COLWISE_STYLES = ("colwise", "colwise_gather_output", "packed_colwise", "colwise_kv_replicated")
 _ROWWISE_STYLES = ("rowwise", "rowwise_split_input", "embedding_rowwise")
 _UNEVEN_OK = ("colwise_gather_output", "embedding_rowwise")
 
@@ -83,25 +83,30 @@ def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) 
     """A finding when the dim a style splits does not divide by tp (uneven-tolerant styles aside)."""
     if rule.style in _UNEVEN_OK and not (rule.output_layouts or "").startswith("Shard"):
         return []
+    if rule.style == "colwise_kv_replicated" and (rule.groups is None or tp % rule.groups or rule.groups >= tp):
+        return [f"rule {rule.module} (colwise_kv_replicated): groups {rule.groups} must divide tp={tp} and be smaller "
+                "(one group per kv head, each on tp / groups ranks); set groups to the number of kv heads"]
+    parts = rule.groups if rule.style == "colwise_kv_replicated" else tp
     bad = []
     for fqn in hits:
         mod = modules[fqn]
         weight, dim = weight_of(mod), sharded_dim(rule.style, mod)
-        if weight is None or dim is None or dim >= weight.dim() or weight.shape[dim] % tp == 0:
+        if weight is None or dim is None or dim >= weight.dim() or weight.shape[dim] % parts == 0:
             continue
         bad.append((fqn, dim, int(weight.shape[dim])))
     if not bad:
         return []
     fqn, dim, size = bad[0]
     more = f" (and {len(bad) - 1} more of its modules)" if len(bad) > 1 else ""
-    return [f"{fqn}: {rule.style} splits weight dim {dim} of size {size}, which tp={tp} does not divide{more}"]
+    by = f"its groups={parts}" if parts != tp else f"tp={tp}"
+    return [f"{fqn}: {rule.style} splits weight dim {dim} of size {size}, which {by} does not divide{more}"]
 
 
 # which kinds of module (analyze.graph.module_kind) each style can split; the rest need
 # no weight kind (replicate takes anything; sequence parallel takes norms and the like)
 _KINDS = {
     "colwise": {"linear", "conv1d", "embedding"}, "colwise_gather_output": {"linear", "conv1d", "embedding"},
-    "packed_colwise": {"linear", "conv1d"}, "rowwise": {"linear", "conv1d", "embedding"},
+    "packed_colwise": {"linear", "conv1d"}, "colwise_kv_replicated": {"linear"}, "rowwise": {"linear", "conv1d", "embedding"},
     "rowwise_split_input": {"linear", "conv1d"}, "embedding_rowwise": {"embedding"}, "moe_tp_experts": {"experts"},
 }
 

@@ -60,18 +60,19 @@ def _shape_str(shape: tuple[int, ...] | None) -> str:
     return "-" if shape is None else "x".join(str(n) for n in shape) or "scalar"
 
 
-def _shapes(plan: Plan, rule_module: str, style: str, modules: list[tuple[str, Any]]) -> tuple[str, str]:
-    mod = next((m for fqn, m in modules if matches(rule_module, fqn)), None)
+def _shapes(plan: Plan, rule: Any, modules: list[tuple[str, Any]]) -> tuple[str, str]:
+    mod = next((m for fqn, m in modules if matches(rule.module, fqn)), None)
     weight = None if mod is None else weight_of(mod)
     if weight is None:
         return "-", "-"
     shape = tuple(int(n) for n in weight.shape)
-    dim = sharded_dim(style, mod)
+    dim = sharded_dim(rule.style, mod)
     if dim is None or dim >= len(shape):
         return _shape_str(shape), _shape_str(shape)
+    parts = rule.groups if rule.style == "colwise_kv_replicated" and rule.groups else plan.tp
     local = list(shape)
-    local[dim] = -(-shape[dim] // plan.tp)  # torch's chunking: rank 0 holds the ceiling
-    mark = "" if shape[dim] % plan.tp == 0 else " (uneven)"
+    local[dim] = -(-shape[dim] // parts)  # torch's chunking: rank 0 holds the ceiling
+    mark = "" if shape[dim] % parts == 0 else " (uneven)"
     return _shape_str(shape), _shape_str(tuple(local)) + mark
 
 
@@ -89,7 +90,7 @@ def plan_table(plan: Plan, *, model: Any = None, show_why: bool = False) -> Tabl
     for rule in plan.rules:
         row = [Text(rule.module), Text(rule.style)]
         if model is not None:
-            row += [Text(s) for s in _shapes(plan, rule.module, rule.style, modules)]
+            row += [Text(s) for s in _shapes(plan, rule, modules)]
         if show_why:
             row.append(Text(rule.why))
         table.add_row(*row)

@@ -196,11 +196,14 @@ def simulate(
 
 
 def _count(result: SimulationResult, fwd: list, bwd: list, tp_ranks: tuple[int, ...], *, data_parallel: bool) -> None:
-    """Collectives on the tp group's ranks per phase; any other group's (the data axes') per step."""
-    phases = {"forward": [e for e in fwd if e[2] in (tp_ranks, None)],
-              "backward": [e for e in bwd if e[2] in (tp_ranks, None)]}
+    """Collectives on the tp group's ranks, or a sub-group of them (kv heads replicated on
+    tp / groups ranks), per phase; any other group's (the data axes') per step."""
+    def on_tp(e) -> bool:
+        return e[2] is None or set(e[2]) <= set(tp_ranks)
+
+    phases = {"forward": [e for e in fwd if on_tp(e)], "backward": [e for e in bwd if on_tp(e)]}
     if data_parallel:
-        phases[DATA_PARALLEL] = [e for e in fwd + bwd if e[2] not in (tp_ranks, None)]
+        phases[DATA_PARALLEL] = [e for e in fwd + bwd if not on_tp(e)]
     for phase, events in phases.items():
         result.counted[phase] = Counter(kind for kind, _, _ in events)
         result.counted_bytes[phase] = sum(n for _, n, _ in events)

@@ -1,0 +1,75 @@
+"""Attention with fewer kv heads than tp, written the common ways: head counts kept as
+integer attributes and GQA by ``repeat_interleave(self.n_rep)`` (research code), or
+``scaled_dot_product_attention(..., enable_gqa=True)`` with no repeat at all."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class AttributeGQA(nn.Module):
+    """Views by ``self.n_heads`` / ``self.n_kv_heads`` and repeats by ``self.n_rep``: on a
+    rank with one kv head and its share of the query heads, all three need local values."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, *, enable_gqa: bool = False) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.n_rep = heads, kv_heads, heads // kv_heads
+        self.head_dim = dim // heads
+        self.enable_gqa = enable_gqa
+        self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=True)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=True)
+        self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.enable_gqa:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            k, v = k.repeat_interleave(self.n_rep, dim=1), v.repeat_interleave(self.n_rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, enable_gqa: bool) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = AttributeGQA(dim, heads, kv_heads, enable_gqa=enable_gqa)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class FewKVModel(nn.Module):
+    def __init__(self, *, dim: int = 128, heads: int = 8, kv_heads: int = 2, layers: int = 2, vocab: int = 128,
+                 enable_gqa: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, heads, kv_heads, enable_gqa) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def attribute_gqa() -> FewKVModel:
+    """8 query heads, 2 kv heads: at tp=4 each kv head is on 2 ranks."""
+    return FewKVModel()
+
+
+def enable_gqa() -> FewKVModel:
+    return FewKVModel(enable_gqa=True)
+
+
+def sixteen_heads() -> FewKVModel:
+    """16 query heads, 2 kv heads: kv heads on 4 ranks each at tp=8, on 8 at tp=16."""
+    return FewKVModel(dim=256, heads=16, kv_heads=2)

@@ -1,0 +1,110 @@
+"""Fewer kv heads than tp: each kv head replicated on the tp / kv_heads ranks whose query
+heads read it (``colwise_kv_replicated``), as Megatron and vLLM do, instead of gathering
+every attention Linear.
+
+Plans are made on the meta device; collectives are counted on the fake process group at
+tp=4, 8 and 16 (and under FSDP at dp=2 x tp=4); numerics run on 4 gloo ranks against one
+process (outputs and every gradient; a missing gradient sync fails them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardplan
+from shardplan.plan.validate import check_findings
+from shardplan.tools.simulate import simulate
+from shardplan.tools.verify import verify
+from tests.portability import kv_heads
+
+TOKENS = (torch.zeros(2, 16, dtype=torch.long, device="meta"),)
+
+
+def _plan(factory, tp: int, **axes: int) -> tuple[torch.nn.Module, shardplan.Plan]:
+    with torch.device("meta"):
+        model = factory()
+    return model, shardplan.plan_model(model, {**axes, "tp": tp}, example_inputs=TOKENS, explain=False)
+
+
+def _attention_styles(plan: shardplan.Plan) -> dict[str, tuple[str, int | None]]:
+    return {r.module.rsplit(".", 1)[1]: (r.style, r.groups) for r in plan.rules if ".attn." in r.module}
+
+
+@pytest.mark.parametrize(("factory", "tp", "local"), [
+    (kv_heads.attribute_gqa, 4, {"n_heads": 2, "n_kv_heads": 1, "n_rep": 2}),  # 8 heads, 2 kv
+    (kv_heads.enable_gqa, 4, {"n_heads": 2, "n_kv_heads": 1}),  # no repeat: sdpa's enable_gqa
+    (kv_heads.sixteen_heads, 8, {"n_heads": 2, "n_kv_heads": 1, "n_rep": 2}),  # 16 heads of 16 wide
+    (kv_heads.sixteen_heads, 16, {"n_heads": 1, "n_kv_heads": 1, "n_rep": 1}),
+])
+def test_kv_heads_are_replicated_in_groups_and_nothing_is_gathered(factory, tp: int, local: dict) -> None:
+    model, plan = _plan(factory, tp)
+    assert _attention_styles(plan) == {
+        "wq": ("colwise", None), "wk": ("colwise_kv_replicated", 2), "wv": ("colwise_kv_replicated", 2),
+        "wo": ("rowwise", None)}, plan.rules
+    assert [a.values for a in plan.attributes] == [local]
+    assert not [w for w in plan.warnings if "all-gathered" in w or "whole" in w], plan.warnings
+    assert check_findings(plan, model) == []
+
+
+def test_kv_weights_are_priced_at_their_group_share() -> None:
+    """Each rank holds one of the 2 kv heads (half of wk, wv), not 1/tp of them."""
+    model, plan = _plan(kv_heads.sixteen_heads, 8)
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    attn = model.layers[0].attn
+    kv = sum(p.numel() * 4 for m in (attn.wk, attn.wv) for p in m.parameters())
+    # everything else splits 8 ways but norms, biases of rowwise Linears and the layers' kv
+    norms_and_biases = sum(p.numel() * 4 for n, p in model.named_parameters()
+                           if "norm" in n or n.endswith(("down.bias",)))
+    expected = (whole - 2 * kv - norms_and_biases) / 8 + 2 * kv / 2 + norms_and_biases
+    assert plan.estimate.param_bytes_per_device == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize(("factory", "tp"), [(kv_heads.attribute_gqa, 4), (kv_heads.sixteen_heads, 8),
+                                             (kv_heads.sixteen_heads, 16)])
+def test_simulated_collectives_equal_the_prediction(factory, tp: int) -> None:
+    """The kv weights' gradients are Partial over the 2 ranks of each group: one bucketed
+    all-reduce when backward ends, which the prediction counts."""
+    _, plan = _plan(factory, tp)
+    model = factory()
+    result = simulate(model, plan, (torch.randint(0, 128, (2, 16)),))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+    k = model.layers[0].attn.wk.weight
+    assert k.device_mesh.ndim == 2 and k.to_local().shape[0] == k.shape[0] // 2
+
+
+def test_fully_sharded_kv_heads_simulate_as_predicted() -> None:
+    _, plan = _plan(kv_heads.attribute_gqa, 4, dp=2)
+    model = kv_heads.attribute_gqa()
+    result = simulate(model, plan, (torch.randint(0, 128, (2, 16)),), fsdp=True)
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
+def test_groups_are_validated(tmp_path) -> None:
+    model, plan = _plan(kv_heads.attribute_gqa, 4)
+    again = shardplan.Plan.from_yaml(plan.to_yaml())
+    assert _attention_styles(again) == _attention_styles(plan)
+    bad = again.model_copy(update={"rules": [r.model_copy(update={"groups": 3}) if r.groups else r for r in again.rules]})
+    findings = check_findings(bad, model)
+    assert findings and "groups 3 must divide tp=4" in findings[0], findings
+
+
+def test_hf_qwen3_moe_at_tp4_keeps_its_two_kv_heads_on_two_ranks_each() -> None:
+    pytest.importorskip("transformers")
+    from shardplan.interop.hf_models import build_hf_model
+
+    model, inputs, kwargs = build_hf_model("qwen3_moe", tiny=True)
+    plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=inputs, example_kwargs=kwargs, explain=False)
+    styles = plan.module_styles()
+    assert styles["model.layers.0.self_attn.k_proj"] == styles["model.layers.0.self_attn.v_proj"] == "colwise_kv_replicated"
+    assert (styles["model.layers.0.self_attn.q_proj"], styles["model.layers.0.self_attn.o_proj"]) == ("colwise", "rowwise")
+    assert styles["model.layers.0.self_attn.k_norm"] == "replicated_with_grad_allreduce"
+    assert plan.attributes[0].values == {"num_key_value_groups": 1}, plan.attributes
+
+
+@pytest.mark.parametrize("spec", ["tests.portability.kv_heads:attribute_gqa", "hf-tiny:qwen3_moe"])
+def test_kv_heads_match_one_process_on_four_gloo_ranks(spec: str) -> None:
+    if spec.startswith("hf"):
+        pytest.importorskip("transformers")
+    result = verify(spec, nproc=4, timeout_s=300)
+    assert "colwise_kv_replicated" in set(result.plan.module_styles().values()), result.plan.module_styles()
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
