@@ -211,11 +211,19 @@ def test_unmeetable_budget_names_the_least_memory_and_a_tp_that_fits():
         plan_for("llama3-8b", 2, explain=False, memory_budget="40GB")
 
 
+def test_kv_heads_fewer_than_tp_are_replicated_in_groups():
+    plan = plan_for("llama3-debug", 8, explain=False)  # 8 query heads, 4 kv heads at tp=8
+    styles = plan.module_styles()
+    assert styles["layers.0.attention.wq"] == "colwise" and styles["layers.0.attention.wo"] == "rowwise"
+    assert {r.groups for r in plan.rules if r.module.endswith(("wk", "wv"))} == {4}, plan.rules
+    assert not [w for w in plan.warnings if "all-gathered" in w], plan.warnings
+
+
 def test_heads_that_do_not_divide_warn_and_strict_refuses():
-    plan = plan_for("llama3-debug", 8, explain=False)  # 4 kv heads at tp=8
-    assert any("layers.*.attention.wk" in w and "tp=8" in w for w in plan.warnings)
-    with pytest.raises(shardplan.PlanningError, match="layers.*.attention.wk"):
-        plan_for("llama3-debug", 8, explain=False, strict=True)
+    plan = plan_for("llama3-debug", 16, explain=False)  # 8 query heads at tp=16
+    assert any("layers.*.attention.wq" in w and "tp=16" in w for w in plan.warnings), plan.warnings
+    with pytest.raises(shardplan.PlanningError, match="layers.*.attention"):
+        plan_for("llama3-debug", 16, explain=False, strict=True)
 
 
 def test_bad_inputs_raise_clear_errors():

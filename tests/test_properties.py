@@ -182,12 +182,17 @@ def _rank0_piece(n: int, tp: int) -> int:
     return min(n, -(-n // tp))
 
 
-def _expected_local(module: nn.Module, pname: str, shape: tuple, style: str, packed: int | None, tp: int) -> tuple:
+def _expected_local(module: nn.Module, pname: str, shape: tuple, style: str, packed: int | None, tp: int,
+                    groups: int | None = None) -> tuple:
     """The local shape the plan implies: Linear W is [out, in] (colwise splits dim 0, bias too;
-    rowwise dim 1, bias whole), an Embedding [vocab, dim] (vocab-parallel splits dim 0,
-    colwise dim 1); norms and replicate keep everything whole."""
+    rowwise dim 1, bias whole; kv heads in ``groups``: dim 0 in that many parts), an Embedding
+    [vocab, dim] (vocab-parallel splits dim 0, colwise dim 1); norms and replicate keep
+    everything whole."""
     out = list(shape)
     emb = isinstance(module, nn.Embedding)
+    if style == "colwise_kv_replicated":
+        out[0] //= groups
+        return tuple(out)
     if style in ("colwise", "colwise_gather_output", "packed_colwise"):
         dim = 1 if emb else 0
     elif style in ("rowwise", "rowwise_split_input", "embedding_rowwise"):
@@ -229,7 +234,8 @@ def test_applied_plan_gives_the_local_shapes_it_implies_and_runs(name: str, tp: 
                 bad.append(f"{name}: no rule covers {fqn!r}")
                 continue
             rule = plan.rule_for(fqn)
-            want = _expected_local(modules[fqn], pname, full[name], style, rule.packed if rule else None, tp)
+            want = _expected_local(modules[fqn], pname, full[name], style, rule.packed if rule else None, tp,
+                                   rule.groups if rule else None)
             if not isinstance(p, DTensor):
                 bad.append(f"{name} ({style}): not a DTensor after apply_plan")
             elif tuple(p.shape) != full[name] or tuple(p.to_local().shape) != want:
