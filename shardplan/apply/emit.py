@@ -35,7 +35,8 @@ from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern
 from .agree import agree
 from .gradsync import install_gradient_sync
 from .styles import (
-    ColwiseKVReplicated, Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, MoEExpertsParallel, PackedColwise,
+    ColwiseKVReplicated, ColwisePartialInput, Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, GatherPartialGrad,
+    MoEExpertsParallel, PackedColwise,
     ReplicateParallel,
     combine, local_during_forward, placement,
 )
@@ -50,6 +51,12 @@ def _style(rule: Rule, *, conv1d: bool = False) -> ParallelStyle:
     inp = placement(rule.input_layouts)
     out = placement(rule.output_layouts)
     col, row = (Conv1DColwise, Conv1DRowwise) if conv1d else (ColwiseParallel, RowwiseParallel)
+    if rule.style == "colwise" and rule.input_grad_partial:
+        return ColwisePartialInput(input_layouts=Replicate(), output_layouts=Shard(-1))
+    if rule.style == "colwise_gather_output" and rule.output_grad_partial:
+        return GatherPartialGrad(input_layouts=inp or Replicate(), output_layouts=Replicate())
+    if rule.style == "replicated_with_grad_allreduce" and isinstance(inp, Replicate):
+        return ReplicateParallel(partial_grads=True)
     if rule.style == "colwise":  # an explicit Shard(-1) output is returned to the user as a DTensor
         return col(input_layouts=inp or Replicate(), output_layouts=out or Shard(-1), use_local_output=out is None)
     if rule.style == "packed_colwise":

@@ -208,7 +208,7 @@ def _custom_leaves(graph: OpGraph) -> list[str]:
     for fqn, calls in graph.traced.calls.items():
         module = graph.model.get_submodule(fqn) if fqn else graph.model
         inside = any(fqn == b or fqn.startswith(b + ".") for b in blocks)
-        if fqn and not inside and is_weight_leaf(module) and calls \
+        if fqn and not inside and is_weight_leaf(module) and calls and fqn not in graph.traced.assumed \
                 and not type(module).forward.__module__.startswith("torch.nn."):
             out.append(fqn)
     return out

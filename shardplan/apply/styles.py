@@ -40,6 +40,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 __all__ = [
     "placement", "ReplicateParallel", "PackedColwise", "Conv1DColwise", "Conv1DRowwise", "MoEExpertsParallel",
     "packed_placement", "ContainerParams", "CopyOutput", "Both", "combine", "ColwiseKVReplicated", "grouped_mesh",
+    "GatherPartialGrad", "ColwisePartialInput",
 ]
 
 
@@ -65,9 +66,12 @@ class ReplicateParallel(ParallelStyle):
     inputs computes the same thing on every rank, and its gradients need no collective.
     """
 
-    def __init__(self, *, output_layouts: Any = None, local: bool = False) -> None:
+    def __init__(self, *, output_layouts: Any = None, local: bool = False, partial_grads: bool = False) -> None:
         super().__init__()
-        self.local = local  # run on plain inputs and local parameters, whatever the class
+        self.local = local or partial_grads  # run on plain inputs and local parameters, whatever the class
+        # its input's gradient comes back Partial (MLA's kv_a_layernorm, on the shared key's
+        # path): so do its parameters', all-reduced when backward ends (gradsync)
+        self.partial_grads = partial_grads
         # Shard(d): hand on this rank's slice of the (replicated) output, as a position
         # embedding beside sequence-sharded tokens; Replicate -> Shard is a local slice
         # forward and an all-gather of the gradient backward
@@ -87,7 +91,8 @@ class ReplicateParallel(ParallelStyle):
         """A class with its own ``forward`` (torchtitan's Embedding reads
         ``self.weight.to_local()``) may not run on DTensors: it runs on plain inputs and the
         parameters' local tensors, which, replicated, are the whole parameters."""
-        own = ContainerParams([n for n, _ in module.named_parameters(recurse=False)])
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        own = ContainerParams(names, partial_grads=names if self.partial_grads else ())
         own.src_data_rank = self.src_data_rank
         own._apply(module, device_mesh)
         if self.output_layouts is not None:
@@ -319,6 +324,38 @@ def _local_with_partial_grad(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
     return x.to_local(grad_placements=(Partial(),))
+
+
+class GatherPartialGrad(ColwiseParallel):
+    """``colwise_gather_output`` whose output's gradient comes back Partial (MLA's latent,
+    read by heads split tp ways): the gathered output hands on its local tensor with
+    ``grad_placements=[Partial()]``, so the all-gather's backward is a reduce-scatter, which
+    both sums the ranks' partial gradients and keeps this rank's features."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.redistribute(placements=output_layouts).to_local(grad_placements=(Partial(),))
+
+
+class ColwisePartialInput(ColwiseParallel):
+    """``colwise`` on a whole input whose gradient is left Partial (an ``Rp`` value): the
+    input becomes a Replicate DTensor for the forward, and its Partial gradient goes back as
+    this rank's summand, for the module that produced the input to sum."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        return (_FromLocalKeepPartialGrad.apply(x, device_mesh) if not isinstance(x, DTensor) else x, *inputs[1:])
+
+
+class _FromLocalKeepPartialGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh):
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad.to_local() if isinstance(grad, DTensor) else grad), None
 
 
 def _experts_enter(module, args, kwargs, *, names, group, once, tp):

@@ -4,7 +4,9 @@ Contract
 --------
 A placement is ``"R"`` (Replicate), ``"P"`` (Partial: each rank holds a summand),
 ``"S{d}"`` (Shard(d)) or ``"S{d}p{k}"`` (a packed output: ``k`` blocks along ``d``, each
-sharded, as a fused gate/up projection's output). Two more describe kv heads replicated
+sharded, as a fused gate/up projection's output). ``"Rp"`` is a whole value whose
+gradient comes back Partial (MLA's shared rotary key, broadcast to heads split tp ways):
+the Linear that made it sums the gradients once. Two more describe kv heads replicated
 across the ranks whose query heads read them, when a model has fewer kv heads than tp:
 
 * ``"S{d}g{n}"`` (grouped): dim ``d`` is cut into ``n`` groups (one per kv head) and rank
@@ -27,9 +29,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..analyze.graph import Op
+from ..analyze.graph import Op, OpGraph
 
 __all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "grouped", "groups_of", "group_counts",
+           "partial_grad_owners",
            "local_shape"]
 
 Comm = tuple[str, int]  # (collective kind, logical bytes)
@@ -105,3 +108,24 @@ def chunk_count(op: Op) -> int | None:
         return None
     k = op.node.kwargs.get("chunks", op.node.args[1] if len(op.node.args) > 1 else None)
     return k if isinstance(k, int) and k > 1 else None
+
+
+def partial_grad_owners(graph: OpGraph, tp: int) -> frozenset[str]:
+    """Modules whose own code expands a size-1 dim of a gradient-needing value to a size tp
+    divides (a shared key broadcast to every head): where ``Rp`` strategies are offered."""
+    key = ("partial_grad_owners", tp)
+    cached = graph.strategy_cache.get(key)
+    if cached is None:
+        found = set()
+        for op in graph.ops:
+            if op.target in ("expand", "expand_as") and op.output is not None and op.inputs \
+                    and op.inputs[0] in graph.requires_grad and _expands_to_split(op, graph, tp):
+                found.add(op.owner)
+        cached = graph.strategy_cache[key] = frozenset(found)
+    return cached
+
+
+def _expands_to_split(op: Op, graph: OpGraph, tp: int) -> bool:
+    src, out = graph.values[op.inputs[0]].shape, graph.values[op.output].shape
+    lead = len(out) - len(src)
+    return any(n == 1 and out[d + lead] % tp == 0 and out[d + lead] >= tp for d, n in enumerate(src))

@@ -35,7 +35,9 @@ import torch.fx
 
 from ..analyze.graph import Op, OpGraph
 
-from .placements import Strategy, chunk_count, group_counts, grouped, groups_of, packed, placement_str, shard_dim
+from .placements import (
+    Strategy, chunk_count, group_counts, grouped, groups_of, packed, partial_grad_owners, placement_str, shard_dim,
+)
 from .propagation import dtensor_strategies, metadata_only
 from .weights import module_strategies
 
@@ -140,6 +142,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
         ({"chunk", "split", "unbind", "tensor_split"}, _split),
         ({"getitem"}, _getitem),
         ({"expand", "expand_as"}, _expand),
+        ({"new_empty", "new_zeros", "new_ones", "new_full"}, _new_tensor),
     ]
     strategies = [_all(op, "R")]
     for names, rule in rules:
@@ -154,6 +157,8 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
         else:  # no hand rule: ask DTensor's sharding propagation (checked on local shapes)
             strategies += [Strategy("", ins, out) for ins, out in dtensor_strategies(op, graph, tp=tp)]
     strategies += _grouped_conversions(op, graph, tp, out_shape)
+    if op.owner in partial_grad_owners(graph, tp):
+        strategies += _partial_grad_twins(op, graph, tp, strategies, out_shape)
     seen: set[tuple] = set()
     result = []
     flops = _sdpa_flops(op, graph) if name == "scaled_dot_product_attention" else 0.0
@@ -161,7 +166,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
         key = (s.inputs, s.output)
         if key not in seen and len(s.inputs) == len(op.inputs) and not _partial_gradient(op, graph, s):
             seen.add(key)
-            factor = 1 if s.output == "R" else (groups_of(s.output) or ("", tp))[1] if "g" in s.output else tp
+            factor = 1 if s.output in ("R", "Rp") else (groups_of(s.output) or ("", tp))[1] if "g" in s.output else tp
             result.append(Strategy(s.name, s.inputs, s.output, mem_bytes=mem / factor, flops=flops / factor,
                                    act_bytes=graph.values[op.output].nbytes / factor))
     return result
@@ -472,6 +477,16 @@ def _index_dim_map(index: Any, ndim: int) -> dict[int, int] | None:
     return mapping
 
 
+def _new_tensor(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    """``x.new_empty(size)``: data-free, so any placement of ``x`` gives any placement of the
+    result; a split result needs the code to size it from the local tensor
+    (``k.new_empty((*k.shape[:-1], d))``, DeepSeek's key buffer), which the local check
+    proves (a size written as a global number fails it)."""
+    ins = _candidates(_shape(graph, op.inputs[0]), tp) if op.inputs else []
+    return [Strategy("", (p,) + ("R",) * (len(op.inputs) - 1), o) for p in ins
+            for o in _candidates(out_shape, tp) if o != "R"]
+
+
 def _expand(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
     src = _shape(graph, op.inputs[0])
     lead = len(out_shape) - len(src)
@@ -570,3 +585,34 @@ def _repeat_interleave(op: Op, src, n: int, rep: int) -> list[Strategy]:
 
 
 _SHARD_LOCAL = {_unary, _broadcast, _view, _permute, _reduce, _getitem, _cat, _split}
+
+
+# A whole value broadcast into computation split by heads (MLA's shared rotary key, ``k_rot``
+# [b, 1, s, r] expanded to every head): forward each rank slices it for free, but its
+# gradient on each rank sums that rank's heads only. Placed ``Rp`` ("replicated, gradient
+# Partial"), the value and everything computed from it up to the Linear that made it carry
+# partial gradients, and that Linear sums them once: a gathered colwise output's backward
+# becomes a reduce-scatter, a norm's weight gradient is all-reduced when backward ends.
+
+
+def _partial_grad_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strategy], out_shape) -> list[Strategy]:
+    """``Rp`` twins: a strategy reading gradient-needing values whole (``R``) reads them ``Rp``
+    instead, its output ``Rp`` when it was ``R``; the broadcast of an ``Rp`` value into a
+    split output (``expand`` to the rank's heads) is allowed, its partial gradient being
+    what the producer expects. Every gradient-needing input must be ``Rp``: one summed and
+    one whole gradient cannot share a reduction."""
+    out = []
+    for s in strategies:
+        if s.output not in ("R",) and shard_dim(s.output or "") is None:
+            continue
+        if any(p != "R" and shard_dim(p) is None for p in s.inputs):
+            continue
+        ins = tuple("Rp" if p == "R" and v in graph.requires_grad else p for p, v in zip(s.inputs, op.inputs))
+        if "Rp" in ins:
+            out.append(Strategy(s.name, ins, "Rp" if s.output == "R" else s.output))
+    if op.target in ("expand", "expand_as") and len(op.inputs) >= 1:
+        src = _shape(graph, op.inputs[0])
+        lead = len(out_shape) - len(src)
+        out += [Strategy("", ("Rp",) + ("R",) * (len(op.inputs) - 1), f"S{d + lead}") for d, n in enumerate(src)
+                if n == 1 and out_shape[d + lead] % tp == 0 and out_shape[d + lead] >= tp]
+    return out

@@ -49,7 +49,7 @@ from torch import nn
 
 from ..analyze.graph import Op, OpGraph
 from ..analyze.graph import module_kind as module_kind_of
-from .placements import Strategy, chunk_count, group_counts, grouped, packed
+from .placements import Strategy, chunk_count, group_counts, grouped, packed, partial_grad_owners
 
 __all__ = ["module_strategies", "STYLE_NAMES"]
 
@@ -188,6 +188,23 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
         out += _rowwise(x, y, module, pbytes, flops, tp, sp, row_w)
     if module_kind_of(module) == "linear":
         out += _kv_replicated(x, y, module, pbytes, flops, tp, heads=_viewed_heads(op, graph, tp))
+    if op.target.rpartition(".")[0] in partial_grad_owners(graph, tp) and module_kind_of(module) == "linear":
+        out += _partial_grad_linear(x, y, n_out, tp, col_w, col)
+    return out
+
+
+def _partial_grad_linear(x, y, n_out: int, tp: int, col_w: str, col: dict) -> list[Strategy]:
+    """Inside a module that broadcasts a whole value to heads split tp ways (MLA): the
+    gathered colwise output ``Rp``, its gradient a partial sum, so the all-gather's backward
+    is a reduce-scatter (not a slice) and the weight's gradient is complete; and colwise on
+    an ``Rp`` input, whose Partial input gradient is left for that producer to sum."""
+    last = len(y.shape) - 1
+    out = [Strategy(
+        "colwise_gather_output", ("R",), "Rp", fwd=(("all_gather", y.nbytes),), bwd=(("reduce_scatter", y.nbytes),),
+        entry=("R",), layouts={"weight": col_w, "output": "R", "output_grad": "P"}, **col,
+    )]
+    if n_out % tp == 0:
+        out.append(Strategy("colwise", ("Rp",), f"S{last}", layouts={"weight": col_w, "input_grad": "P"}, **col))
     return out
 
 
@@ -354,6 +371,13 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
         out.append(Strategy(
             name, (f"S{d}",), f"S{d}", bwd=tuple(("all_reduce", p.numel() * p.element_size()) for p in module.parameters(recurse=False)),
             param_bytes=pbytes, mem_bytes=2 * x.nbytes / tp, act_bytes=x.nbytes / tp, layouts={"weight": "R", "input": f"S{d}"},
+        ))
+    if op.target.rpartition(".")[0] in partial_grad_owners(graph, tp):
+        # on an Rp value (MLA's kv_a_layernorm): whole, its weight gradient a partial sum
+        out.append(Strategy(
+            "replicated_with_grad_allreduce", ("Rp",), "Rp", param_bytes=pbytes, mem_bytes=2 * x.nbytes,
+            bwd=tuple(("all_reduce", p.numel() * p.element_size()) for p in module.parameters(recurse=False)),
+            act_bytes=x.nbytes, layouts={"weight": "R", "input": "R"},
         ))
     return out + _grouped_norm(x, module, pbytes, tp)
 

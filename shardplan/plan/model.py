@@ -85,6 +85,11 @@ class Rule(_Strict):
     # colwise_kv_replicated: the weight's rows form this many groups (one per kv head), each
     # held whole by tp / groups ranks
     groups: Annotated[int, Field(strict=True, ge=2)] | None = None
+    # MLA's shared rotary key, broadcast to heads split tp ways, hands back partial gradients:
+    # colwise_gather_output sums its output's (a reduce-scatter backward, not a slice), and a
+    # colwise on such a value leaves its input's Partial gradient for that producer to sum
+    output_grad_partial: bool = False
+    input_grad_partial: bool = False
     # a container's own parameters (``replicate`` rule) placed other than Replicate, by
     # name: gpt-oss's per-head ``sinks: Shard(0)`` beside attention split by heads
     param_layouts: dict[str, Layout] = Field(default_factory=dict)
