@@ -30,13 +30,18 @@ def test_head_count_attribute_takes_its_local_value(tp: int) -> None:
     assert not plan.warnings, plan.warnings
 
 
-def test_a_head_count_equal_to_head_dim_is_not_guessed() -> None:
-    """8 heads of 8: halving ``hd`` would run too, on the wrong heads. The candidates must
-    be sizes the plan splits and never sizes it keeps whole, so nothing is rewritten and the
-    blocks run on whole activations, as before."""
+def test_a_head_count_equal_to_head_dim_is_told_apart_by_the_views() -> None:
+    """8 heads of 8: halving ``hd`` would run too, on the wrong heads (views of [b, s, 8, 4]
+    where the plan expects [b, s, 4, 8]); only ``heads`` passes the view check."""
     _, plan = _plan(2, heads=8)
-    assert plan.attributes == []
-    assert any("runs on whole activations" in w for w in plan.warnings), plan.warnings
+    assert [(a.module, a.values) for a in plan.attributes] == [("blocks.*", {"heads": 4})]
+    assert not plan.warnings, plan.warnings
+
+
+def test_a_head_count_equal_to_head_dim_matches_one_process_on_gloo() -> None:
+    result = verify("tests.portability.heads:hard_coded_lm_8_heads", nproc=2, timeout_s=300)
+    assert [a.values for a in result.plan.attributes] == [{"heads": 4}]
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
 
 
 def test_attributes_round_trip_and_are_checked(tmp_path) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 import shardplan
 import shardplan.apply.mesh
-from tests.portability.heads import HardCodedHeads
+from tests.portability.heads import HardCodedHeads, LiteralHeads
 from tests.portability.root_param import RootOwnsAParameter
 from shardplan.models import LlamaConfig, Transformer, build_preset, get_preset
 from shardplan.plan.model import Plan
@@ -287,16 +287,26 @@ _HardCodedHeads = HardCodedHeads  # attention that reshapes with its stored head
 
 
 def test_hard_coded_head_count_runs_whole_or_is_refused_with_the_source_line():
-    # 8 heads of 8: no attribute can be told to be the head count, so the block runs whole
+    # 8 literal heads: no attribute holds the count, so the block runs whole
     with torch.device("meta"):
-        model = nn.Sequential(_HardCodedHeads(dim=64, heads=8), nn.LayerNorm(64))
+        model = nn.Sequential(LiteralHeads(dim=64, heads=8), nn.LayerNorm(64))
     x = torch.zeros(2, 8, 64, device="meta")
     plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(x,), explain=False)
     styles = plan.module_styles()
     assert {styles[f"0.{n}"] for n in "qkvo"} == {"colwise_gather_output"}  # weights sharded, code sees whole
-    assert any(re.search(r"^0: runs on whole activations.*heads\.py:\d+ .*view\(b, s, self\.heads", w) for w in plan.warnings)
-    with pytest.raises(shardplan.PlanningError, match=r"heads\.py:\d+ .*view\(b, s, self\.heads"):
+    assert any(re.search(r"^0: runs on whole activations.*heads\.py:\d+ .*view\(b, s, 8", w) for w in plan.warnings)
+    with pytest.raises(shardplan.PlanningError, match=r"heads\.py:\d+ .*view\(b, s, 8"):
         shardplan.plan_model(model, {"tp": 2}, example_inputs=(x,), explain=False, strict=True)
+
+
+def test_a_head_count_equal_to_head_dim_is_told_apart_by_the_views():
+    # 8 heads of 8: halving hd would run too, on the wrong heads; only heads gives every
+    # view its planned local shape
+    with torch.device("meta"):
+        model = nn.Sequential(_HardCodedHeads(dim=64, heads=8), nn.LayerNorm(64))
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.zeros(2, 8, 64, device="meta"),), explain=False)
+    assert [a.values for a in plan.attributes] == [{"heads": 4}], plan.attributes
+    assert [plan.module_styles()[f"0.{n}"] for n in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
 
 
 @pytest.mark.parametrize("sp", [False, True])

@@ -18,12 +18,22 @@ class HardCodedHeads(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, s, self.heads * self.hd))
 
 
+class LiteralHeads(HardCodedHeads):
+    """Views by a number written in the code: no attribute can be given its local value."""
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (m(x).view(b, s, 8, self.hd).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
 if __name__ == "__main__":
     import shardplan
 
-    # 8 heads of 8: the head count cannot be told from head_dim, so the block runs whole
+    # 8 literal heads: nothing can be made local, so the block runs whole
     with torch.device("meta"):
-        model = nn.Sequential(HardCodedHeads(dim=64, heads=8), nn.LayerNorm(64))
+        model = nn.Sequential(LiteralHeads(dim=64, heads=8), nn.LayerNorm(64))
     plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.zeros(2, 8, 64, device="meta"),), explain=False)
     print("\n".join(plan.warnings))
 
@@ -75,3 +85,8 @@ class DerivedLM(HardCodedLM):
 def derived_lm() -> DerivedLM:
     torch.manual_seed(0)
     return DerivedLM()
+
+
+def hard_coded_lm_8_heads() -> HardCodedLM:
+    """8 heads of 8: the head count equals head_dim."""
+    return HardCodedLM(heads=8)
