@@ -119,7 +119,8 @@ def partial_grad_owners(graph: OpGraph, tp: int) -> frozenset[str]:
         found = set()
         for op in graph.ops:
             if op.target in ("expand", "expand_as") and op.output is not None and op.inputs \
-                    and op.inputs[0] in graph.requires_grad and _expands_to_split(op, graph, tp):
+                    and op.inputs[0] in graph.requires_grad and _expands_to_split(op, graph, tp) \
+                    and not _merged_after(op, graph):
                 found.add(op.owner)
         cached = graph.strategy_cache[key] = frozenset(found)
     return cached
@@ -129,3 +130,12 @@ def _expands_to_split(op: Op, graph: OpGraph, tp: int) -> bool:
     src, out = graph.values[op.inputs[0]].shape, graph.values[op.output].shape
     lead = len(out) - len(src)
     return any(n == 1 and out[d + lead] % tp == 0 and out[d + lead] >= tp for d, n in enumerate(src))
+
+
+def _merged_after(op: Op, graph: OpGraph) -> bool:
+    """The expand of ``repeat_kv`` (``[b, kv, 1, s, d] -> [b, kv, g, s, d]``, then reshaped
+    to ``kv * g`` heads) copies heads rather than broadcasting one value to all of them."""
+    users = [graph.ops[c] for c in graph.consumers.get(op.output, [])]
+    ndim = len(graph.values[op.output].shape)
+    return bool(users) and all(u.target in ("reshape", "view", "flatten") and u.output is not None
+                               and len(graph.values[u.output].shape) < ndim for u in users)

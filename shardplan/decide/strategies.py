@@ -39,7 +39,7 @@ from .placements import (
     Strategy, chunk_count, group_counts, grouped, groups_of, packed, partial_grad_owners, placement_str, shard_dim,
 )
 from .propagation import dtensor_strategies, metadata_only
-from .weights import module_strategies
+from .weights import grouped_values, module_strategies
 
 __all__ = ["Strategy", "op_strategies", "shard_dim", "placement_str", "packed", "chunk_count", "param_only_values"]
 
@@ -148,7 +148,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
     for names, rule in rules:
         if name in names or (op.node.op == "call_module" and name in names):
             strategies += rule(op, graph, tp, out_shape)
-            if rule in _SHARD_LOCAL:
+            if rule in _SHARD_LOCAL and any(v in grouped_values(graph, tp) for v in op.inputs):
                 strategies += _grouped_variants(op, graph, tp, out_shape, rule)
             break
     else:
@@ -156,7 +156,8 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
             strategies += _unary(op, graph, tp, out_shape)
         else:  # no hand rule: ask DTensor's sharding propagation (checked on local shapes)
             strategies += [Strategy("", ins, out) for ins, out in dtensor_strategies(op, graph, tp=tp)]
-    strategies += _grouped_conversions(op, graph, tp, out_shape)
+    if any(v in grouped_values(graph, tp) for v in op.inputs):
+        strategies += _grouped_conversions(op, graph, tp, out_shape)
     if op.owner in partial_grad_owners(graph, tp):
         strategies += _partial_grad_twins(op, graph, tp, strategies, out_shape)
     seen: set[tuple] = set()

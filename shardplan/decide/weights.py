@@ -51,7 +51,7 @@ from ..analyze.graph import Op, OpGraph
 from ..analyze.graph import module_kind as module_kind_of
 from .placements import Strategy, chunk_count, group_counts, grouped, packed, partial_grad_owners
 
-__all__ = ["module_strategies", "STYLE_NAMES"]
+__all__ = ["module_strategies", "STYLE_NAMES", "grouped_values"]
 
 STYLE_NAMES = (
     "colwise",
@@ -229,6 +229,29 @@ def _viewed_heads(op: Op, graph: OpGraph, tp: int) -> list[int]:
     return sorted(n for n in found if n in group_counts(tp))
 
 
+def grouped_values(graph: OpGraph, tp: int) -> frozenset[int]:
+    """Values a kv-grouped placement can reach: from each Linear whose output a view splits
+    into fewer heads than tp, forward through the ops after it (the repeat that turns the
+    groups into query heads ends it a few ops later). Only ops reading these get grouped
+    strategies, so a model without such heads plans with the program it always had."""
+    key = ("grouped_values", tp)
+    cached = graph.strategy_cache.get(key)
+    if cached is None:
+        found: set[int] = set()
+        frontier = [op.output for op in graph.ops if op.kind == "module" and op.module_kind == "linear"
+                    and op.output is not None and _viewed_heads(op, graph, tp)]
+        for _ in range(_GROUPED_DEPTH):
+            frontier = [v for v in frontier if v not in found]
+            found.update(frontier)
+            frontier = [graph.ops[c].output for v in frontier for c in graph.consumers.get(v, [])
+                        if graph.ops[c].output is not None and graph.ops[c].kind in ("function", "module")]
+        cached = graph.strategy_cache[key] = frozenset(found)
+    return cached
+
+
+_GROUPED_DEPTH = 48  # ops from a k/v projection to attention: view, norm, RoPE, repeat, sdpa
+
+
 def _kv_replicated(x, y, module: nn.Module, pbytes: int, flops: float, tp: int, *, heads: list[int]) -> list[Strategy]:
     """colwise_kv_replicated with ``n`` groups, one per kv head, for each head count ``n``
     below tp that divides it (:func:`_viewed_heads`)."""
@@ -379,7 +402,7 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
             bwd=tuple(("all_reduce", p.numel() * p.element_size()) for p in module.parameters(recurse=False)),
             act_bytes=x.nbytes, layouts={"weight": "R", "input": "R"},
         ))
-    return out + _grouped_norm(x, module, pbytes, tp)
+    return out + (_grouped_norm(x, module, pbytes, tp) if op.inputs[0] in grouped_values(graph, tp) else [])
 
 
 def _grouped_norm(x, module: nn.Module, pbytes: int, tp: int) -> list[Strategy]:
