@@ -32,7 +32,7 @@ from typing import Any
 from ..analyze.graph import Op, OpGraph
 
 __all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "grouped", "groups_of", "group_counts",
-           "partial_grad_owners",
+           "partial_grad_owners", "under_partial_grad_owner",
            "local_shape"]
 
 Comm = tuple[str, int]  # (collective kind, logical bytes)
@@ -124,6 +124,11 @@ def partial_grad_owners(graph: OpGraph, tp: int) -> frozenset[str]:
                 found.add(op.owner)
         cached = graph.strategy_cache[key] = frozenset(found)
     return cached
+
+
+def under_partial_grad_owner(fqn: str, graph: OpGraph, tp: int) -> bool:
+    """``fqn`` is such a module or inside one (its RoPE submodule)."""
+    return any(fqn == o or fqn.startswith(o + ".") or not o for o in partial_grad_owners(graph, tp))
 
 
 def _expands_to_split(op: Op, graph: OpGraph, tp: int) -> bool:

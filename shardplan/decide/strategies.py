@@ -36,7 +36,7 @@ import torch.fx
 from ..analyze.graph import Op, OpGraph
 
 from .placements import (
-    Strategy, chunk_count, group_counts, grouped, groups_of, packed, partial_grad_owners, placement_str, shard_dim,
+    Strategy, chunk_count, group_counts, grouped, groups_of, packed, placement_str, shard_dim, under_partial_grad_owner,
 )
 from .propagation import dtensor_strategies, metadata_only
 from .weights import grouped_values, module_strategies
@@ -158,7 +158,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
             strategies += [Strategy("", ins, out) for ins, out in dtensor_strategies(op, graph, tp=tp)]
     if any(v in grouped_values(graph, tp) for v in op.inputs):
         strategies += _grouped_conversions(op, graph, tp, out_shape)
-    if op.owner in partial_grad_owners(graph, tp):
+    if under_partial_grad_owner(op.owner, graph, tp):
         strategies += _partial_grad_twins(op, graph, tp, strategies, out_shape)
     seen: set[tuple] = set()
     result = []

@@ -49,7 +49,7 @@ from torch import nn
 
 from ..analyze.graph import Op, OpGraph
 from ..analyze.graph import module_kind as module_kind_of
-from .placements import Strategy, chunk_count, group_counts, grouped, packed, partial_grad_owners
+from .placements import Strategy, chunk_count, group_counts, grouped, packed, under_partial_grad_owner
 
 __all__ = ["module_strategies", "STYLE_NAMES", "grouped_values"]
 
@@ -188,7 +188,7 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
         out += _rowwise(x, y, module, pbytes, flops, tp, sp, row_w)
     if module_kind_of(module) == "linear":
         out += _kv_replicated(x, y, module, pbytes, flops, tp, heads=_viewed_heads(op, graph, tp))
-    if op.target.rpartition(".")[0] in partial_grad_owners(graph, tp) and module_kind_of(module) == "linear":
+    if under_partial_grad_owner(op.target.rpartition(".")[0], graph, tp) and module_kind_of(module) == "linear":
         out += _partial_grad_linear(x, y, n_out, tp, col_w, col)
     return out
 
@@ -395,7 +395,7 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
             name, (f"S{d}",), f"S{d}", bwd=tuple(("all_reduce", p.numel() * p.element_size()) for p in module.parameters(recurse=False)),
             param_bytes=pbytes, mem_bytes=2 * x.nbytes / tp, act_bytes=x.nbytes / tp, layouts={"weight": "R", "input": f"S{d}"},
         ))
-    if op.target.rpartition(".")[0] in partial_grad_owners(graph, tp):
+    if under_partial_grad_owner(op.target.rpartition(".")[0], graph, tp):
         # on an Rp value (MLA's kv_a_layernorm): whole, its weight gradient a partial sum
         out.append(Strategy(
             "replicated_with_grad_allreduce", ("Rp",), "Rp", param_bytes=pbytes, mem_bytes=2 * x.nbytes,
