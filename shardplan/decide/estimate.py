@@ -27,7 +27,8 @@ from ..plan.model import Collectives, Estimate, MeshInfo
 from .assemble import repeats
 from .fsdp import DataParallelEvent, data_parallel_events, fsdp_units, unit_of
 from .regions import Entry, PartialBlock, partial_grad_params
-from .solve import Solution, SolveContext, _model_dtype_bytes, _tied_second_owners, group_grad_time, strategy_time
+from .solve import comm_time as op_comm_time
+from .solve import BUCKETED_GRAD_STYLES, Solution, SolveContext, _model_dtype_bytes, _tied_second_owners, strategy_time
 
 __all__ = ["estimate", "collective_list", "data_parallel_list", "unit_param_bytes"]
 
@@ -35,7 +36,7 @@ Event = tuple[str, str, int, int]  # (phase, kind, logical bytes, group size: 0 
 
 
 # styles whose weight gradients are Partial (the weight saw 1/tp of the tokens or heads)
-PARTIAL_GRAD_STYLES = ("sequence_parallel", "replicated_with_grad_allreduce")
+PARTIAL_GRAD_STYLES = BUCKETED_GRAD_STYLES
 
 
 def collective_list(
@@ -122,10 +123,7 @@ def estimate(
         comm_bytes += cost.collective_bytes(e.kind, e.nbytes, group_size=e.group_size) * e.times
         comm_time += cost.collective_time(e.kind, e.nbytes, group_size=e.group_size, link=e.link) * e.times
     total_time = sum(strategy_time(solution.strategies[op.index], ctx) * op.multiplicity for op in graph.ops)
-    own_comm = sum(
-        cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link) * op.multiplicity
-        for op in graph.ops for k, n in solution.strategies[op.index].fwd + solution.strategies[op.index].bwd
-    ) + sum(group_grad_time(solution.strategies[op.index], ctx) * op.multiplicity for op in graph.ops)
+    own_comm = sum(op_comm_time(solution.strategies[op.index], ctx) * op.multiplicity for op in graph.ops)
     compute_time = total_time - own_comm
     params = _param_bytes(graph, solution)
     elem = _model_dtype_bytes(graph)

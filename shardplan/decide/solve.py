@@ -37,7 +37,8 @@ from . import cost
 from ..analyze.graph import Op, OpGraph
 from .strategies import Strategy, op_strategies
 
-__all__ = ["SolveContext", "Solution", "solve", "PlanningError", "strategy_time", "group_grad_time"]
+__all__ = ["SolveContext", "Solution", "solve", "PlanningError", "strategy_time", "group_grad_time", "comm_time",
+           "BUCKETED_GRAD_STYLES"]
 
 
 class PlanningError(ValueError):
@@ -77,6 +78,9 @@ class _Program:
     var_of: dict[tuple[int, int], int]  # (op, strategy index) -> column
     entry_of: dict[tuple[int, str], int]  # (value, entry) -> column
     entry_cost: dict[tuple[int, str], float]
+    # group size -> column: 1 when any chosen strategy's gradients go in that bucket (its
+    # latency is paid once per step, the bandwidth per strategy: comm_time)
+    bucket_of: dict[int, int] = field(default_factory=dict)
     num_vars: int = 0
 
 
@@ -85,11 +89,26 @@ def strategy_time(s: Strategy, ctx: SolveContext) -> float:
     collectives, matmul FLOPs (forward + backward), bandwidth-bound traffic (forward +
     backward), the optimizer's update of the parameters it holds, and for a weight module
     under a parallel style the host's dispatch overhead."""
-    comm = sum(cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link) for k, n in s.fwd + s.bwd)
-    comm += group_grad_time(s, ctx)
+    comm = comm_time(s, ctx)
     compute = cost.matmul_time(s.flops, hardware=ctx.hardware, dtype=ctx.dtype) if s.flops else 0.0
     memory = cost.elementwise_time(s.mem_bytes, hardware=ctx.hardware) if s.mem_bytes else 0.0
     return comm + compute + memory + _update_time(s, ctx) + _host_time(s, ctx)
+
+
+# styles whose backward collectives reduce Partial weight gradients, bucketed when backward ends
+BUCKETED_GRAD_STYLES = ("sequence_parallel", "replicated_with_grad_allreduce")
+
+
+def comm_time(s: Strategy, ctx: SolveContext) -> float:
+    """The collectives of ``s``: its forward and backward ones, except that gradients reduced
+    in one bucket when backward ends (a sequence-parallel norm's, a kv weight's over its
+    group) pay only their bandwidth here; the bucket's latency is paid once per step."""
+    bwd = () if s.name in BUCKETED_GRAD_STYLES else s.bwd
+    comm = sum(cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link) for k, n in s.fwd + bwd)
+    if s.name in BUCKETED_GRAD_STYLES:
+        comm += sum(cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link)
+                    - cost.collective_time(k, 0, group_size=ctx.tp, link=ctx.link) for k, n in s.bwd)
+    return comm + group_grad_time(s, ctx)
 
 
 def group_grad_time(s: Strategy, ctx: SolveContext) -> float:
@@ -166,7 +185,20 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
                         entry, graph.values[value].nbytes, ctx, needs_grad=value in graph.requires_grad
                     ) * op.multiplicity
                     prog.num_vars += 1
+    for options in strategies.values():
+        for group in (g for s in options for g in _buckets(s, ctx)):
+            if group not in prog.bucket_of:
+                prog.bucket_of[group] = prog.num_vars
+                prog.num_vars += 1
     return prog
+
+
+def _buckets(s: Strategy, ctx: SolveContext) -> set[int]:
+    """The gradient buckets (by group size) ``s`` puts gradients in."""
+    found = {g for _, g in s.group_grads}
+    if s.name in BUCKETED_GRAD_STYLES and s.bwd:
+        found.add(ctx.tp)
+    return found
 
 
 def _forced_match(s: Strategy, want: str | tuple[str, dict[str, str]]) -> bool:
@@ -191,6 +223,12 @@ def _rows(prog: _Program) -> tuple[list[dict[int, float]], list[float], list[flo
             _placement_rows(prog, op, slot, producer, rows, lo, hi)
             _entry_rows(prog, op, slot, value, rows, lo, hi)
     _folded_rows(prog, alias, rows, lo, hi)
+    for op in graph.ops:
+        for i, s in enumerate(prog.strategies[op.index]):
+            for group in _buckets(s, prog.ctx):
+                rows.append({prog.bucket_of[group]: 1.0, prog.var_of[(op.index, i)]: -1.0})
+                lo.append(0.0)
+                hi.append(np.inf)
     return rows, lo, hi
 
 
@@ -295,6 +333,8 @@ def _vectors(prog: _Program) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             acts[col] = s.act_bytes * op.multiplicity
     for key, col in prog.entry_of.items():
         time[col] = prog.entry_cost[key]
+    for group, col in prog.bucket_of.items():
+        time[col] = cost.collective_time("all_reduce", 0, group_size=group, link=prog.ctx.link)
     return time, params, acts, weights
 
 
