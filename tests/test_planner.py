@@ -477,3 +477,14 @@ def test_a_gather_names_the_op_and_line_that_forced_it():
     (warning,) = [w for w in plan.warnings if w.startswith("up: output all-gathered")]
     assert warning.startswith("up: output all-gathered: `cumsum` (tests/test_planner.py:")
     assert "torch.cumsum(self.up(x), dim=-1)" in warning and "needs its input whole where tp=2 splits it (dim 1)" in warning
+
+
+@pytest.mark.parametrize(("name", "tp"), [("llama3-8b", 8), ("gpt2", 8), ("llama3-debug", 2), ("llama3-debug", 8)])
+def test_the_solver_prices_the_chosen_plan_as_the_estimate_does(name: str, tp: int):
+    """Bucketed gradient reductions (sequence-parallel norms, kv weights) pay their latency
+    once per step in the estimate; the solver must price them alike, or it picks plans the
+    estimate then calls slower. Each decision's chosen step time is the solver's."""
+    plan = plan_for(name, tp)
+    assert plan.decisions
+    for d in plan.decisions:
+        assert d.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=2e-5), d.module

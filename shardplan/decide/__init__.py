@@ -4,7 +4,9 @@ Contract
 --------
 :mod:`.placements` is the strategy record; :mod:`.strategies` lists the placements each
 plain op runs under shard-locally and :mod:`.weights` the styles of each weight module
-(colwise, rowwise, packed, vocab-parallel, sequence parallel, experts). :mod:`.hardware`
+(colwise, rowwise, packed, vocab-parallel, sequence parallel, experts, kv heads in groups);
+:mod:`.heads` adds the strategies of heads shared across ranks (fewer kv heads than tp,
+MLA's shared key) and :mod:`.propagation` those DTensor's own rules give. :mod:`.hardware`
 holds the dtypes and hardware profiles, :mod:`.cost` the alpha-beta communication, memory
 and compute model over them. :mod:`.solve`
 builds the placement program (one binary per op and strategy, consistency between

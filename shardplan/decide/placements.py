@@ -32,7 +32,7 @@ from typing import Any
 from ..analyze.graph import Op, OpGraph
 
 __all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "grouped", "groups_of", "group_counts",
-           "partial_grad_owners", "under_partial_grad_owner",
+           "partial_grad_owners", "under_partial_grad_owner", "view_groups", "VIEW_OPS",
            "local_shape"]
 
 Comm = tuple[str, int]  # (collective kind, logical bytes)
@@ -55,6 +55,37 @@ class Strategy:
     # (bytes, ranks): Partial weight gradients all-reduced over a sub-group of the tp axis when
     # backward ends, all of one group size in one bucket (kv heads replicated on tp / n ranks)
     group_grads: tuple[tuple[int, int], ...] = ()
+
+
+# ops that reshape without moving data
+VIEW_OPS = frozenset({"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as"})
+
+
+def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of source dims with runs of destination dims of equal product."""
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        gi, gj = [], []
+        pi = pj = 1
+        while True:
+            if (pi <= pj or j >= len(dst)) and i < len(src):
+                pi *= src[i]
+                gi.append(i)
+                i += 1
+            elif j < len(dst):
+                pj *= dst[j]
+                gj.append(j)
+                j += 1
+            else:
+                break
+            if pi == pj and gi and gj:
+                while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+                    gi.append(i)
+                    i += 1
+                break
+        groups.append((gi, gj))
+    return groups
+
 
 
 def shard_dim(p: str) -> int | None:

@@ -35,8 +35,9 @@ import torch.fx
 
 from ..analyze.graph import Op, OpGraph
 
+from .heads import grouped_conversions, grouped_variants, partial_grad_twins
 from .placements import (
-    Strategy, chunk_count, group_counts, grouped, groups_of, packed, placement_str, shard_dim, under_partial_grad_owner,
+    VIEW_OPS, Strategy, chunk_count, groups_of, packed, placement_str, shard_dim, under_partial_grad_owner, view_groups,
 )
 from .propagation import dtensor_strategies, metadata_only
 from .weights import grouped_values, module_strategies
@@ -65,7 +66,7 @@ LINEAR_UNARY = {"neg", "contiguous", "clone", "float", "half", "bfloat16", "doub
 ADDITIVE = {"add", "sub", "iadd", "isub", "__add__", "__sub__", "__radd__", "__rsub__", "rsub", "add_", "sub_"}
 MULTIPLICATIVE = {"mul", "truediv", "div", "imul", "itruediv", "__mul__", "__truediv__", "__rmul__", "mul_", "div_"}
 BROADCAST = {"where", "maximum", "minimum", "pow", "eq", "ne", "lt", "gt", "le", "ge", "and_", "or_", "floordiv", "lerp"}
-VIEWS = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as"}
+VIEWS = VIEW_OPS
 PERMUTES = {"transpose", "permute", "t", "movedim", "swapaxes", "swapdims"}
 REDUCE_SUM = {"sum"}
 REDUCE_OTHER = {"softmax", "log_softmax", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "argmax", "argmin", "cumsum", "logsumexp", "any", "all", "prod"}
@@ -149,7 +150,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
         if name in names or (op.node.op == "call_module" and name in names):
             strategies += rule(op, graph, tp, out_shape)
             if rule in _SHARD_LOCAL and any(v in grouped_values(graph, tp) for v in op.inputs):
-                strategies += _grouped_variants(op, graph, tp, out_shape, rule)
+                strategies += grouped_variants(op, graph, tp, out_shape, rule)
             break
     else:
         if op.node.op == "call_module" and _param_free_elementwise(op, graph):
@@ -157,9 +158,9 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
         else:  # no hand rule: ask DTensor's sharding propagation (checked on local shapes)
             strategies += [Strategy("", ins, out) for ins, out in dtensor_strategies(op, graph, tp=tp)]
     if any(v in grouped_values(graph, tp) for v in op.inputs):
-        strategies += _grouped_conversions(op, graph, tp, out_shape)
+        strategies += grouped_conversions(op, graph, tp, out_shape)
     if under_partial_grad_owner(op.owner, graph, tp):
-        strategies += _partial_grad_twins(op, graph, tp, strategies, out_shape)
+        strategies += partial_grad_twins(op, graph, tp, strategies, out_shape)
     seen: set[tuple] = set()
     result = []
     flops = _sdpa_flops(op, graph) if name == "scaled_dot_product_attention" else 0.0
@@ -251,32 +252,6 @@ def _broadcast(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
 def _only_tensor_operands(op: Op) -> bool:
     args = list(op.node.args) + list(op.node.kwargs.values())
     return all(isinstance(a, torch.fx.Node) for a in args if not isinstance(a, (str, type(None))))
-
-
-def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
-    """Pair runs of source dims with runs of destination dims of equal product."""
-    groups, i, j = [], 0, 0
-    while i < len(src) or j < len(dst):
-        gi, gj = [], []
-        pi = pj = 1
-        while True:
-            if (pi <= pj or j >= len(dst)) and i < len(src):
-                pi *= src[i]
-                gi.append(i)
-                i += 1
-            elif j < len(dst):
-                pj *= dst[j]
-                gj.append(j)
-                j += 1
-            else:
-                break
-            if pi == pj and gi and gj:
-                while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
-                    gi.append(i)
-                    i += 1
-                break
-        groups.append((gi, gj))
-    return groups
 
 
 def _map_view_dim(src, dst, d: int, tp: int) -> int | None:
@@ -499,121 +474,5 @@ def _expand(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
 
 
 
-# Fewer kv heads than tp (see :mod:`.placements` for ``S{d}g{n}`` and ``S{d}e{n}``). Between
-# the k/v projections and the repeat that lines kv heads up with query heads, a grouped value
-# goes through the same shard-local ops a sharded one does (views, RoPE, a per-head norm):
-# each rank holds one kv head, and the rules hold with the group count as the divisor.
-
-
-def _grouped_variants(op: Op, graph: OpGraph, tp: int, out_shape, rule) -> list[Strategy]:
-    """``rule``'s shard-local strategies with ``n`` groups in place of ``tp`` shards, on dims
-    that hold the groups themselves (size ``n``: kv heads) or features (the last dim)."""
-    out = []
-    for n in group_counts(tp):
-        for s in rule(op, graph, n, out_shape):
-            places = s.inputs + (s.output,)
-            if "P" in places or s.output is None or any("p" in p for p in places if p):
-                continue
-            if shard_dim(s.output) is None or not _group_dims_ok(op, graph, s, n, out_shape):
-                continue
-            out.append(Strategy("", tuple(_as_group(p, n) for p in s.inputs), _as_group(s.output, n)))
-    return out
-
-
-def _as_group(p: str, n: int) -> str:
-    d = shard_dim(p)
-    return p if d is None else grouped(d, n)
-
-
-def _group_dims_ok(op: Op, graph: OpGraph, s: Strategy, n: int, out_shape) -> bool:
-    shapes = [_shape(graph, v) for v in op.inputs] + [out_shape]
-    for p, shape in zip(s.inputs + (s.output,), shapes):
-        d = shard_dim(p)
-        if d is not None and shape[d] != n and d != len(shape) - 1:
-            return False
-    return True
-
-
-def _grouped_conversions(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
-    """Where grouped kv heads meet the query heads' Shard: the expand of ``repeat_kv`` and the
-    reshape after it, ``repeat_interleave`` by the group size, or attention with
-    ``enable_gqa=True``. The repeat's size is the code's own (``self.num_key_value_groups``):
-    the local check finds it must be ``g / (tp / n)`` on a rank and says so in the plan."""
-    if not op.inputs or op.output is None:
-        return []
-    src, rest = _shape(graph, op.inputs[0]), ("R",) * (len(op.inputs) - 1)
-    out = []
-    for n in group_counts(tp):
-        rep = tp // n
-        if op.target in ("expand", "expand_as"):
-            lead = len(out_shape) - len(src)
-            out += [Strategy("", (grouped(d, n),) + rest, grouped(d + lead, n, expanded=True))
-                    for d in range(len(src) - 1) if src[d] == n == out_shape[d + lead] and src[d + 1] == 1
-                    and out_shape[d + lead + 1] % rep == 0 and out_shape[d + lead + 1] > 1]
-        elif op.target in VIEWS:
-            out += [Strategy("", (grouped(d, n, expanded=True),) + rest, f"S{o}")
-                    for d, o in _merged_pairs(src, out_shape) if src[d] == n and out_shape[o] % tp == 0]
-        elif op.target == "repeat_interleave":
-            out += _repeat_interleave(op, src, n, rep)
-        elif op.target == "scaled_dot_product_attention" and op.node.kwargs.get("enable_gqa") is True:
-            heads = [_shape(graph, v)[1] if len(_shape(graph, v)) == 4 else 0 for v in op.inputs[:3]]
-            if len(heads) == 3 and heads[1] == heads[2] == n and heads[0] % tp == 0:
-                out.append(Strategy("", ("S1", grouped(1, n), grouped(1, n)) + ("R",) * (len(op.inputs) - 3), "S1"))
-    return out
-
-
-def _merged_pairs(src, dst) -> list[tuple[int, int]]:
-    """(d, o): source dims d and d + 1 (and nothing else of size > 1) become destination dim o."""
-    pairs = []
-    for gi, gj in view_groups(tuple(src), tuple(dst)):
-        big_in = [k for k in gi if src[k] != 1]
-        big_out = [k for k in gj if dst[k] != 1]
-        if len(big_in) == 2 and big_in[1] == big_in[0] + 1 and len(big_out) == 1:
-            pairs.append((big_in[0], big_out[0]))
-    return pairs
-
-
-def _repeat_interleave(op: Op, src, n: int, rep: int) -> list[Strategy]:
-    """``x.repeat_interleave(g, dim=d)`` on ``n`` grouped kv heads: each rank repeats its one
-    kv head ``g / rep`` times, which is its slice of the ``n * g`` query heads."""
-    args, kw = op.node.args, op.node.kwargs
-    repeats = kw.get("repeats", args[1] if len(args) > 1 else None)
-    dim = kw.get("dim", args[2] if len(args) > 2 else None)
-    if not isinstance(repeats, int) or not isinstance(dim, int) or repeats % rep or len(op.inputs) != 1:
-        return []
-    d = dim % len(src)
-    return [Strategy("", (grouped(d, n),), f"S{d}")] if src[d] == n else []
-
-
 _SHARD_LOCAL = {_unary, _broadcast, _view, _permute, _reduce, _getitem, _cat, _split}
 
-
-# A whole value broadcast into computation split by heads (MLA's shared rotary key, ``k_rot``
-# [b, 1, s, r] expanded to every head): forward each rank slices it for free, but its
-# gradient on each rank sums that rank's heads only. Placed ``Rp`` ("replicated, gradient
-# Partial"), the value and everything computed from it up to the Linear that made it carry
-# partial gradients, and that Linear sums them once: a gathered colwise output's backward
-# becomes a reduce-scatter, a norm's weight gradient is all-reduced when backward ends.
-
-
-def _partial_grad_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strategy], out_shape) -> list[Strategy]:
-    """``Rp`` twins: a strategy reading gradient-needing values whole (``R``) reads them ``Rp``
-    instead, its output ``Rp`` when it was ``R``; the broadcast of an ``Rp`` value into a
-    split output (``expand`` to the rank's heads) is allowed, its partial gradient being
-    what the producer expects. Every gradient-needing input must be ``Rp``: one summed and
-    one whole gradient cannot share a reduction."""
-    out = []
-    for s in strategies:
-        if s.output not in ("R",) and shard_dim(s.output or "") is None:
-            continue
-        if any(p != "R" and shard_dim(p) is None for p in s.inputs):
-            continue
-        ins = tuple("Rp" if p == "R" and v in graph.requires_grad else p for p, v in zip(s.inputs, op.inputs))
-        if "Rp" in ins:
-            out.append(Strategy(s.name, ins, "Rp" if s.output == "R" else s.output))
-    if op.target in ("expand", "expand_as") and len(op.inputs) >= 1:
-        src = _shape(graph, op.inputs[0])
-        lead = len(out_shape) - len(src)
-        out += [Strategy("", ("Rp",) + ("R",) * (len(op.inputs) - 1), f"S{d + lead}") for d, n in enumerate(src)
-                if n == 1 and out_shape[d + lead] % tp == 0 and out_shape[d + lead] >= tp]
-    return out

@@ -1,0 +1,140 @@
+"""Heads shared across ranks: the strategies for fewer kv heads than tp and for MLA's shared key.
+
+Contract
+--------
+``grouped_variants`` and ``grouped_conversions`` give an op its strategies on kv-grouped
+values (``S{d}g{n}``, ``S{d}e{n}``: :mod:`.placements`), from a shard-local rule of
+:mod:`.strategies` run with the group count as the divisor, and from the three ops that turn
+grouped kv heads into the query heads' ``Shard``. ``partial_grad_twins`` gives the ``Rp``
+twins of an op's strategies (a whole value whose gradient comes back Partial). Nothing
+here is used unless :func:`.weights.grouped_values` or
+:func:`.placements.under_partial_grad_owner` says the op can meet such values.
+"""
+
+from __future__ import annotations
+
+from ..analyze.graph import Op, OpGraph
+from .placements import VIEW_OPS, Strategy, group_counts, grouped, shard_dim, view_groups
+
+__all__ = ["grouped_variants", "grouped_conversions", "partial_grad_twins"]
+
+
+def _shape_of(graph: OpGraph, value: int) -> tuple[int, ...]:
+    return graph.values[value].shape
+
+
+# Fewer kv heads than tp (see :mod:`.placements` for ``S{d}g{n}`` and ``S{d}e{n}``). Between
+# the k/v projections and the repeat that lines kv heads up with query heads, a grouped value
+# goes through the same shard-local ops a sharded one does (views, RoPE, a per-head norm):
+# each rank holds one kv head, and the rules hold with the group count as the divisor.
+
+
+def grouped_variants(op: Op, graph: OpGraph, tp: int, out_shape, rule) -> list[Strategy]:
+    """``rule``'s shard-local strategies with ``n`` groups in place of ``tp`` shards, on dims
+    that hold the groups themselves (size ``n``: kv heads) or features (the last dim)."""
+    out = []
+    for n in group_counts(tp):
+        for s in rule(op, graph, n, out_shape):
+            places = s.inputs + (s.output,)
+            if "P" in places or s.output is None or any("p" in p for p in places if p):
+                continue
+            if shard_dim(s.output) is None or not _group_dims_ok(op, graph, s, n, out_shape):
+                continue
+            out.append(Strategy("", tuple(_as_group(p, n) for p in s.inputs), _as_group(s.output, n)))
+    return out
+
+
+def _as_group(p: str, n: int) -> str:
+    d = shard_dim(p)
+    return p if d is None else grouped(d, n)
+
+
+def _group_dims_ok(op: Op, graph: OpGraph, s: Strategy, n: int, out_shape) -> bool:
+    shapes = [_shape_of(graph, v) for v in op.inputs] + [out_shape]
+    for p, shape in zip(s.inputs + (s.output,), shapes):
+        d = shard_dim(p)
+        if d is not None and shape[d] != n and d != len(shape) - 1:
+            return False
+    return True
+
+
+def grouped_conversions(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    """Where grouped kv heads meet the query heads' Shard: the expand of ``repeat_kv`` and the
+    reshape after it, ``repeat_interleave`` by the group size, or attention with
+    ``enable_gqa=True``. The repeat's size is the code's own (``self.num_key_value_groups``):
+    the local check finds it must be ``g / (tp / n)`` on a rank and says so in the plan."""
+    if not op.inputs or op.output is None:
+        return []
+    src, rest = _shape_of(graph, op.inputs[0]), ("R",) * (len(op.inputs) - 1)
+    out = []
+    for n in group_counts(tp):
+        rep = tp // n
+        if op.target in ("expand", "expand_as"):
+            lead = len(out_shape) - len(src)
+            out += [Strategy("", (grouped(d, n),) + rest, grouped(d + lead, n, expanded=True))
+                    for d in range(len(src) - 1) if src[d] == n == out_shape[d + lead] and src[d + 1] == 1
+                    and out_shape[d + lead + 1] % rep == 0 and out_shape[d + lead + 1] > 1]
+        elif op.target in VIEW_OPS:
+            out += [Strategy("", (grouped(d, n, expanded=True),) + rest, f"S{o}")
+                    for d, o in _merged_pairs(src, out_shape) if src[d] == n and out_shape[o] % tp == 0]
+        elif op.target == "repeat_interleave":
+            out += _repeat_interleave(op, src, n, rep)
+        elif op.target == "scaled_dot_product_attention" and op.node.kwargs.get("enable_gqa") is True:
+            heads = [_shape_of(graph, v)[1] if len(_shape_of(graph, v)) == 4 else 0 for v in op.inputs[:3]]
+            if len(heads) == 3 and heads[1] == heads[2] == n and heads[0] % tp == 0:
+                out.append(Strategy("", ("S1", grouped(1, n), grouped(1, n)) + ("R",) * (len(op.inputs) - 3), "S1"))
+    return out
+
+
+def _merged_pairs(src, dst) -> list[tuple[int, int]]:
+    """(d, o): source dims d and d + 1 (and nothing else of size > 1) become destination dim o."""
+    pairs = []
+    for gi, gj in view_groups(tuple(src), tuple(dst)):
+        big_in = [k for k in gi if src[k] != 1]
+        big_out = [k for k in gj if dst[k] != 1]
+        if len(big_in) == 2 and big_in[1] == big_in[0] + 1 and len(big_out) == 1:
+            pairs.append((big_in[0], big_out[0]))
+    return pairs
+
+
+def _repeat_interleave(op: Op, src, n: int, rep: int) -> list[Strategy]:
+    """``x.repeat_interleave(g, dim=d)`` on ``n`` grouped kv heads: each rank repeats its one
+    kv head ``g / rep`` times, which is its slice of the ``n * g`` query heads."""
+    args, kw = op.node.args, op.node.kwargs
+    repeats = kw.get("repeats", args[1] if len(args) > 1 else None)
+    dim = kw.get("dim", args[2] if len(args) > 2 else None)
+    if not isinstance(repeats, int) or not isinstance(dim, int) or repeats % rep or len(op.inputs) != 1:
+        return []
+    d = dim % len(src)
+    return [Strategy("", (grouped(d, n),), f"S{d}")] if src[d] == n else []
+
+
+# A whole value broadcast into computation split by heads (MLA's shared rotary key, ``k_rot``
+# [b, 1, s, r] expanded to every head): forward each rank slices it for free, but its
+# gradient on each rank sums that rank's heads only. Placed ``Rp`` ("replicated, gradient
+# Partial"), the value and everything computed from it up to the Linear that made it carry
+# partial gradients, and that Linear sums them once: a gathered colwise output's backward
+# becomes a reduce-scatter, a norm's weight gradient is all-reduced when backward ends.
+
+
+def partial_grad_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strategy], out_shape) -> list[Strategy]:
+    """``Rp`` twins: a strategy reading gradient-needing values whole (``R``) reads them ``Rp``
+    instead, its output ``Rp`` when it was ``R``; the broadcast of an ``Rp`` value into a
+    split output (``expand`` to the rank's heads) is allowed, its partial gradient being
+    what the producer expects. Every gradient-needing input must be ``Rp``: one summed and
+    one whole gradient cannot share a reduction."""
+    out = []
+    for s in strategies:
+        if s.output not in ("R",) and shard_dim(s.output or "") is None:
+            continue
+        if any(p != "R" and shard_dim(p) is None for p in s.inputs):
+            continue
+        ins = tuple("Rp" if p == "R" and v in graph.requires_grad else p for p, v in zip(s.inputs, op.inputs))
+        if "Rp" in ins:
+            out.append(Strategy(s.name, ins, "Rp" if s.output == "R" else s.output))
+    if op.target in ("expand", "expand_as") and len(op.inputs) >= 1:
+        src = _shape_of(graph, op.inputs[0])
+        lead = len(out_shape) - len(src)
+        out += [Strategy("", ("Rp",) + ("R",) * (len(op.inputs) - 1), f"S{d + lead}") for d, n in enumerate(src)
+                if n == 1 and out_shape[d + lead] % tp == 0 and out_shape[d + lead] >= tp]
+    return out
