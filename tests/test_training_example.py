@@ -30,7 +30,9 @@ CHECKS = (
 def test_checked_in_plan_is_what_the_planner_writes(tmp_path: Path) -> None:
     out = tmp_path / "plan.yaml"
     assert main(["plan", "llama3-debug", "--mesh", "dp=2,tp=2", "--seq", "32", "--batch", "1", "-o", str(out)]) == 0
-    assert out.read_text() == PLAN.read_text(), "regenerate examples/llama3-debug.dp2-tp2.yaml (see examples/README.md)"
+    assert out.read_text() == PLAN.read_text(), (
+        "regenerate it: python -m shardplan plan llama3-debug --mesh dp=2,tp=2 --seq 32 --batch 1 "
+        "-o examples/llama3-debug.dp2-tp2.yaml --force")
 
 
 def test_torchrun_training_example_matches_one_process(tmp_path: Path) -> None:
