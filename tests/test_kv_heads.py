@@ -20,10 +20,11 @@ from tests.portability import kv_heads
 TOKENS = (torch.zeros(2, 16, dtype=torch.long, device="meta"),)
 
 
-def _plan(factory, tp: int, **axes: int) -> tuple[torch.nn.Module, shardplan.Plan]:
+def _plan(factory, tp: int, *, sequence_parallel=None, **axes: int) -> tuple[torch.nn.Module, shardplan.Plan]:
     with torch.device("meta"):
         model = factory()
-    return model, shardplan.plan_model(model, {**axes, "tp": tp}, example_inputs=TOKENS, explain=False)
+    return model, shardplan.plan_model(model, {**axes, "tp": tp}, example_inputs=TOKENS, explain=False,
+                                       sequence_parallel=sequence_parallel)
 
 
 def _attention_styles(plan: shardplan.Plan) -> dict[str, tuple[str, int | None]]:
@@ -72,6 +73,17 @@ def test_simulated_collectives_equal_the_prediction(factory, tp: int) -> None:
     assert k.device_mesh.ndim == 2 and k.to_local().shape[0] == k.shape[0] // 2
 
 
+def test_kv_heads_in_groups_compose_with_sequence_parallel() -> None:
+    """Sequence-parallel norms before the attention: its input is all-gathered once on entry
+    (the region), and the kv projections read it like the q projection."""
+    _, plan = _plan(kv_heads.attribute_gqa, 4, sequence_parallel=True)
+    styles = plan.module_styles()
+    assert styles["layers.0.norm1"] == "sequence_parallel"
+    assert styles["layers.0.attn.wk"] == styles["layers.0.attn.wv"] == "colwise_kv_replicated"
+    result = simulate(kv_heads.attribute_gqa(), plan, (torch.randint(0, 128, (2, 16)),))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
 def test_fully_sharded_kv_heads_simulate_as_predicted() -> None:
     _, plan = _plan(kv_heads.attribute_gqa, 4, dp=2)
     model = kv_heads.attribute_gqa()
@@ -101,10 +113,10 @@ def test_hf_qwen3_moe_at_tp4_keeps_its_two_kv_heads_on_two_ranks_each() -> None:
     assert plan.attributes[0].values == {"num_key_value_groups": 1}, plan.attributes
 
 
-@pytest.mark.parametrize("spec", ["tests.portability.kv_heads:attribute_gqa", "hf-tiny:qwen3_moe"])
-def test_kv_heads_match_one_process_on_four_gloo_ranks(spec: str) -> None:
+@pytest.mark.parametrize(("spec", "sp"), [("tests.portability.kv_heads:attribute_gqa", True), ("hf-tiny:qwen3_moe", None)])
+def test_kv_heads_match_one_process_on_four_gloo_ranks(spec: str, sp) -> None:
     if spec.startswith("hf"):
         pytest.importorskip("transformers")
-    result = verify(spec, nproc=4, timeout_s=300)
+    result = verify(spec, nproc=4, timeout_s=300, sequence_parallel=sp)
     assert "colwise_kv_replicated" in set(result.plan.module_styles().values()), result.plan.module_styles()
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

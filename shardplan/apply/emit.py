@@ -62,7 +62,7 @@ def _style(rule: Rule, *, conv1d: bool = False) -> ParallelStyle:
     if rule.style == "packed_colwise":
         return PackedColwise(parts=rule.packed or 2, input_layouts=inp or Replicate(), output_layouts=Shard(-1))
     if rule.style == "colwise_kv_replicated":
-        return ColwiseKVReplicated(groups=rule.groups)
+        return ColwiseKVReplicated(groups=rule.groups, input_layouts=inp)
     if rule.style == "colwise_gather_output":
         return col(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
     if rule.style == "rowwise":  # a Partial output stays a DTensor for the block's exit to sum

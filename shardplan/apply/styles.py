@@ -297,9 +297,12 @@ class ColwiseKVReplicated(ParallelStyle):
     ranks, summed by the region's all-reduce with the q projection's, or here by one of its own.
     The global view of the weight is the module's own, so checkpoints reshard as any DTensor."""
 
-    def __init__(self, *, groups: int) -> None:
+    def __init__(self, *, groups: int, input_layouts: Any = None) -> None:
         super().__init__()
         self.groups = groups
+        # a sequence-sharded input (sequence parallel) is all-gathered on entry, its gradient
+        # reduce-scattered back, as ColwiseParallel's is; inside a region it arrives gathered
+        self.input_layouts = input_layouts or Replicate()
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         mesh = grouped_mesh(device_mesh, self.groups)
@@ -308,21 +311,24 @@ class ColwiseKVReplicated(ParallelStyle):
             param = module._parameters[name]
             dist = distribute_tensor(param.detach(), mesh, [Shard(0), Replicate()], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
-        module.register_forward_pre_hook(partial(_kv_enter, names=names, tp_mesh=device_mesh))
+        module.register_forward_pre_hook(partial(_kv_enter, names=names, tp_mesh=device_mesh, layout=self.input_layouts))
         module.register_forward_hook(_restore_params)
         return module
 
 
-def _kv_enter(module, args, *, names, tp_mesh):
+def _kv_enter(module, args, *, names, tp_mesh, layout):
     _swap_to_local(module, args, names=names, partial_grads=names)
-    return tuple(_local_with_partial_grad(a, tp_mesh) if isinstance(a, torch.Tensor) else a for a in args)
+    return tuple(_local_with_partial_grad(a, tp_mesh, layout) if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def _local_with_partial_grad(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
+def _local_with_partial_grad(x: torch.Tensor, tp_mesh: Any, layout: Any) -> torch.Tensor:
     """A Replicate input as a plain tensor whose gradient is declared Partial: a region's
-    DTensor sums it with its other consumers'; a plain input is all-reduced on its own."""
+    DTensor sums it with its other consumers'; a plain input is all-reduced on its own (or,
+    arriving sequence-sharded, all-gathered here and its gradient reduce-scattered)."""
     if not isinstance(x, DTensor):
-        x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False)
+        x = DTensor.from_local(x, tp_mesh, [layout], run_check=False)
+    if not x.placements[0].is_replicate():
+        x = x.redistribute(placements=[Replicate()])
     return x.to_local(grad_placements=(Partial(),))
 
 

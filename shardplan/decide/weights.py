@@ -187,7 +187,8 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
     if n_in % tp == 0:
         out += _rowwise(x, y, module, pbytes, flops, tp, sp, row_w)
     if module_kind_of(module) == "linear":
-        out += _kv_replicated(x, y, module, pbytes, flops, tp, heads=_viewed_heads(op, graph, tp))
+        seq = _seq_dims(x.shape, tp) if sp else []
+        out += _kv_replicated(x, y, module, pbytes, flops, tp, heads=_viewed_heads(op, graph, tp), seq_dims=seq)
     if under_partial_grad_owner(op.target.rpartition(".")[0], graph, tp) and module_kind_of(module) == "linear":
         out += _partial_grad_linear(x, y, n_out, tp, col_w, col)
     return out
@@ -252,19 +253,21 @@ def grouped_values(graph: OpGraph, tp: int) -> frozenset[int]:
 _GROUPED_DEPTH = 48  # ops from a k/v projection to attention: view, norm, RoPE, repeat, sdpa
 
 
-def _kv_replicated(x, y, module: nn.Module, pbytes: int, flops: float, tp: int, *, heads: list[int]) -> list[Strategy]:
+def _kv_replicated(x, y, module: nn.Module, pbytes: int, flops: float, tp: int, *, heads: list[int],
+                   seq_dims: list[int]) -> list[Strategy]:
     """colwise_kv_replicated with ``n`` groups, one per kv head, for each head count ``n``
-    below tp that divides it (:func:`_viewed_heads`)."""
+    below tp that divides it (:func:`_viewed_heads`); on a Replicate input, or a
+    sequence-sharded one gathered on entry as colwise's is."""
     n_out, last = module.weight.shape[0], len(y.shape) - 1
     out = []
     for n in heads:
         if n_out % n:
             continue
         grads = tuple((int(p.numel() * p.element_size() // n), tp // n) for p in module.parameters(recurse=False))
-        out.append(Strategy(
-            "colwise_kv_replicated", ("R",), grouped(last, n), entry=("R",), param_bytes=pbytes / n, flops=flops / n,
-            act_bytes=y.nbytes / n, layouts={"weight": grouped(0, n), "groups": n}, group_grads=grads,
-        ))
+        common = dict(param_bytes=pbytes / n, flops=flops / n, act_bytes=y.nbytes / n, group_grads=grads)
+        for p in ["R"] + [f"S{d}" for d in seq_dims]:
+            layouts = {"weight": grouped(0, n), "groups": n, **({"input": p} if p != "R" else {})}
+            out.append(Strategy("colwise_kv_replicated", (p,), grouped(last, n), entry=(p,), layouts=layouts, **common))
     return out
 
 
