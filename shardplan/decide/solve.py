@@ -103,12 +103,21 @@ def comm_time(s: Strategy, ctx: SolveContext) -> float:
     """The collectives of ``s``: its forward and backward ones, except that gradients reduced
     in one bucket when backward ends (a sequence-parallel norm's, a kv weight's over its
     group) pay only their bandwidth here; the bucket's latency is paid once per step."""
+    if not _bucketing(ctx):  # under fully_shard, FSDP2 reduces each Partial gradient itself
+        comm = sum(cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link) for k, n in s.fwd + s.bwd)
+        return comm + sum(cost.collective_time("all_reduce", n, group_size=g, link=ctx.link) for n, g in s.group_grads)
     bwd = () if s.name in BUCKETED_GRAD_STYLES else s.bwd
     comm = sum(cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link) for k, n in s.fwd + bwd)
     if s.name in BUCKETED_GRAD_STYLES:
         comm += sum(cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link)
                     - cost.collective_time(k, 0, group_size=ctx.tp, link=ctx.link) for k, n in s.bwd)
     return comm + group_grad_time(s, ctx)
+
+
+def _bucketing(ctx: SolveContext) -> bool:
+    """shardplan's gradient sync buckets the Partial gradients (the estimate counts one
+    collective per bucket), except under FSDP over data axes, which reduces them one by one."""
+    return ctx.state_shards == 1
 
 
 def group_grad_time(s: Strategy, ctx: SolveContext) -> float:
@@ -195,6 +204,8 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
 
 def _buckets(s: Strategy, ctx: SolveContext) -> set[int]:
     """The gradient buckets (by group size) ``s`` puts gradients in."""
+    if not _bucketing(ctx):
+        return set()
     found = {g for _, g in s.group_grads}
     if s.name in BUCKETED_GRAD_STYLES and s.bwd:
         found.add(ctx.tp)
