@@ -18,6 +18,8 @@ Each class here is a ``torch.distributed.tensor.parallel.style.ParallelStyle`` t
   output forward; a packed up projection is placed as ``PackedColwise``'s weight;
 * ``ColwiseKVReplicated``: a k/v projection with fewer kv heads than tp: colwise on
   kv-head groups, each group replicated on the ranks whose query heads read it;
+* ``GatherPartialGrad``, ``ColwisePartialInput``: MLA's latent projection and its reader,
+  around a whole value whose gradient comes back Partial (the shared rotary key);
 * ``ContainerParams``, ``CopyOutput``, ``Both``: a module's own parameters beside styled
   children, a copy of an output that is modified in place downstream, two styles on one module.
 
