@@ -120,3 +120,11 @@ def test_kv_heads_match_one_process_on_four_gloo_ranks(spec: str, sp) -> None:
     result = verify(spec, nproc=4, timeout_s=300, sequence_parallel=sp)
     assert "colwise_kv_replicated" in set(result.plan.module_styles().values()), result.plan.module_styles()
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_a_plan_with_kv_heads_in_groups_is_not_handed_to_hugging_face() -> None:
+    _, plan = _plan(kv_heads.attribute_gqa, 4)
+    with pytest.raises(ValueError, match="tp_plan cannot express.*apply_plan"):
+        plan.to_hf_tp_plan()
+    _, plain = _plan(kv_heads.attribute_gqa, 2)  # 2 kv heads at tp=2: stock styles
+    assert "layers.*.attn.wk" in plain.to_hf_tp_plan()

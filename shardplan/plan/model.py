@@ -305,7 +305,16 @@ class Plan(_Strict):
         atomic_write(Path(path), self.to_yaml(), force=force)
 
     def to_hf_tp_plan(self) -> dict[str, str]:
-        """Hugging Face ``tp_plan`` mapping (patterns use ``*`` for layer indices)."""
+        """Hugging Face ``tp_plan`` mapping (patterns use ``*`` for layer indices). Styles
+        Hugging Face has no counterpart for (kv heads in groups, MLA's partial-gradient
+        latent) raise: its loader would shard them otherwise, or not at all."""
+        alien = [r.module for r in self.rules
+                 if r.style == "colwise_kv_replicated" or r.output_grad_partial or r.input_grad_partial]
+        if alien:
+            raise ValueError(
+                f"{alien[0]} (and {len(alien) - 1} more) use styles Hugging Face's tp_plan cannot express "
+                "(kv heads replicated in groups, or MLA's latent with a partial gradient); apply the plan with "
+                "shardplan.apply_plan instead, or plan for a tp that divides the kv heads")
         return {key: r.style for r in self.rules if r.style != "replicate" for key in expand_braces(r.module)}
 
 
