@@ -274,7 +274,8 @@ def _dim_sizes(graph: OpGraph, placements: dict[int, str], fqn: str, tp: int) ->
     for op in graph.ops:  # x.repeat_interleave(g, dim): each rank repeats its kv head g / (tp / n) times
         src = placements.get(op.inputs[0], "R") if op.target == "repeat_interleave" and op.inputs else "R"
         repeats = op.node.args[1] if len(op.node.args) > 1 else op.node.kwargs.get("repeats")
-        if (groups_of(src) or ("",))[0] == "g" and isinstance(repeats, int) and op.owner.startswith(fqn):
+        inside = op.owner == fqn or op.owner.startswith(fqn + ".")
+        if (groups_of(src) or ("",))[0] == "g" and isinstance(repeats, int) and inside:
             split[repeats] = tp // groups_of(src)[1]
     return split, whole
 
