@@ -3,8 +3,9 @@ write it: complex RoPE (``view_as_complex``/``view_as_real``), scores and output
 ``einsum``, GQA by ``repeat_interleave``; and one that reshapes with literal global sizes."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from tests.portability.lm import PreNormBlock, TokenLM
 
 
 def rope_table(seq: int, head_dim: int) -> torch.Tensor:
@@ -40,30 +41,8 @@ class EinsumAttention(nn.Module):
         return self.wo(out.reshape(b, s, -1))
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int = 64) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = EinsumAttention(dim)
-        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
-
-
-class EinsumModel(nn.Module):
-    def __init__(self, dim: int = 64, layers: int = 2, vocab: int = 128) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+def EinsumModel(dim: int = 64, layers: int = 2, vocab: int = 128) -> TokenLM:
+    return TokenLM([PreNormBlock(EinsumAttention(dim), dim) for _ in range(layers)], dim=dim, vocab=vocab)
 
 
 class LiteralReshape(nn.Module):

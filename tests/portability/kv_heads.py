@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.portability.lm import PreNormBlock, TokenLM
+
 
 class AttributeGQA(nn.Module):
     """Views by ``self.n_heads`` / ``self.n_kv_heads`` and repeats by ``self.n_rep``: on a
@@ -34,42 +36,21 @@ class AttributeGQA(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, kv_heads: int, enable_gqa: bool) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = AttributeGQA(dim, heads, kv_heads, enable_gqa=enable_gqa)
-        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
+def FewKVModel(*, dim: int = 128, heads: int = 8, kv_heads: int = 2, layers: int = 2, vocab: int = 128,
+               enable_gqa: bool = False) -> TokenLM:
+    blocks = [PreNormBlock(AttributeGQA(dim, heads, kv_heads, enable_gqa=enable_gqa), dim) for _ in range(layers)]
+    return TokenLM(blocks, dim=dim, vocab=vocab)
 
 
-class FewKVModel(nn.Module):
-    def __init__(self, *, dim: int = 128, heads: int = 8, kv_heads: int = 2, layers: int = 2, vocab: int = 128,
-                 enable_gqa: bool = False) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads, kv_heads, enable_gqa) for _ in range(layers))
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def attribute_gqa() -> FewKVModel:
+def attribute_gqa() -> TokenLM:
     """8 query heads, 2 kv heads: at tp=4 each kv head is on 2 ranks."""
     return FewKVModel()
 
 
-def enable_gqa() -> FewKVModel:
+def enable_gqa() -> TokenLM:
     return FewKVModel(enable_gqa=True)
 
 
-def sixteen_heads() -> FewKVModel:
+def sixteen_heads() -> TokenLM:
     """16 query heads, 2 kv heads: kv heads on 4 ranks each at tp=8, on 8 at tp=16."""
     return FewKVModel(dim=256, heads=16, kv_heads=2)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.portability.lm import PreNormBlock, TokenLM
+
 
 class LatentAttention(nn.Module):
     def __init__(self, dim: int = 64, heads: int = 4, rank: int = 32, nope: int = 16, rope: int = 8, v: int = 16) -> None:
@@ -31,31 +33,10 @@ class LatentAttention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
-        self.attn = LatentAttention(dim)
-        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.down(F.silu(self.up(self.norm2(x))))
+def LatentModel(dim: int = 64, layers: int = 2, vocab: int = 128) -> TokenLM:
+    blocks = [PreNormBlock(LatentAttention(dim), dim, norm=nn.RMSNorm, act=F.silu) for _ in range(layers)]
+    return TokenLM(blocks, dim=dim, vocab=vocab)
 
 
-class LatentModel(nn.Module):
-    def __init__(self, dim: int = 64, layers: int = 2, vocab: int = 128) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def latent_model() -> LatentModel:
+def latent_model() -> TokenLM:
     return LatentModel()
