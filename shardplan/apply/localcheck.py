@@ -271,12 +271,10 @@ def _dim_sizes(graph: OpGraph, placements: dict[int, str], fqn: str, tp: int) ->
         parts = {d: n, d + 1: tp // n} if kind == "e" else {d: n}
         split.update((shape[i], k) for i, k in parts.items())
         whole.update(size for i, size in enumerate(shape) if i not in parts)
-    for op in graph.ops:  # x.repeat_interleave(g, dim): each rank repeats its kv head g / (tp / n) times
-        src = placements.get(op.inputs[0], "R") if op.target == "repeat_interleave" and op.inputs else "R"
+        src = groups_of(placements.get(op.inputs[0], "R")) if op.target == "repeat_interleave" and op.inputs else None
         repeats = op.node.args[1] if len(op.node.args) > 1 else op.node.kwargs.get("repeats")
-        inside = op.owner == fqn or op.owner.startswith(fqn + ".")
-        if (groups_of(src) or ("",))[0] == "g" and isinstance(repeats, int) and inside:
-            split[repeats] = tp // groups_of(src)[1]
+        if src and src[0] == "g" and isinstance(repeats, int):
+            split[repeats] = tp // src[1]  # x.repeat_interleave(g, dim): each rank repeats its kv head g / (tp / n) times
     return split, whole
 
 

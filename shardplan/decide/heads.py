@@ -7,16 +7,20 @@ values (``S{d}g{n}``, ``S{d}e{n}``: :mod:`.placements`), from a shard-local rule
 :mod:`.strategies` run with the group count as the divisor, and from the three ops that turn
 grouped kv heads into the query heads' ``Shard``. ``partial_grad_twins`` gives the ``Rp``
 twins of an op's strategies (a whole value whose gradient comes back Partial). Nothing
-here is used unless :func:`.weights.grouped_values` or
-:func:`.placements.under_partial_grad_owner` says the op can meet such values.
+here is used unless :func:`grouped_values` or :func:`under_partial_grad_owner` says the op
+can meet such values (a k/v projection with fewer heads than tp upstream; a module that
+broadcasts a whole value to heads).
 """
 
 from __future__ import annotations
 
+import math
+
 from ..analyze.graph import Op, OpGraph
 from .placements import VIEW_OPS, Strategy, group_counts, grouped, shard_dim, view_groups
 
-__all__ = ["grouped_variants", "grouped_conversions", "partial_grad_twins"]
+__all__ = ["grouped_variants", "grouped_conversions", "partial_grad_twins", "grouped_values", "viewed_heads",
+           "partial_grad_owners", "under_partial_grad_owner"]
 
 
 def _shape_of(graph: OpGraph, value: int) -> tuple[int, ...]:
@@ -138,3 +142,83 @@ def partial_grad_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strateg
         out += [Strategy("", ("Rp",) + ("R",) * (len(op.inputs) - 1), f"S{d + lead}") for d, n in enumerate(src)
                 if n == 1 and out_shape[d + lead] % tp == 0 and out_shape[d + lead] >= tp]
     return out
+
+
+def viewed_heads(op: Op, graph: OpGraph, tp: int) -> list[int]:
+    """Head counts below tp (and dividing it) that a view splits this Linear's output features
+    into, ``[b, s, kv * hd] -> [b, s, kv, hd]``, directly or after ops that keep its shape."""
+    values, found = [op.output], set()
+    for _ in range(3):
+        nxt = []
+        for v in values:
+            src = graph.values[v].shape
+            for user in (graph.ops[c] for c in graph.consumers.get(v, [])):
+                dst = graph.values[user.output].shape if user.output is not None else None
+                if dst is None or user.kind != "function":
+                    continue
+                i = len(src) - 1
+                if dst[:i] == src[:i] and len(dst) > i + 1 and math.prod(dst[i:]) == src[i]:
+                    found.add(dst[i])
+                elif dst == src and len(user.inputs) == 1:
+                    nxt.append(user.output)
+        values = nxt
+    return sorted(n for n in found if n in group_counts(tp))
+
+
+def grouped_values(graph: OpGraph, tp: int) -> frozenset[int]:
+    """Values a kv-grouped placement can reach: from each Linear whose output a view splits
+    into fewer heads than tp, forward through the ops after it (the repeat that turns the
+    groups into query heads ends it a few ops later). Only ops reading these get grouped
+    strategies, so a model without such heads plans with the program it always had."""
+    key = ("grouped_values", tp)
+    cached = graph.strategy_cache.get(key)
+    if cached is None:
+        found: set[int] = set()
+        frontier = [op.output for op in graph.ops if op.kind == "module" and op.module_kind == "linear"
+                    and op.output is not None and viewed_heads(op, graph, tp)]
+        for _ in range(_GROUPED_DEPTH):
+            frontier = [v for v in frontier if v not in found]
+            found.update(frontier)
+            frontier = [graph.ops[c].output for v in frontier for c in graph.consumers.get(v, [])
+                        if graph.ops[c].output is not None and graph.ops[c].kind in ("function", "module")]
+        cached = graph.strategy_cache[key] = frozenset(found)
+    return cached
+
+
+_GROUPED_DEPTH = 48  # ops from a k/v projection to attention: view, norm, RoPE, repeat, sdpa
+
+
+def partial_grad_owners(graph: OpGraph, tp: int) -> frozenset[str]:
+    """Modules whose own code expands a size-1 dim of a gradient-needing value to a size tp
+    divides (a shared key broadcast to every head): where ``Rp`` strategies are offered."""
+    key = ("partial_grad_owners", tp)
+    cached = graph.strategy_cache.get(key)
+    if cached is None:
+        found = set()
+        for op in graph.ops:
+            if op.target in ("expand", "expand_as") and op.output is not None and op.inputs \
+                    and op.inputs[0] in graph.requires_grad and _expands_to_split(op, graph, tp) \
+                    and not _merged_after(op, graph):
+                found.add(op.owner)
+        cached = graph.strategy_cache[key] = frozenset(found)
+    return cached
+
+
+def under_partial_grad_owner(fqn: str, graph: OpGraph, tp: int) -> bool:
+    """``fqn`` is such a module or inside one (its RoPE submodule)."""
+    return any(fqn == o or fqn.startswith(o + ".") or not o for o in partial_grad_owners(graph, tp))
+
+
+def _expands_to_split(op: Op, graph: OpGraph, tp: int) -> bool:
+    src, out = graph.values[op.inputs[0]].shape, graph.values[op.output].shape
+    lead = len(out) - len(src)
+    return any(n == 1 and out[d + lead] % tp == 0 and out[d + lead] >= tp for d, n in enumerate(src))
+
+
+def _merged_after(op: Op, graph: OpGraph) -> bool:
+    """The expand of ``repeat_kv`` (``[b, kv, 1, s, d] -> [b, kv, g, s, d]``, then reshaped
+    to ``kv * g`` heads) copies heads rather than broadcasting one value to all of them."""
+    users = [graph.ops[c] for c in graph.consumers.get(op.output, [])]
+    ndim = len(graph.values[op.output].shape)
+    return bool(users) and all(u.target in ("reshape", "view", "flatten") and u.output is not None
+                               and len(graph.values[u.output].shape) < ndim for u in users)

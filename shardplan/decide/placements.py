@@ -29,10 +29,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..analyze.graph import Op, OpGraph
+from ..analyze.graph import Op
 
 __all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "grouped", "groups_of", "group_counts",
-           "partial_grad_owners", "under_partial_grad_owner", "view_groups", "VIEW_OPS",
+           "view_groups", "VIEW_OPS",
            "local_shape"]
 
 Comm = tuple[str, int]  # (collective kind, logical bytes)
@@ -139,39 +139,3 @@ def chunk_count(op: Op) -> int | None:
         return None
     k = op.node.kwargs.get("chunks", op.node.args[1] if len(op.node.args) > 1 else None)
     return k if isinstance(k, int) and k > 1 else None
-
-
-def partial_grad_owners(graph: OpGraph, tp: int) -> frozenset[str]:
-    """Modules whose own code expands a size-1 dim of a gradient-needing value to a size tp
-    divides (a shared key broadcast to every head): where ``Rp`` strategies are offered."""
-    key = ("partial_grad_owners", tp)
-    cached = graph.strategy_cache.get(key)
-    if cached is None:
-        found = set()
-        for op in graph.ops:
-            if op.target in ("expand", "expand_as") and op.output is not None and op.inputs \
-                    and op.inputs[0] in graph.requires_grad and _expands_to_split(op, graph, tp) \
-                    and not _merged_after(op, graph):
-                found.add(op.owner)
-        cached = graph.strategy_cache[key] = frozenset(found)
-    return cached
-
-
-def under_partial_grad_owner(fqn: str, graph: OpGraph, tp: int) -> bool:
-    """``fqn`` is such a module or inside one (its RoPE submodule)."""
-    return any(fqn == o or fqn.startswith(o + ".") or not o for o in partial_grad_owners(graph, tp))
-
-
-def _expands_to_split(op: Op, graph: OpGraph, tp: int) -> bool:
-    src, out = graph.values[op.inputs[0]].shape, graph.values[op.output].shape
-    lead = len(out) - len(src)
-    return any(n == 1 and out[d + lead] % tp == 0 and out[d + lead] >= tp for d, n in enumerate(src))
-
-
-def _merged_after(op: Op, graph: OpGraph) -> bool:
-    """The expand of ``repeat_kv`` (``[b, kv, 1, s, d] -> [b, kv, g, s, d]``, then reshaped
-    to ``kv * g`` heads) copies heads rather than broadcasting one value to all of them."""
-    users = [graph.ops[c] for c in graph.consumers.get(op.output, [])]
-    ndim = len(graph.values[op.output].shape)
-    return bool(users) and all(u.target in ("reshape", "view", "flatten") and u.output is not None
-                               and len(graph.values[u.output].shape) < ndim for u in users)

@@ -37,7 +37,7 @@ from . import cost
 from ..analyze.graph import Op, OpGraph
 from .strategies import Strategy, op_strategies
 
-__all__ = ["SolveContext", "Solution", "solve", "PlanningError", "strategy_time", "group_grad_time", "comm_time",
+__all__ = ["SolveContext", "Solution", "solve", "PlanningError", "strategy_time", "comm_time",
            "BUCKETED_GRAD_STYLES"]
 
 
@@ -102,30 +102,24 @@ BUCKETED_GRAD_STYLES = ("sequence_parallel", "replicated_with_grad_allreduce")
 def comm_time(s: Strategy, ctx: SolveContext) -> float:
     """The collectives of ``s``: its forward and backward ones, except that gradients reduced
     in one bucket when backward ends (a sequence-parallel norm's, a kv weight's over its
-    group) pay only their bandwidth here; the bucket's latency is paid once per step."""
-    if not _bucketing(ctx):  # under fully_shard, FSDP2 reduces each Partial gradient itself
-        comm = sum(cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link) for k, n in s.fwd + s.bwd)
-        return comm + sum(cost.collective_time("all_reduce", n, group_size=g, link=ctx.link) for n, g in s.group_grads)
-    bwd = () if s.name in BUCKETED_GRAD_STYLES else s.bwd
-    comm = sum(cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link) for k, n in s.fwd + bwd)
-    if s.name in BUCKETED_GRAD_STYLES:
-        comm += sum(cost.collective_time(k, n, group_size=ctx.tp, link=ctx.link)
-                    - cost.collective_time(k, 0, group_size=ctx.tp, link=ctx.link) for k, n in s.bwd)
-    return comm + group_grad_time(s, ctx)
+    group) pay only their bandwidth here; the bucket's latency is paid once per step (a
+    column of the program). Under FSDP over data axes nothing is bucketed."""
+    bucketed = _bucketing(ctx)
+    own_bucket = bucketed and s.name in BUCKETED_GRAD_STYLES
+    return (sum(_collective(k, n, ctx.tp, ctx) for k, n in s.fwd)
+            + sum(_collective(k, n, ctx.tp, ctx, latency=not own_bucket) for k, n in s.bwd)
+            + sum(_collective("all_reduce", n, g, ctx, latency=not bucketed) for n, g in s.group_grads))
+
+
+def _collective(kind: str, num_bytes: float, group: int, ctx: SolveContext, *, latency: bool = True) -> float:
+    full = cost.collective_time(kind, num_bytes, group_size=group, link=ctx.link)
+    return full if latency else full - cost.collective_time(kind, 0, group_size=group, link=ctx.link)
 
 
 def _bucketing(ctx: SolveContext) -> bool:
     """shardplan's gradient sync buckets the Partial gradients (the estimate counts one
     collective per bucket), except under FSDP over data axes, which reduces them one by one."""
     return ctx.state_shards == 1
-
-
-def group_grad_time(s: Strategy, ctx: SolveContext) -> float:
-    """The bandwidth share of the sub-group gradient all-reduces ``s`` adds to: all of one
-    group size go in one bucket when backward ends, so its latency is paid once per step,
-    not once per module (the estimate prices that bucket)."""
-    return sum(cost.collective_time("all_reduce", n, group_size=g, link=ctx.link)
-               - cost.collective_time("all_reduce", 0, group_size=g, link=ctx.link) for n, g in s.group_grads)
 
 
 def _update_time(s: Strategy, ctx: SolveContext) -> float:

@@ -35,12 +35,12 @@ import torch.fx
 
 from ..analyze.graph import Op, OpGraph
 
-from .heads import grouped_conversions, grouped_variants, partial_grad_twins
+from .heads import grouped_conversions, grouped_values, grouped_variants, partial_grad_twins, under_partial_grad_owner
 from .placements import (
-    VIEW_OPS, Strategy, chunk_count, groups_of, packed, placement_str, shard_dim, under_partial_grad_owner, view_groups,
+    VIEW_OPS, Strategy, chunk_count, groups_of, packed, placement_str, shard_dim, view_groups,
 )
 from .propagation import dtensor_strategies, metadata_only
-from .weights import grouped_values, module_strategies
+from .weights import module_strategies
 
 __all__ = ["Strategy", "op_strategies", "shard_dim", "placement_str", "packed", "chunk_count", "param_only_values"]
 
@@ -145,11 +145,12 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
         ({"expand", "expand_as"}, _expand),
         ({"new_empty", "new_zeros", "new_ones", "new_full"}, _new_tensor),
     ]
+    grouped_in = any(v in grouped_values(graph, tp) for v in op.inputs)
     strategies = [_all(op, "R")]
     for names, rule in rules:
         if name in names or (op.node.op == "call_module" and name in names):
             strategies += rule(op, graph, tp, out_shape)
-            if rule in _SHARD_LOCAL and any(v in grouped_values(graph, tp) for v in op.inputs):
+            if rule in _SHARD_LOCAL and grouped_in:
                 strategies += grouped_variants(op, graph, tp, out_shape, rule)
             break
     else:
@@ -157,7 +158,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
             strategies += _unary(op, graph, tp, out_shape)
         else:  # no hand rule: ask DTensor's sharding propagation (checked on local shapes)
             strategies += [Strategy("", ins, out) for ins, out in dtensor_strategies(op, graph, tp=tp)]
-    if any(v in grouped_values(graph, tp) for v in op.inputs):
+    if grouped_in:
         strategies += grouped_conversions(op, graph, tp, out_shape)
     if under_partial_grad_owner(op.owner, graph, tp):
         strategies += partial_grad_twins(op, graph, tp, strategies, out_shape)

@@ -41,7 +41,6 @@ The matrix math (Linear computes y = x @ W.T, W is [out, in]):
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any
 
@@ -49,9 +48,10 @@ from torch import nn
 
 from ..analyze.graph import Op, OpGraph
 from ..analyze.graph import module_kind as module_kind_of
-from .placements import Strategy, chunk_count, group_counts, grouped, packed, under_partial_grad_owner
+from .heads import grouped_values, under_partial_grad_owner, viewed_heads
+from .placements import Strategy, chunk_count, group_counts, grouped, packed
 
-__all__ = ["module_strategies", "STYLE_NAMES", "grouped_values"]
+__all__ = ["module_strategies", "STYLE_NAMES"]
 
 STYLE_NAMES = (
     "colwise",
@@ -188,7 +188,7 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
         out += _rowwise(x, y, module, pbytes, flops, tp, sp, row_w)
     if module_kind_of(module) == "linear":
         seq = _seq_dims(x.shape, tp) if sp else []
-        out += _kv_replicated(x, y, module, pbytes, flops, tp, heads=_viewed_heads(op, graph, tp), seq_dims=seq)
+        out += _kv_replicated(x, y, module, pbytes, flops, tp, heads=viewed_heads(op, graph, tp), seq_dims=seq)
     if under_partial_grad_owner(op.target.rpartition(".")[0], graph, tp) and module_kind_of(module) == "linear":
         out += _partial_grad_linear(x, y, n_out, tp, col_w, col)
     return out
@@ -209,54 +209,10 @@ def _partial_grad_linear(x, y, n_out: int, tp: int, col_w: str, col: dict) -> li
     return out
 
 
-def _viewed_heads(op: Op, graph: OpGraph, tp: int) -> list[int]:
-    """Head counts below tp (and dividing it) that a view splits this Linear's output features
-    into, ``[b, s, kv * hd] -> [b, s, kv, hd]``, directly or after ops that keep its shape."""
-    values, found = [op.output], set()
-    for _ in range(3):
-        nxt = []
-        for v in values:
-            src = graph.values[v].shape
-            for user in (graph.ops[c] for c in graph.consumers.get(v, [])):
-                dst = graph.values[user.output].shape if user.output is not None else None
-                if dst is None or user.kind != "function":
-                    continue
-                i = len(src) - 1
-                if dst[:i] == src[:i] and len(dst) > i + 1 and math.prod(dst[i:]) == src[i]:
-                    found.add(dst[i])
-                elif dst == src and len(user.inputs) == 1:
-                    nxt.append(user.output)
-        values = nxt
-    return sorted(n for n in found if n in group_counts(tp))
-
-
-def grouped_values(graph: OpGraph, tp: int) -> frozenset[int]:
-    """Values a kv-grouped placement can reach: from each Linear whose output a view splits
-    into fewer heads than tp, forward through the ops after it (the repeat that turns the
-    groups into query heads ends it a few ops later). Only ops reading these get grouped
-    strategies, so a model without such heads plans with the program it always had."""
-    key = ("grouped_values", tp)
-    cached = graph.strategy_cache.get(key)
-    if cached is None:
-        found: set[int] = set()
-        frontier = [op.output for op in graph.ops if op.kind == "module" and op.module_kind == "linear"
-                    and op.output is not None and _viewed_heads(op, graph, tp)]
-        for _ in range(_GROUPED_DEPTH):
-            frontier = [v for v in frontier if v not in found]
-            found.update(frontier)
-            frontier = [graph.ops[c].output for v in frontier for c in graph.consumers.get(v, [])
-                        if graph.ops[c].output is not None and graph.ops[c].kind in ("function", "module")]
-        cached = graph.strategy_cache[key] = frozenset(found)
-    return cached
-
-
-_GROUPED_DEPTH = 48  # ops from a k/v projection to attention: view, norm, RoPE, repeat, sdpa
-
-
 def _kv_replicated(x, y, module: nn.Module, pbytes: int, flops: float, tp: int, *, heads: list[int],
                    seq_dims: list[int]) -> list[Strategy]:
     """colwise_kv_replicated with ``n`` groups, one per kv head, for each head count ``n``
-    below tp that divides it (:func:`_viewed_heads`); on a Replicate input, or a
+    below tp that divides it (:func:`.heads.viewed_heads`); on a Replicate input, or a
     sequence-sharded one gathered on entry as colwise's is."""
     n_out, last = module.weight.shape[0], len(y.shape) - 1
     out = []
@@ -395,24 +351,29 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
         # dim 1 of (batch, seq, hidden) is the sequence; a deeper dim is heads (q_norm/k_norm)
         name = "sequence_parallel" if d == 1 and len(x.shape) == 3 else "replicated_with_grad_allreduce"
         out.append(Strategy(
-            name, (f"S{d}",), f"S{d}", bwd=tuple(("all_reduce", p.numel() * p.element_size()) for p in module.parameters(recurse=False)),
+            name, (f"S{d}",), f"S{d}", bwd=_param_grad_allreduces(module),
             param_bytes=pbytes, mem_bytes=2 * x.nbytes / tp, act_bytes=x.nbytes / tp, layouts={"weight": "R", "input": f"S{d}"},
         ))
     if under_partial_grad_owner(op.target.rpartition(".")[0], graph, tp):
         # on an Rp value (MLA's kv_a_layernorm): whole, its weight gradient a partial sum
         out.append(Strategy(
             "replicated_with_grad_allreduce", ("Rp",), "Rp", param_bytes=pbytes, mem_bytes=2 * x.nbytes,
-            bwd=tuple(("all_reduce", p.numel() * p.element_size()) for p in module.parameters(recurse=False)),
+            bwd=_param_grad_allreduces(module),
             act_bytes=x.nbytes, layouts={"weight": "R", "input": "R"},
         ))
     return out + (_grouped_norm(x, module, pbytes, tp) if op.inputs[0] in grouped_values(graph, tp) else [])
+
+
+def _param_grad_allreduces(module: nn.Module) -> tuple:
+    """One all-reduce of each own parameter's Partial gradient (bucketed by gradsync)."""
+    return tuple(("all_reduce", p.numel() * p.element_size()) for p in module.parameters(recurse=False))
 
 
 def _grouped_norm(x, module: nn.Module, pbytes: int, tp: int) -> list[Strategy]:
     """A per-head norm (Qwen3's k_norm) on grouped kv heads: it runs on the rank's kv head, and
     its weight gradient, a partial sum (each rank back-propagates its own query heads' share),
     adds up over all tp ranks like a sequence-parallel norm's."""
-    grads = tuple(("all_reduce", p.numel() * p.element_size()) for p in module.parameters(recurse=False))
+    grads = _param_grad_allreduces(module)
     return [Strategy(
         "replicated_with_grad_allreduce", (grouped(d, n),), grouped(d, n), bwd=grads, param_bytes=pbytes,
         mem_bytes=2 * x.nbytes / n, act_bytes=x.nbytes / n, layouts={"weight": "R", "input": f"S{d}"},
