@@ -26,7 +26,7 @@ Objective (lexicographic, as users ask for tensor parallelism to save memory):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -164,15 +164,14 @@ def _producer(graph: OpGraph, value: int, alias: dict[int, int]) -> int:
 
 
 def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
+    """The program's columns: every strategy of every op (forced styles are bounds, applied
+    per solve: see _allowed), entries and gradient buckets."""
     strategies: dict[int, list[Strategy]] = {}
     cache = graph.strategy_cache.setdefault((ctx.tp, repr(ctx.opts)), {})
     for op in graph.ops:
         if op.index not in cache:
             cache[op.index] = op_strategies(op, graph, tp=ctx.tp, opts=ctx.opts)
-        options = cache[op.index]
-        if op.index in ctx.forced:
-            options = [s for s in options if _forced_match(s, ctx.forced[op.index])]
-        strategies[op.index] = options
+        strategies[op.index] = cache[op.index]
     prog = _Program(graph, ctx, strategies, {}, {}, {})
     for op_index, options in strategies.items():
         for i in range(len(options)):
@@ -194,6 +193,50 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
                 prog.bucket_of[group] = prog.num_vars
                 prog.num_vars += 1
     return prog
+
+
+@dataclass
+class _Matrices:
+    """A program's constraints and per-column vectors, built once per graph and context:
+    explain re-solves it once per alternative style, changing only the forced columns."""
+    prog: _Program
+    matrix: sparse.csr_matrix
+    lo: np.ndarray
+    hi: np.ndarray
+    time: np.ndarray
+    params: np.ndarray
+    acts: np.ndarray
+    weights: np.ndarray
+
+
+def _matrices(graph: OpGraph, ctx: SolveContext) -> _Matrices:
+    key = ("program", ctx.tp, repr(ctx.opts), repr(ctx.hardware), repr(ctx.link), ctx.dtype, ctx.state_shards)
+    cached = graph.strategy_cache.get(key)
+    if cached is None:
+        prog = _build(graph, replace(ctx, forced={}))
+        rows, lo, hi = _rows(prog)
+        _tied_rows(prog, rows, lo, hi)
+        cached = graph.strategy_cache[key] = _Matrices(
+            prog, _sparse(rows, prog.num_vars), np.array(lo), np.array(hi), *_vectors(prog))
+    return cached
+
+
+def _allowed(prog: _Program, forced: dict) -> tuple[np.ndarray, np.ndarray, list[Op]]:
+    """Upper bounds (0 on the columns a forced style excludes), each column's rank among its
+    op's allowed strategies (the tie-break), and the ops left with none."""
+    upper, tie, empty = np.ones(prog.num_vars), np.zeros(prog.num_vars), []
+    for op_index, options in prog.strategies.items():
+        want = forced.get(op_index)
+        rank = 0
+        for i, s in enumerate(options):
+            col = prog.var_of[(op_index, i)]
+            if want is not None and not _forced_match(s, want):
+                upper[col] = 0.0
+                continue
+            tie[col], rank = rank, rank + 1
+        if not rank:
+            empty.append(prog.graph.ops[op_index])
+    return upper, tie, empty
 
 
 def _buckets(s: Strategy, ctx: SolveContext) -> set[int]:
@@ -343,62 +386,75 @@ def _vectors(prog: _Program) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return time, params, acts, weights
 
 
-def _tiebreak(prog: _Program) -> np.ndarray:
-    """Prefer earlier strategies at equal cost: deterministic and stable across runs."""
-    tie = np.zeros(prog.num_vars)
-    for (op_index, i), col in prog.var_of.items():
-        tie[col] = i
-    return tie
-
-
-def _milp(prog: _Program, c: np.ndarray, rows, lo, hi) -> np.ndarray | None:
+def _sparse(rows: list[dict[int, float]], num_vars: int) -> sparse.csr_matrix:
     r_idx = [r for r, row in enumerate(rows) for _ in row]
     c_idx = [col for row in rows for col in row]
     vals = [v for row in rows for v in row.values()]
-    matrix = sparse.coo_matrix((vals, (r_idx, c_idx)), shape=(len(rows), prog.num_vars))
-    integrality = np.zeros(prog.num_vars)
-    for col in prog.var_of.values():
-        integrality[col] = 1
-    res = milp(
-        c, constraints=LinearConstraint(matrix.tocsr(), lo, hi), integrality=integrality,
-        bounds=Bounds(0, 1), options={"mip_rel_gap": 0.0, "presolve": True},
-    )
-    return res.x if res.success else None
+    return sparse.coo_matrix((vals, (r_idx, c_idx)), shape=(len(rows), num_vars)).tocsr()
+
+
+@dataclass
+class _Bounded:
+    """One solve's view of the matrices: their columns under this solve's forced styles, plus
+    extra dense rows (a memory budget, the least parameter bytes) as (vector, upper bound)."""
+    m: _Matrices
+    upper: np.ndarray
+    integrality: np.ndarray
+
+    def scaled(self, v: np.ndarray) -> np.ndarray:
+        """``v`` scaled so its largest allowed entry is 1e3 (HiGHS's tolerances are absolute)."""
+        top = float(np.max(np.abs(v[self.upper > 0]))) if v.size else 0.0
+        return v / top * 1e3 if top > 0 else v
+
+    def milp(self, c: np.ndarray, extra: tuple[tuple[np.ndarray, float], ...] = ()) -> np.ndarray | None:
+        matrix, lo, hi = self.m.matrix, self.m.lo, self.m.hi
+        if extra:
+            matrix = sparse.vstack([matrix, sparse.csr_matrix(np.array([v for v, _ in extra]))], format="csr")
+            lo = np.concatenate([lo, np.zeros(len(extra))])
+            hi = np.concatenate([hi, [bound for _, bound in extra]])
+        res = milp(
+            c, constraints=LinearConstraint(matrix, lo, hi), integrality=self.integrality,
+            bounds=Bounds(0, self.upper), options={"mip_rel_gap": 0.0, "presolve": True},
+        )
+        return res.x if res.success else None
+
+
+def _bounded(m: _Matrices, upper: np.ndarray) -> _Bounded:
+    integrality = np.zeros(m.prog.num_vars)
+    integrality[list(m.prog.var_of.values())] = 1
+    return _Bounded(m, upper, integrality)
 
 
 def solve(graph: OpGraph, ctx: SolveContext) -> Solution:
-    prog = _build(graph, ctx)
-    empty = [op for op in graph.ops if not prog.strategies[op.index]]
+    m = _matrices(graph, ctx)
+    upper, tie, empty = _allowed(m.prog, ctx.forced)
     if empty:
         raise PlanningError(_no_strategy_message(empty[0], ctx))
-    rows, lo, hi = _rows(prog)
-    _tied_rows(prog, rows, lo, hi)
-    time, params, acts, weights = _vectors(prog)
+    b = _bounded(m, upper)
     train_factor = cost.training_bytes_per_param(dtype=ctx.dtype, optimizer=getattr(ctx.opts, 'optimizer', 'adamw')) / _model_dtype_bytes(graph) / ctx.state_shards
     act_factor = cost.dtype_bytes(ctx.dtype) / _model_dtype_bytes(graph)
-    memory = params * train_factor + acts * act_factor
-    tie = _tiebreak(prog)
+    memory = m.params * train_factor + m.acts * act_factor
     if ctx.memory_budget is None:
-        x = _lexicographic(prog, weights, time, tie, rows, lo, hi, memory, ctx.hardware.memory_bytes)
+        x = _lexicographic(b, tie, memory, ctx.hardware.memory_bytes)
     else:
-        x = _milp(prog, _scaled(time) + 1e-9 * tie, rows + [_dense_row(memory)], lo + [0.0], hi + [float(ctx.memory_budget)])
+        x = b.milp(b.scaled(m.time) + 1e-9 * tie, ((memory, float(ctx.memory_budget)),))
         if x is None:
-            raise PlanningError(_budget_message(prog, memory, ctx))
+            raise PlanningError(_budget_message(b, memory, ctx))
     if x is None:
         raise PlanningError(f"no valid tensor-parallel plan at tp={ctx.tp}; try a smaller tp")
-    return _solution(prog, x, time, params, memory)
+    return _solution(m.prog, x, m.time, m.params, memory)
 
 
-def _lexicographic(prog: _Program, params, time, tie, rows, lo, hi, memory, device_bytes) -> np.ndarray | None:
+def _lexicographic(b: _Bounded, tie: np.ndarray, memory: np.ndarray, device_bytes: float) -> np.ndarray | None:
     """Least weight bytes first; then, among those plans, the fastest that fits the device
     (sequence parallel, say, when activations would not fit), else the fastest."""
-    first = _milp(prog, _scaled(params) + 1e-9 * tie, rows, lo, hi)
+    weights, time = b.m.weights, b.m.time
+    first = b.milp(b.scaled(weights) + 1e-9 * tie)
     if first is None:
         return None
-    best = _total(params, first)
-    rows, lo, hi = rows + [_dense_row(params)], lo + [0.0], hi + [best * (1 + 1e-9) + 1.0]
-    fitting = _milp(prog, _scaled(time) + 1e-9 * tie, rows + [_dense_row(memory)], lo + [0.0], hi + [float(device_bytes)])
-    return fitting if fitting is not None else _milp(prog, _scaled(time) + 1e-9 * tie, rows, lo, hi)
+    least = (weights, _total(weights, first) * (1 + 1e-9) + 1.0)
+    fitting = b.milp(b.scaled(time) + 1e-9 * tie, (least, (memory, float(device_bytes))))
+    return fitting if fitting is not None else b.milp(b.scaled(time) + 1e-9 * tie, (least,))
 
 
 def _total(v: np.ndarray, x: np.ndarray) -> float:
@@ -406,15 +462,6 @@ def _total(v: np.ndarray, x: np.ndarray) -> float:
     in an order that depends on the CPU's kernel, so its last bit differs between machines,
     and plan files and tie-breaks must not."""
     return math.fsum(float(v[i]) for i in np.flatnonzero(np.round(x) > 0.5))
-
-
-def _scaled(v: np.ndarray) -> np.ndarray:
-    top = float(np.max(np.abs(v))) if v.size else 0.0
-    return v / top * 1e3 if top > 0 else v
-
-
-def _dense_row(v: np.ndarray) -> dict[int, float]:
-    return {i: float(x) for i, x in enumerate(v) if x}
 
 
 def _model_dtype_bytes(graph: OpGraph) -> int:
@@ -444,10 +491,8 @@ def _no_strategy_message(op: Op, ctx: SolveContext) -> str:
     return f"op {op.target!r} in {op.owner or 'the top level'!r} has no valid placement at tp={ctx.tp}"
 
 
-def _budget_message(prog: _Program, memory: np.ndarray, ctx: SolveContext) -> str:
-    rows, lo, hi = _rows(prog)
-    _tied_rows(prog, rows, lo, hi)
-    least = _milp(prog, _scaled(memory), rows, lo, hi)
+def _budget_message(b: _Bounded, memory: np.ndarray, ctx: SolveContext) -> str:
+    least = b.milp(b.scaled(memory))
     if least is None:  # nothing is valid at all (a pinned style that cannot be placed)
         return f"no valid tensor-parallel plan at tp={ctx.tp} with the styles pinned; unpin them or change tp"
     reach = _total(memory, least)
