@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import linecache
 import operator
 import os
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,7 +128,9 @@ class _ShardTracer(MetaTracer):
 
     def __init__(self, model: nn.Module, folded: dict[str, str]) -> None:
         super().__init__()
-        self.record_stack_traces = True
+        # fx's own stack recording formats every frame of every op and imports
+        # torch.export (a third of a second); _frames keeps (file, line) pairs instead
+        self.record_stack_traces = False
         self.model = model
         self.folded = folded
         self.calls: dict[str, list[ModuleCall]] = {}
@@ -189,9 +193,13 @@ class _ShardTracer(MetaTracer):
         return _shape_key(metas)
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        frames = _frames(sys._getframe(1))
         if kind == "call_module" and target in self.folded:
-            return self._folded_proxy(kind, target, args, kwargs, name, type_expr)
+            rv = self._folded_proxy(kind, target, args, kwargs, name, type_expr)
+            rv.node.meta["shardplan_frames"] = frames
+            return rv
         rv = torch.fx.Tracer.create_proxy(self, kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        rv.node.meta["shardplan_frames"] = frames
         if kind == "placeholder":
             if target in self.meta_args:
                 rv.install_tensor_meta(self.meta_args[target])
@@ -367,8 +375,26 @@ def _where(node: torch.fx.Node) -> str:
     return f"in module {module!r}" + (f" at {_user_line(node)}" if _user_line(node) else "")
 
 
+def _frames(frame: Any) -> tuple[tuple[str, int], ...]:
+    """(file, line) of each frame from ``frame`` out to the outermost ``forward`` (the model's
+    entry; frames beyond it are the caller's script), innermost first."""
+    found, last_forward = [], 0
+    while frame is not None:
+        found.append((frame.f_code.co_filename, frame.f_lineno))
+        if frame.f_code.co_name == "forward":
+            last_forward = len(found)
+        frame = frame.f_back
+    return tuple(found[:last_forward])
+
+
 def _user_line(node: torch.fx.Node) -> str:
-    lines = (node.stack_trace or "").splitlines()
+    frames = node.meta.get("shardplan_frames")
+    if frames is not None:
+        for path, line in frames:
+            if not (path == "<shardplan-root>" or _machinery(path)):
+                return f"{portable_path(path)}:{line} `{linecache.getline(path, line).strip()}`"
+        return ""
+    lines = (node.stack_trace or "").splitlines()  # a torch.export node
     for i in range(len(lines) - 1, -1, -1):
         text = lines[i].strip()
         if not text.startswith("File ") or "<shardplan-root>" in text:
