@@ -4,7 +4,7 @@ Contract
 --------
 ``solve(graph, ctx)`` returns a :class:`Solution`: the chosen :class:`Strategy` of every
 op and the placement of every value, optimal for the integer program below (HiGHS via
-``scipy.optimize.milp``, zero gap), with ties broken by strategy order so the same input
+``highspy``, zero gap), with ties broken by strategy order so the same input
 always gives the same answer.
 
 The program
@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 from scipy import sparse
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from . import cost
 from ..analyze.graph import Op, OpGraph
@@ -207,6 +206,7 @@ class _Matrices:
     params: np.ndarray
     acts: np.ndarray
     weights: np.ndarray
+    solver: Any = None  # the HiGHS instance holding these rows (_highs)
 
 
 def _matrices(graph: OpGraph, ctx: SolveContext) -> _Matrices:
@@ -393,13 +393,38 @@ def _sparse(rows: list[dict[int, float]], num_vars: int) -> sparse.csr_matrix:
     return sparse.coo_matrix((vals, (r_idx, c_idx)), shape=(len(rows), num_vars)).tocsr()
 
 
+def _highs(m: _Matrices) -> Any:
+    """A HiGHS instance holding the program's rows and integrality, made once per program:
+    each solve changes only costs, bounds and its extra rows. highspy's own ``Highs`` class
+    prints a banner to the process's stdout when made (a plan printed as JSON would not
+    parse); its ``_Highs`` base is the same solver without that logging callback."""
+    if m.solver is None:
+        from highspy import HighsLp, HighsVarType, MatrixFormat, _Highs
+
+        columns = m.matrix.tocsc()
+        lp = HighsLp()
+        lp.num_col_, lp.num_row_ = m.prog.num_vars, m.matrix.shape[0]
+        lp.col_cost_, lp.col_lower_, lp.col_upper_ = np.zeros(lp.num_col_), np.zeros(lp.num_col_), np.ones(lp.num_col_)
+        lp.row_lower_, lp.row_upper_ = m.lo, m.hi
+        lp.a_matrix_.format_ = MatrixFormat.kColwise
+        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = columns.indptr, columns.indices, columns.data
+        integer = set(m.prog.var_of.values())
+        lp.integrality_ = [HighsVarType.kInteger if i in integer else HighsVarType.kContinuous for i in range(lp.num_col_)]
+        m.solver = _Highs()
+        # feasibility jump (a primal heuristic) takes most of the time on these small
+        # programs and finds nothing the root LP does not
+        for key, value in (("output_flag", False), ("mip_rel_gap", 0.0), ("presolve", "on"), ("threads", 1),
+                           ("mip_heuristic_run_feasibility_jump", False)):
+            m.solver.setOptionValue(key, value)
+        m.solver.passModel(lp)
+    return m.solver
+
+
 @dataclass
 class _Bounded:
-    """One solve's view of the matrices: their columns under this solve's forced styles, plus
-    extra dense rows (a memory budget, the least parameter bytes) as (vector, upper bound)."""
+    """One solve's view of the matrices: their columns under this solve's forced styles."""
     m: _Matrices
     upper: np.ndarray
-    integrality: np.ndarray
 
     def scaled(self, v: np.ndarray) -> np.ndarray:
         """``v`` scaled so its largest allowed entry is 1e3 (HiGHS's tolerances are absolute)."""
@@ -407,22 +432,31 @@ class _Bounded:
         return v / top * 1e3 if top > 0 else v
 
     def milp(self, c: np.ndarray, extra: tuple[tuple[np.ndarray, float], ...] = ()) -> np.ndarray | None:
-        matrix, lo, hi = self.m.matrix, self.m.lo, self.m.hi
-        if extra:
-            matrix = sparse.vstack([matrix, sparse.csr_matrix(np.array([v for v, _ in extra]))], format="csr")
-            lo = np.concatenate([lo, np.zeros(len(extra))])
-            hi = np.concatenate([hi, [bound for _, bound in extra]])
-        res = milp(
-            c, constraints=LinearConstraint(matrix, lo, hi), integrality=self.integrality,
-            bounds=Bounds(0, self.upper), options={"mip_rel_gap": 0.0, "presolve": True},
-        )
-        return res.x if res.success else None
+        """The optimum of cost ``c`` under this view's bounds and the ``extra`` dense rows
+        (vector, upper bound): a memory budget, the least parameter bytes. The solver starts
+        from nothing each time (no basis kept), so a result never depends on earlier solves."""
+        from highspy import HighsModelStatus
+
+        h, n = _highs(self.m), self.m.prog.num_vars
+        columns = np.arange(n, dtype=np.int32)
+        h.clearSolver()
+        h.changeColsBounds(n, columns, np.zeros(n), self.upper)
+        h.changeColsCost(n, columns, c)
+        for v, bound in extra:
+            nonzero = np.flatnonzero(v).astype(np.int32)
+            h.addRow(0.0, bound, len(nonzero), nonzero, v[nonzero])
+        try:
+            h.run()
+            optimal = h.getModelStatus() == HighsModelStatus.kOptimal
+            return np.array(h.getSolution().col_value) if optimal else None
+        finally:
+            if extra:
+                first = self.m.matrix.shape[0]
+                h.deleteRows(len(extra), np.arange(first, first + len(extra), dtype=np.int32))
 
 
 def _bounded(m: _Matrices, upper: np.ndarray) -> _Bounded:
-    integrality = np.zeros(m.prog.num_vars)
-    integrality[list(m.prog.var_of.values())] = 1
-    return _Bounded(m, upper, integrality)
+    return _Bounded(m, upper)
 
 
 def solve(graph: OpGraph, ctx: SolveContext) -> Solution:
