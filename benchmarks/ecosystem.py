@@ -374,6 +374,19 @@ class Row:
     numerics: str = ""
     diffs: list[tuple[str, str, str]] = field(default_factory=list)  # (module pattern, styles, warning)
     error: str = ""
+    # shardplan's plan and the library's (pinned, price_styles): predicted step s, parameter bytes per device
+    ours: tuple[float, float] = (0.0, 0.0)
+    lib: tuple[float, float] | None = None
+    lib_error: str = ""
+
+    @property
+    def justified(self) -> bool:
+        """shardplan's plan holds fewer parameter bytes per device than the library's (the
+        planner shards first), or as many (within 0.1%) and is no slower, both priced alike."""
+        if self.lib is None:
+            return False
+        (time_s, params), (lib_time, lib_params) = self.ours, self.lib
+        return params < lib_params * 0.999 or (params <= lib_params * 1.001 and time_s <= lib_time * (1 + 1e-9))
 
 
 def _warning_for(plan, fqn: str) -> str:
@@ -430,10 +443,29 @@ def measure(spec: Spec, runs: int) -> tuple[list[Row], list[str]]:
         try:
             plan, row.plan_s = _plan_timed(model, tp, tokens, runs)
             compare(row, plan.module_styles(), theirs, plan)
+            row.ours = (plan.estimate.step_time_s, plan.estimate.param_bytes_per_device)
         except Exception as exc:  # noqa: BLE001 - a row of the table
             row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        _price_library(row, model, tokens, theirs)
         rows.append(row)
     return rows, [f"library plan key {k!r} matches no module" for k in unused]
+
+
+def _price_library(row: Row, model: nn.Module, tokens: torch.Tensor, theirs: dict[str, str]) -> None:
+    """The library's own plan priced by shardplan's cost model (its styles pinned; weights it
+    does not name replicated). A vocab-sharded head's logits need the loss-parallel loss,
+    which the library's recipe turns on with it."""
+    import shardplan
+
+    pins = {fqn: style for fqn, style in theirs.items() if fqn in dict(model.named_modules())}
+    for fqn in (n for n, m in model.named_modules() if m.__class__.__name__ in ("Linear", "Embedding")):
+        pins.setdefault(fqn, "replicate")
+    loss_parallel = any(style == "colwise" and fqn.split(".")[-1] in ("output", "lm_head") for fqn, style in pins.items())
+    try:
+        plan = shardplan.price_styles(model, {"tp": row.tp}, pins, example_inputs=(tokens,), loss_parallel=loss_parallel)
+        row.lib = (plan.estimate.step_time_s, plan.estimate.param_bytes_per_device)
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        row.lib_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
 
 
 def numerics(spec: Spec) -> str:
@@ -452,7 +484,7 @@ def numerics(spec: Spec) -> str:
 
 
 HEADER = (f"{'library':<10} {'model':<12} {'tp':>2} {'weights':>7} {'agree':>5} {'differ':>6} {'whole':>5} "
-          f"{'fam':>4} {'plan s':>6}  numerics (tp=2)")
+          f"{'fam':>4} {'ms':>7} {'lib ms':>7} {'MiB':>6} {'lib MiB':>7} {'just':>4} {'plan s':>6}  numerics (tp=2)")
 
 
 def _fmt(row: Row, verdict: str) -> str:
@@ -460,7 +492,9 @@ def _fmt(row: Row, verdict: str) -> str:
     head = f"{row.spec.library:<10} {model:<12} {row.tp:>2}"
     if row.error:
         return f"{head} plan failed: {row.error}"
+    lib_ms, lib_mib = (f"{row.lib[0] * 1e3:7.3f}", f"{row.lib[1] / 2**20:7.3f}") if row.lib else ("      -", "      -")
     return (f"{head} {row.weights:>7} {row.agree:>5} {row.differ:>6} {row.whole:>5} {row.family:>4} "
+            f"{row.ours[0] * 1e3:7.3f} {lib_ms} {row.ours[1] / 2**20:6.3f} {lib_mib} {'yes' if row.justified else 'no':>4} "
             f"{row.plan_s:>6.2f}  {verdict}")
 
 
@@ -480,6 +514,15 @@ def _diff_lines(rows: list[Row]) -> list[str]:
         if warning:
             lines.append(f"      warning: {warning}")
     return lines
+
+
+def _print_totals(rows: list[Row]) -> None:
+    done = [r for r in rows if not r.error]
+    weights, agree = sum(r.weights for r in done), sum(r.agree for r in done)
+    covered = sum(r.weights if r.justified else r.agree for r in done)
+    if weights:
+        print(f"# total: {agree} of {weights} weights take the library's style ({agree / weights:.1%}); with the "
+              f"differences of plans that are justified by the cost model, {covered} ({covered / weights:.1%})")
 
 
 def _short(verdict: str) -> str:
@@ -540,6 +583,13 @@ def main() -> int:
     print("# * no TP plan of its own in torchtune 0.6.1: compared with torchtune's llama3 plan on its module names")
     print("# whole: weights the library leaves whole (no TP placement, or replicated/sequence-parallel); "
           "fam: agreements by style family")
+    print("# ms, MiB: shardplan's plan, predicted step and parameters per device; lib ms, lib MiB: the library's "
+          "plan pinned (price_styles), same cost model; just: shardplan's plan holds fewer parameter bytes, or as "
+          "many and is no slower")
+    _print_totals(rows)
+    for row in rows:
+        if row.lib_error:
+            print(f"# {row.spec.library} {row.spec.model} tp={row.tp}: library plan not priced: {row.lib_error}")
     print("\n## differences (library style vs shardplan style; * = every layer index that differs)")
     for line in _diff_lines(rows):
         print(line)

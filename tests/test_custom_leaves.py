@@ -1,6 +1,8 @@
 """Weight modules that are not the stock classes, outside the repeated blocks: the local
-check runs them on their shards too, and what fails there is kept whole and run on local
-tensors (torchtitan 0.3.0's Embedding reads ``self.weight.to_local()``)."""
+check runs them on their shards too. An Embedding subclass with its own forward (torchtitan
+0.3.0's reads ``self.weight.to_local()``; others call ``F.embedding`` with the weight) is
+vocab-parallel on local tensors (``LocalVocabParallel``); what still fails on its shards is
+kept whole and run on local tensors."""
 
 from __future__ import annotations
 
@@ -21,10 +23,17 @@ def _plan(**kw) -> shardplan.Plan:
 
 
 @pytest.mark.parametrize("layers", [2, 1])  # 1: nothing folds, the check runs the whole model
-def test_an_embedding_that_reads_its_local_weight_is_kept_whole(layers: int) -> None:
-    plan = _plan(layers=layers)
+@pytest.mark.parametrize("embedding", ["local", "functional"])
+def test_an_embedding_with_its_own_forward_is_vocab_parallel(layers: int, embedding: str) -> None:
+    plan = _plan(layers=layers, embedding=embedding)
     styles = plan.module_styles()
-    assert styles["embed"] == "replicate" and styles["layers.0.up"] == "colwise", styles
+    assert styles["embed"] == "embedding_rowwise" and styles["layers.0.up"] == "colwise", styles
+    assert not [w for w in plan.warnings if w.startswith("embed:")], plan.warnings
+
+
+def test_an_embedding_whose_forward_fails_on_its_shards_is_kept_whole() -> None:
+    plan = _plan(embedding="global_view")
+    assert plan.module_styles()["embed"] == "replicate"
     (note,) = [w for w in plan.warnings if w.startswith("embed:")]
     assert "own forward fails on its shards" in note and "custom_leaves.py" in note
 
@@ -43,6 +52,26 @@ def test_a_weight_read_outside_its_module_matches_one_process_on_gloo() -> None:
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
 
 
-def test_kept_whole_embedding_matches_one_process_on_gloo() -> None:
-    result = verify("tests.portability.custom_leaves:local_embedding_lm", nproc=2, timeout_s=240)
+@pytest.mark.parametrize("builder", ["local_embedding_lm", "functional_embedding_lm"])
+def test_an_own_forward_embedding_matches_one_process_on_gloo(builder: str) -> None:
+    """Outputs, every gradient (the padding row's stays zero on the rank that holds it) and
+    the weights after an optimizer step, on 2 gloo ranks against one process."""
+    result = verify(f"tests.portability.custom_leaves:{builder}", nproc=2, timeout_s=240)
+    assert result.plan.module_styles()["embed"] == "embedding_rowwise"
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_an_own_forward_embedding_issues_the_predicted_collectives(sequence_parallel: bool) -> None:
+    """The local lookup's partial sums leave as torch's style's do: one all-reduce, or one
+    reduce-scatter onto sequence shards, and nothing else (fake process group, tp=4)."""
+    from shardplan.tools.simulate import simulate
+    from tests.portability.custom_leaves import functional_embedding_lm
+
+    with torch.device("meta"):
+        model = LocalEmbeddingLM(embedding="functional")
+    plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=TOKENS, sequence_parallel=sequence_parallel)
+    assert plan.module_styles()["embed"] == "embedding_rowwise"
+    result = simulate(functional_embedding_lm(), plan, (torch.randint(0, 128, (2, 16)),))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+    assert (result.counted["forward"]["reduce_scatter"] > 0) == sequence_parallel, dict(result.counted)

@@ -36,7 +36,7 @@ from .agree import agree
 from .gradsync import install_gradient_sync
 from .styles import (
     ColwiseKVReplicated, ColwisePartialInput, Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, GatherPartialGrad,
-    MoEExpertsParallel, PackedColwise,
+    LocalVocabParallel, MoEExpertsParallel, PackedColwise,
     ReplicateParallel,
     combine, local_during_forward, placement,
 )
@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 
-def _style(rule: Rule, *, conv1d: bool = False) -> ParallelStyle:
+def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False) -> ParallelStyle:
     inp = placement(rule.input_layouts)
     out = placement(rule.output_layouts)
     col, row = (Conv1DColwise, Conv1DRowwise) if conv1d else (ColwiseParallel, RowwiseParallel)
@@ -69,6 +69,8 @@ def _style(rule: Rule, *, conv1d: bool = False) -> ParallelStyle:
         return row(input_layouts=inp or Shard(-1), output_layouts=out or Replicate(), use_local_output=not isinstance(out, Partial))
     if rule.style == "rowwise_split_input":  # Replicate -> Shard(-1) is a local slice
         return row(input_layouts=Replicate(), output_layouts=out or Replicate())
+    if rule.style == "embedding_rowwise" and own_forward:
+        return LocalVocabParallel(output_layouts=out)
     if rule.style == "embedding_rowwise":
         return RowwiseParallel(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
     if rule.style in ("sequence_parallel", "replicated_with_grad_allreduce"):
@@ -101,7 +103,7 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
         if r.input == "output" and not r.use_local_output:
             continue  # applied after the module's own style (apply_plan)
         styles[r.module] = combine(styles.get(r.module), _region_style(r))
-    conv1d = _conv1d_rules(plan, model)
+    conv1d, own_forward = _conv1d_rules(plan, model), _own_forward_embeddings(plan, model)
     adopted = _adopted_params(plan, model)
     for rule in plan.rules:
         if rule.module in adopted:
@@ -111,7 +113,8 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
                 name: placement(layout) for name, layout in rule.param_layouts.items()},
                 partial_grads=rule.partial_grads))  # children carry their own styles
         elif not _never_called(rule) or not any(c == "" or rule.module.startswith(c + ".") for c in adopted):
-            styles[rule.module] = combine(styles.get(rule.module), _style(rule, conv1d=rule.module in conv1d))
+            styles[rule.module] = combine(styles.get(rule.module), _style(
+                rule, conv1d=rule.module in conv1d, own_forward=rule.module in own_forward))
     return _fnmatch_keys(styles)
 
 
@@ -160,6 +163,20 @@ def _conv1d_rules(plan: Plan, model: nn.Module | None) -> set[str]:
     for rule in plan.rules:
         fqns = expand_pattern(rule.module, plan.model.repeats)
         if fqns and module_kind(model.get_submodule(fqns[0])) == "conv1d":
+            found.add(rule.module)
+    return found
+
+
+def _own_forward_embeddings(plan: Plan, model: nn.Module | None) -> set[str]:
+    """Vocab-parallel rules whose module writes its own ``forward`` (not ``nn.Embedding``'s):
+    its code may read the weight's local tensor, so it runs on local tensors
+    (``LocalVocabParallel``)."""
+    if model is None:
+        return set()
+    found = set()
+    for rule in plan.rules:
+        fqns = expand_pattern(rule.module, plan.model.repeats) if rule.style == "embedding_rowwise" else []
+        if fqns and type(model.get_submodule(fqns[0])).forward is not nn.Embedding.forward:
             found.add(rule.module)
     return found
 

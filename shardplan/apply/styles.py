@@ -20,6 +20,8 @@ Each class here is a ``torch.distributed.tensor.parallel.style.ParallelStyle`` t
   kv-head groups, each group replicated on the ranks whose query heads read it;
 * ``GatherPartialGrad``, ``ColwisePartialInput``: MLA's latent projection and its reader,
   around a whole value whose gradient comes back Partial (the shared rotary key);
+* ``LocalVocabParallel``: the vocab-parallel embedding on local tensors, for an Embedding
+  subclass whose own forward reads ``self.weight.to_local()`` or calls ``F.embedding``;
 * ``ContainerParams``, ``CopyOutput``, ``Both``: a module's own parameters beside styled
   children, a copy of an output that is modified in place downstream, two styles on one module.
 
@@ -42,7 +44,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 __all__ = [
     "placement", "ReplicateParallel", "PackedColwise", "Conv1DColwise", "Conv1DRowwise", "MoEExpertsParallel",
     "packed_placement", "ContainerParams", "CopyOutput", "Both", "combine", "ColwiseKVReplicated", "grouped_mesh",
-    "GatherPartialGrad", "ColwisePartialInput",
+    "GatherPartialGrad", "ColwisePartialInput", "LocalVocabParallel",
 ]
 
 
@@ -459,6 +461,55 @@ def _restore_params(module, args, output):
         owner, name = _owner(module, path)
         owner._parameters[name] = param
     del module._shardplan_params
+
+
+class LocalVocabParallel(ParallelStyle):
+    """Vocab-parallel embedding computed on local tensors. torch's ``RowwiseParallel`` hands an
+    Embedding a DTensor input beside a DTensor weight; a subclass whose forward takes the
+    weight's local tensor (``self.weight.to_local()``, torchtitan's) or passes its weight to
+    ``F.embedding`` with the plain ids then mixes the two. Here rank r holds rows
+    [r*c, r*c + n_r) of the table (``Shard(0)``, c = ceil(V / tp)); each id is shifted into that
+    range (ids of other ranks point at row 0), the module's own forward runs on the local rows
+    with plain tensors, and the rows this rank does not hold are zeroed. The sum over ranks is
+    the lookup (Partial): to Replicate is an all-reduce, to Shard(1) (sequence parallel) a
+    reduce-scatter, the same collectives as torch's style."""
+
+    def __init__(self, *, output_layouts: Any = None) -> None:
+        super().__init__()
+        self.output_layouts = output_layouts or Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        p = module.weight
+        if not isinstance(p, DTensor):
+            table = distribute_tensor(p.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            module.register_parameter("weight", nn.Parameter(table, requires_grad=p.requires_grad))
+        module.register_forward_pre_hook(partial(_vocab_enter, mesh=device_mesh))
+        module.register_forward_hook(partial(_vocab_leave, mesh=device_mesh, layout=self.output_layouts))
+        return module
+
+
+def _vocab_enter(module, args, *, mesh):
+    ids = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+    table = module._parameters["weight"]
+    rows = -(-table.shape[0] // mesh.size())
+    offset, local = mesh.get_local_rank() * rows, table.to_local()
+    mine = (ids >= offset) & (ids < offset + local.shape[0])
+    padding = getattr(module, "padding_idx", None)
+    module._shardplan_vocab = (table, mine, padding)
+    module._parameters["weight"] = local
+    if padding is not None:  # the padding row's index among this rank's rows, if it holds it
+        module.padding_idx = padding - offset if offset <= padding < offset + local.shape[0] else None
+    return (torch.where(mine, ids - offset, torch.zeros_like(ids)), *args[1:])
+
+
+def _vocab_leave(module, args, output, *, mesh, layout):
+    table, mine, padding = module._shardplan_vocab
+    del module._shardplan_vocab
+    module._parameters["weight"] = table
+    if padding is not None:
+        module.padding_idx = padding
+    partial_sum = output * mine.unsqueeze(-1).to(output.dtype)
+    return DTensor.from_local(partial_sum, mesh, [Partial()], run_check=False).redistribute(mesh, [layout]).to_local()
 
 
 class CopyOutput(ParallelStyle):

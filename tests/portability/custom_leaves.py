@@ -14,6 +14,24 @@ class LocalEmbedding(nn.Embedding):
         return F.embedding(tokens, weight)
 
 
+class FunctionalEmbedding(nn.Embedding):
+    """An Embedding subclass that calls ``F.embedding`` with its weight and padding row."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight, self.padding_idx) * 2.0
+
+
+class GlobalViewEmbedding(nn.Embedding):
+    """Views its table by its global row count: no shard of it can run this forward."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        return F.embedding(tokens, weight.view(self.num_embeddings, self.embedding_dim))
+
+
+EMBEDDINGS = {"local": LocalEmbedding, "functional": FunctionalEmbedding, "global_view": GlobalViewEmbedding}
+
+
 class TiedHead:
     """torchtune's TiedLinear: a plain object (not a module) computing with another
     module's weight."""
@@ -36,9 +54,11 @@ class Block(nn.Module):
 
 
 class LocalEmbeddingLM(nn.Module):
-    def __init__(self, vocab: int = 128, dim: int = 32, layers: int = 2, tied: bool = False) -> None:
+    def __init__(self, vocab: int = 128, dim: int = 32, layers: int = 2, tied: bool = False,
+                 embedding: str = "local") -> None:
         super().__init__()
-        self.embed = LocalEmbedding(vocab, dim)
+        # the padding row (100) lies in the second rank's half of the table at tp=2
+        self.embed = EMBEDDINGS[embedding](vocab, dim, **({"padding_idx": 100} if embedding == "functional" else {}))
         self.layers = nn.ModuleList(Block(dim) for _ in range(layers))
         self.tied = TiedHead(self.embed) if tied else None
         self.head = None if tied else nn.Linear(dim, vocab, bias=False)
@@ -53,6 +73,11 @@ class LocalEmbeddingLM(nn.Module):
 def local_embedding_lm() -> LocalEmbeddingLM:
     torch.manual_seed(0)
     return LocalEmbeddingLM()
+
+
+def functional_embedding_lm() -> LocalEmbeddingLM:
+    torch.manual_seed(0)
+    return LocalEmbeddingLM(embedding="functional")
 
 
 def tied_lm() -> LocalEmbeddingLM:
