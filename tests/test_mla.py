@@ -68,3 +68,31 @@ def test_latent_attention_matches_one_process_on_gloo(spec: str) -> None:
     result = verify(spec, nproc=2, timeout_s=300)
     assert any(r.output_grad_partial for r in result.plan.rules), result.plan.rules
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def _replicated_latent_plan(tp: int) -> shardplan.Plan:
+    """The DeepSeek recipe's layout: the low-rank kv projection whole. Its output's gradient
+    comes back Partial, so its weight's gradient is all-reduced when backward ends and its
+    input's is summed by the attention's region with wq's."""
+    with torch.device("meta"):
+        model = latent_model()
+    tokens = (torch.zeros(2, 16, dtype=torch.long, device="meta"),)
+    return shardplan.price_styles(model, {"tp": tp}, {"layers.*.attn.wkv_a": "replicated_with_grad_allreduce"},
+                                  example_inputs=tokens)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_replicated_latent_projection_simulates_as_predicted(tp: int) -> None:
+    plan = _replicated_latent_plan(tp)
+    rule = plan.rule_for("layers.0.attn.wkv_a")
+    assert rule.style == "replicated_with_grad_allreduce" and rule.output_grad_partial
+    assert plan.module_styles()["layers.0.attn.wkv_b"] == "colwise"
+    result = simulate(latent_model(), plan, (torch.randint(0, 128, (2, 16)),))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+    assert result.counted["backward"]["reduce_scatter"] == 0  # nothing gathered, nothing to scatter back
+
+
+def test_a_replicated_latent_projection_matches_one_process_on_gloo() -> None:
+    """Outputs, every gradient and the weights after an optimizer step, on 2 gloo ranks."""
+    result = verify("tests.portability.mla:latent_model", plan=_replicated_latent_plan(2), nproc=2, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

@@ -36,7 +36,7 @@ from .agree import agree
 from .gradsync import install_gradient_sync
 from .styles import (
     ColwiseKVReplicated, ColwisePartialInput, Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, GatherPartialGrad,
-    LocalVocabParallel, MoEExpertsParallel, PackedColwise,
+    LocalVocabParallel, MoEExpertsParallel, PackedColwise, ReplicatePartialGrad,
     ReplicateParallel,
     combine, local_during_forward, placement,
 )
@@ -55,6 +55,8 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False) -> Pa
         return ColwisePartialInput(input_layouts=Replicate(), output_layouts=Shard(-1))
     if rule.style == "colwise_gather_output" and rule.output_grad_partial:
         return GatherPartialGrad(input_layouts=inp or Replicate(), output_layouts=Replicate())
+    if rule.style == "replicated_with_grad_allreduce" and rule.output_grad_partial:
+        return ReplicatePartialGrad()
     if rule.style == "replicated_with_grad_allreduce" and isinstance(inp, Replicate):
         return ReplicateParallel(partial_grads=True)
     if rule.style == "colwise":  # an explicit Shard(-1) output is returned to the user as a DTensor

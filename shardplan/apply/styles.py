@@ -44,7 +44,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 __all__ = [
     "placement", "ReplicateParallel", "PackedColwise", "Conv1DColwise", "Conv1DRowwise", "MoEExpertsParallel",
     "packed_placement", "ContainerParams", "CopyOutput", "Both", "combine", "ColwiseKVReplicated", "grouped_mesh",
-    "GatherPartialGrad", "ColwisePartialInput", "LocalVocabParallel",
+    "GatherPartialGrad", "ColwisePartialInput", "LocalVocabParallel", "ReplicatePartialGrad",
 ]
 
 
@@ -347,6 +347,20 @@ class GatherPartialGrad(ColwiseParallel):
         return outputs.redistribute(placements=output_layouts).to_local(grad_placements=(Partial(),))
 
 
+class ReplicatePartialGrad(ParallelStyle):
+    """A whole module whose output's gradient comes back Partial (MLA's low-rank projection,
+    replicated): its parameters are Replicate DTensors read as local tensors with Partial
+    gradients (all-reduced when backward ends, gradsync), and its input is handed on as a
+    local tensor whose gradient is Partial too, summed by the region with its siblings'."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        _distribute_own(module, names, {}, device_mesh, self.src_data_rank)
+        module.register_forward_pre_hook(partial(_kv_enter, names=names, tp_mesh=device_mesh, layout=Replicate()))
+        module.register_forward_hook(_restore_params)
+        return module
+
+
 class ColwisePartialInput(ColwiseParallel):
     """``colwise`` on a whole input whose gradient is left Partial (an ``Rp`` value): the
     input becomes a Replicate DTensor for the forward, and its Partial gradient goes back as
@@ -403,16 +417,21 @@ class ContainerParams(ParallelStyle):
         self.partial_grads = tuple(partial_grads)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        for path in self.paths:
-            owner, name = _owner(module, path)
-            p = owner._parameters[name]
-            if not isinstance(p, DTensor):
-                where = self.placements.get(path, Replicate())
-                dist = distribute_tensor(p.detach(), device_mesh, [where], src_data_rank=self.src_data_rank)
-                owner.register_parameter(name, nn.Parameter(dist, requires_grad=p.requires_grad))
+        _distribute_own(module, self.paths, self.placements, device_mesh, self.src_data_rank)
         module.register_forward_pre_hook(partial(_swap_to_local, names=self.paths, partial_grads=self.partial_grads))
         module.register_forward_hook(_restore_params)
         return module
+
+
+def _distribute_own(module: nn.Module, paths: list[str], placements: dict[str, Any], mesh, src_data_rank) -> None:
+    """The parameters ``paths`` (relative to ``module``) as DTensors, Replicate unless
+    ``placements`` says otherwise."""
+    for path in paths:
+        owner, name = _owner(module, path)
+        p = owner._parameters[name]
+        if not isinstance(p, DTensor):
+            dist = distribute_tensor(p.detach(), mesh, [placements.get(path, Replicate())], src_data_rank=src_data_rank)
+            owner.register_parameter(name, nn.Parameter(dist, requires_grad=p.requires_grad))
 
 
 def _owner(module: nn.Module, path: str) -> tuple[nn.Module, str]:

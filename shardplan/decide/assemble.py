@@ -206,7 +206,9 @@ def regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
                     module=module, input="output" if site.input is None else site.input,
                     num_inputs=site.num_inputs, input_layouts=_layout(e.kind),
                     desired_input_layouts="Replicate",
-                    why=f"{names} share this input: one {comm} instead of {len(inside)}",
+                    why=(f"{names} share this input: one {comm} instead of {len(inside)}" if len(inside) > 1 else
+                         f"{names} reads it whole: gathered where {site.module.rpartition('.')[2]} receives it, "
+                         "so its code sees the whole sequence"),
                 ))
     return regions
 

@@ -10,6 +10,9 @@ Contract
   use_local_output=False)`` on that module turns the value into a DTensor once, so the
   Partial gradients of, say, wq, wk and wv add up as DTensors and one all-reduce (or one
   reduce-scatter under sequence parallel) closes the region in backward;
+* a sequence-sharded value is gathered at the outermost such module, even for one consumer
+  (a fused ``wqkv``): the module's own code then reads the whole sequence, as it does
+  unsharded (``bs, seqlen, _ = x.shape`` before its view by heads);
 * otherwise each consumer's own style converts the value: one collective per consumer.
 
 Only data flow and module boundaries decide; module names never do.
@@ -62,8 +65,10 @@ def _entering_consumers(graph: OpGraph, solution: Solution, value: int, kind: st
     return tuple(sorted(set(found)))
 
 
-def _candidate_sites(graph: OpGraph, value: int, consumers: tuple[int, ...]) -> list[tuple[RegionSite, tuple[int, ...]]]:
-    """Modules that receive ``value`` as an argument and hold only entering consumers of it."""
+def _candidate_sites(graph: OpGraph, value: int, consumers: tuple[int, ...], *,
+                     fewest: int = 2) -> list[tuple[RegionSite, tuple[int, ...]]]:
+    """Modules that receive ``value`` as an argument and hold only entering consumers of it,
+    at least ``fewest`` of them."""
     node = graph.ops[graph.values[value].producer].node
     others = set(graph.consumers.get(value, [])) - set(consumers)
     found = []
@@ -75,8 +80,8 @@ def _candidate_sites(graph: OpGraph, value: int, consumers: tuple[int, ...]) -> 
         if where is None:
             where = next((k for k, a in call.kwargs.items() if a is node), None)
         inside = tuple(c for c in consumers if _inside(graph.ops[c].target, fqn))
-        if where is None or len(inside) < 2:
-            continue
+        if where is None or len(inside) < fewest or (len(inside) == 1 and graph.ops[inside[0]].target == fqn):
+            continue  # one consumer that is the module itself: its own style converts the input
         if any(_inside(graph.ops[o].owner, fqn) or _inside(graph.ops[o].target, fqn) for o in others):
             continue
         found.append((RegionSite(fqn, where, len(call.args)), inside))
@@ -95,11 +100,13 @@ def _output_site(graph: OpGraph, value: int, consumers: tuple[int, ...]):
     return (RegionSite(producer.target, None, 0), consumers)
 
 
-def _choose_sites(candidates, consumers: tuple[int, ...], output_site=None):
-    """Fewest collectives: modules covering most consumers first, then the innermost; a
-    producer's output region when it beats the input regions."""
+def _choose_sites(candidates, consumers: tuple[int, ...], output_site=None, *, outermost: bool = False):
+    """Fewest collectives: modules covering most consumers first, then the innermost (the
+    outermost for a sequence-sharded value); a producer's output region when it beats the
+    input regions."""
     chosen, left = [], set(consumers)
-    for site, inside in sorted(candidates, key=lambda c: (-len(c[1]), -len(c[0].module), c[0].module)):
+    depth = (lambda m: len(m)) if outermost else (lambda m: -len(m))  # nested modules: a longer name is inside
+    for site, inside in sorted(candidates, key=lambda c: (-len(c[1]), depth(c[0].module), c[0].module)):
         if set(inside) <= left:
             chosen.append((site, inside))
             left -= set(inside)
@@ -116,8 +123,10 @@ def find_regions(graph: OpGraph, solution: Solution) -> list[Entry]:
         consumers = _entering_consumers(graph, solution, value, kind)
         if not consumers:
             continue
+        sequence = kind.startswith("S")
         sites = _choose_sites(
-            _candidate_sites(graph, value, consumers), consumers, _output_site(graph, value, consumers)
+            _candidate_sites(graph, value, consumers, fewest=1 if sequence else 2), consumers,
+            _output_site(graph, value, consumers), outermost=sequence,
         )
         entries.append(Entry(value, kind, consumers, sites))
     return entries
