@@ -56,7 +56,7 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False) -> Pa
     if rule.style == "colwise_gather_output" and rule.output_grad_partial:
         return GatherPartialGrad(input_layouts=inp or Replicate(), output_layouts=Replicate())
     if rule.style == "replicated_with_grad_allreduce" and rule.output_grad_partial:
-        return ReplicatePartialGrad()
+        return ReplicatePartialGrad(input_layouts=inp)
     if rule.style == "replicated_with_grad_allreduce" and isinstance(inp, Replicate):
         return ReplicateParallel(partial_grads=True)
     if rule.style == "colwise":  # an explicit Shard(-1) output is returned to the user as a DTensor

@@ -351,12 +351,17 @@ class ReplicatePartialGrad(ParallelStyle):
     """A whole module whose output's gradient comes back Partial (MLA's low-rank projection,
     replicated): its parameters are Replicate DTensors read as local tensors with Partial
     gradients (all-reduced when backward ends, gradsync), and its input is handed on as a
-    local tensor whose gradient is Partial too, summed by the region with its siblings'."""
+    local tensor whose gradient is Partial too, summed by the region with its siblings' (a
+    sequence-sharded input is all-gathered here, its gradient reduce-scattered)."""
+
+    def __init__(self, *, input_layouts: Any = None) -> None:
+        super().__init__()
+        self.input_layouts = input_layouts or Replicate()
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         names = [n for n, _ in module.named_parameters(recurse=False)]
         _distribute_own(module, names, {}, device_mesh, self.src_data_rank)
-        module.register_forward_pre_hook(partial(_kv_enter, names=names, tp_mesh=device_mesh, layout=Replicate()))
+        module.register_forward_pre_hook(partial(_kv_enter, names=names, tp_mesh=device_mesh, layout=self.input_layouts))
         module.register_forward_hook(_restore_params)
         return module
 

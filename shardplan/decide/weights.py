@@ -190,26 +190,32 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
         seq = _seq_dims(x.shape, tp) if sp else []
         out += _kv_replicated(x, y, module, pbytes, flops, tp, heads=viewed_heads(op, graph, tp), seq_dims=seq)
     if under_partial_grad_owner(op.target.rpartition(".")[0], graph, tp) and module_kind_of(module) == "linear":
-        out += _partial_grad_linear(x, y, module, tp, col_w, col, flops=flops)
+        out += _partial_grad_linear(x, y, module, tp, col_w, col, flops=flops, seq=_seq_dims(x.shape, tp) if sp else [])
     return out
 
 
-def _partial_grad_linear(x, y, module: nn.Module, tp: int, col_w: str, col: dict, *, flops: float) -> list[Strategy]:
+def _partial_grad_linear(x, y, module: nn.Module, tp: int, col_w: str, col: dict, *, flops: float,
+                         seq: list[int]) -> list[Strategy]:
     """Inside a module that broadcasts a whole value to heads split tp ways (MLA): the
     gathered colwise output ``Rp``, its gradient a partial sum, so the all-gather's backward
     is a reduce-scatter (not a slice) and the weight's gradient is complete; the whole module
     with an ``Rp`` output (the low-rank projection replicated, as the DeepSeek recipe keeps
     it): its weight's gradient and its input's are partial sums, the first all-reduced when
     backward ends, the second by the region with its siblings'; and colwise on an ``Rp``
-    input, whose Partial input gradient is left for that producer to sum."""
+    input, whose Partial input gradient is left for that producer to sum. The first two also
+    take a sequence-sharded input, gathered on entry like colwise's."""
     last, n_out = len(y.shape) - 1, _features(module)[1]
-    out = [Strategy(
-        "colwise_gather_output", ("R",), "Rp", fwd=(("all_gather", y.nbytes),), bwd=(("reduce_scatter", y.nbytes),),
-        entry=("R",), layouts={"weight": col_w, "output": "R", "output_grad": "P"}, **col,
-    ), Strategy(
-        "replicated_with_grad_allreduce", ("R",), "Rp", bwd=_param_grad_allreduces(module), entry=("R",),
-        param_bytes=_param_bytes(module), flops=flops, act_bytes=y.nbytes, layouts={"weight": "R", "output_grad": "P"},
-    )]
+    out = []
+    for p in ["R"] + [f"S{d}" for d in seq]:
+        given = {"input": p} if p != "R" else {}
+        out += [Strategy(
+            "colwise_gather_output", (p,), "Rp", fwd=(("all_gather", y.nbytes),), bwd=(("reduce_scatter", y.nbytes),),
+            entry=(p,), layouts={"weight": col_w, "output": "R", "output_grad": "P", **given}, **col,
+        ), Strategy(
+            "replicated_with_grad_allreduce", (p,), "Rp", bwd=_param_grad_allreduces(module), entry=(p,),
+            param_bytes=_param_bytes(module), flops=flops, act_bytes=y.nbytes,
+            layouts={"weight": "R", "output_grad": "P", **given},
+        )]
     if n_out % tp == 0:
         out.append(Strategy("colwise", ("Rp",), f"S{last}", layouts={"weight": col_w, "input_grad": "P"}, **col))
     return out
