@@ -44,6 +44,13 @@ def test_a_weight_read_by_code_outside_its_module_is_kept_whole() -> None:
     assert any("other code reads its weight as a plain tensor" in w for w in plan.warnings), plan.warnings
 
 
+def test_pinning_a_split_style_on_a_weight_read_outside_says_why_it_cannot() -> None:
+    with torch.device("meta"):
+        model = LocalEmbeddingLM(tied=True)
+    with pytest.raises(ValueError, match="other code reads its weight as a plain tensor"):
+        shardplan.price_styles(model, {"tp": 2}, {"embed": "embedding_rowwise"}, example_inputs=TOKENS)
+
+
 def test_a_weight_read_outside_its_module_matches_one_process_on_gloo() -> None:
     """torchtune's TiedLinear, a plain object, computes with the embedding's weight in the
     root's forward: that weight is its local tensor for the whole forward."""

@@ -35,6 +35,7 @@ from scipy import sparse
 from . import cost
 from ..analyze.graph import Op, OpGraph
 from .strategies import Strategy, op_strategies
+from .weights import read_elsewhere
 
 __all__ = ["SolveContext", "Solution", "solve", "PlanningError", "strategy_time", "comm_time",
            "BUCKETED_GRAD_STYLES"]
@@ -463,7 +464,7 @@ def solve(graph: OpGraph, ctx: SolveContext) -> Solution:
     m = _matrices(graph, ctx)
     upper, tie, empty = _allowed(m.prog, ctx.forced)
     if empty:
-        raise PlanningError(_no_strategy_message(empty[0], ctx))
+        raise PlanningError(_no_strategy_message(empty[0], ctx, graph))
     b = _bounded(m, upper)
     train_factor = cost.training_bytes_per_param(dtype=ctx.dtype, optimizer=getattr(ctx.opts, 'optimizer', 'adamw')) / _model_dtype_bytes(graph) / ctx.state_shards
     act_factor = cost.dtype_bytes(ctx.dtype) / _model_dtype_bytes(graph)
@@ -515,11 +516,14 @@ def _solution(prog: _Program, x: np.ndarray, time, params, memory) -> Solution:
     return Solution(chosen, placements, entries, _total(time, x), _total(params, x), _total(memory, x))
 
 
-def _no_strategy_message(op: Op, ctx: SolveContext) -> str:
+def _no_strategy_message(op: Op, ctx: SolveContext, graph: OpGraph) -> str:
     forced = ctx.forced.get(op.index)
     if isinstance(forced, tuple):
         return (f"{op.target!r} cannot take style {forced[0]!r} with layouts {forced[1]} at tp={ctx.tp}: no strategy "
                 "of that style has them (or a dimension it splits does not divide)")
+    if forced and op.kind == "module" and op.target in read_elsewhere(graph):
+        return (f"{op.target!r} cannot take style {forced!r}: other code reads its weight as a plain tensor (a tied "
+                "weight used outside the module), so it stays whole; pin it to 'replicate' or drop the pin")
     if forced:
         return f"{op.target!r} cannot take style {forced!r} at tp={ctx.tp}: a dimension it splits is not divisible by {ctx.tp}"
     return f"op {op.target!r} in {op.owner or 'the top level'!r} has no valid placement at tp={ctx.tp}"
