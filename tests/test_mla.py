@@ -19,11 +19,12 @@ from shardplan.tools.verify import verify
 from tests.portability.mla import latent_model
 
 
-def _plan(tp: int) -> tuple[torch.nn.Module, shardplan.Plan]:
+def _plan(tp: int, *, sequence_parallel: bool = False) -> tuple[torch.nn.Module, shardplan.Plan]:
     with torch.device("meta"):
         model = latent_model()
     tokens = (torch.zeros(2, 16, dtype=torch.long, device="meta"),)
-    return model, shardplan.plan_model(model, {"tp": tp}, example_inputs=tokens, explain=False)
+    return model, shardplan.plan_model(model, {"tp": tp}, example_inputs=tokens, explain=False,
+                                       sequence_parallel=sequence_parallel)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -47,6 +48,20 @@ def test_latent_attention_simulates_as_predicted(tp: int) -> None:
     result = simulate(latent_model(), plan, (torch.randint(0, 128, (2, 16)),))
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
     assert result.counted["backward"]["reduce_scatter"] == 2  # one per layer: the latent's gradient
+
+
+def test_latent_attention_composes_with_sequence_parallel() -> None:
+    """Sequence-parallel norms around it: the attention's input is gathered once where the
+    attention receives it, the latent projection reads it from there, and the counts equal
+    the prediction; on 2 gloo ranks it matches one process."""
+    _, plan = _plan(2, sequence_parallel=True)
+    styles = plan.module_styles()
+    assert styles["layers.0.norm1"] == "sequence_parallel" and styles["layers.0.attn.wkv_b"] == "colwise", styles
+    assert any(r.module == "layers.*.attn" and r.input_layouts == "Shard(1)" for r in plan.regions), plan.regions
+    result = simulate(latent_model(), plan, (torch.randint(0, 128, (2, 16)),))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+    run = verify("tests.portability.mla:latent_model", plan=plan, nproc=2, timeout_s=300)
+    assert run.passed, run.summary() + "\n" + "\n".join(run.problems)
 
 
 def test_hf_deepseek_v3_mla_is_split_by_heads() -> None:
@@ -78,7 +93,7 @@ def _replicated_latent_plan(tp: int) -> shardplan.Plan:
         model = latent_model()
     tokens = (torch.zeros(2, 16, dtype=torch.long, device="meta"),)
     return shardplan.price_styles(model, {"tp": tp}, {"layers.*.attn.wkv_a": "replicated_with_grad_allreduce"},
-                                  example_inputs=tokens)
+                                  example_inputs=tokens, sequence_parallel=False)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

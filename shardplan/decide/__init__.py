@@ -10,8 +10,8 @@ MLA's shared key) and :mod:`.propagation` those DTensor's own rules give. :mod:`
 holds the dtypes and hardware profiles, :mod:`.cost` the alpha-beta communication, memory
 and compute model over them. :mod:`.solve`
 builds the placement program (one binary per op and strategy, consistency between
-producer and consumer) and solves it with HiGHS: least weight bytes per device first, then
-the fastest plan among those. :mod:`.regions` finds values whose collective several Linears
+producer and consumer) and solves it with HiGHS (:mod:`.milp`, the solver backend): least
+weight bytes per device first, then the fastest plan among those. :mod:`.regions` finds values whose collective several Linears
 can share; :mod:`.estimate` predicts memory, bytes, collectives and step time;
 :mod:`.explain` prices each rejected alternative; :mod:`.assemble` writes the rules,
 regions and warnings of the :class:`~shardplan.plan.Plan`. :mod:`.fsdp` lists the FSDP2

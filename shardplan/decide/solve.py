@@ -30,9 +30,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-from scipy import sparse
 
 from . import cost
+from .milp import MilpModel, MilpView
 from ..analyze.graph import Op, OpGraph
 from .strategies import Strategy, op_strategies
 from .weights import read_elsewhere
@@ -197,17 +197,15 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
 
 @dataclass
 class _Matrices:
-    """A program's constraints and per-column vectors, built once per graph and context:
-    explain re-solves it once per alternative style, changing only the forced columns."""
+    """A program's constraints (a :class:`.milp.MilpModel`) and per-column vectors, built
+    once per graph and context: explain re-solves it once per alternative style, changing
+    only the forced columns' bounds."""
     prog: _Program
-    matrix: sparse.csr_matrix
-    lo: np.ndarray
-    hi: np.ndarray
+    model: MilpModel
     time: np.ndarray
     params: np.ndarray
     acts: np.ndarray
     weights: np.ndarray
-    solver: Any = None  # the HiGHS instance holding these rows (_highs)
 
 
 def _matrices(graph: OpGraph, ctx: SolveContext) -> _Matrices:
@@ -217,8 +215,8 @@ def _matrices(graph: OpGraph, ctx: SolveContext) -> _Matrices:
         prog = _build(graph, replace(ctx, forced={}))
         rows, lo, hi = _rows(prog)
         _tied_rows(prog, rows, lo, hi)
-        cached = graph.strategy_cache[key] = _Matrices(
-            prog, _sparse(rows, prog.num_vars), np.array(lo), np.array(hi), *_vectors(prog))
+        model = MilpModel.from_rows(rows, lo, hi, num_vars=prog.num_vars, integer=frozenset(prog.var_of.values()))
+        cached = graph.strategy_cache[key] = _Matrices(prog, model, *_vectors(prog))
     return cached
 
 
@@ -387,92 +385,19 @@ def _vectors(prog: _Program) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return time, params, acts, weights
 
 
-def _sparse(rows: list[dict[int, float]], num_vars: int) -> sparse.csr_matrix:
-    r_idx = [r for r, row in enumerate(rows) for _ in row]
-    c_idx = [col for row in rows for col in row]
-    vals = [v for row in rows for v in row.values()]
-    return sparse.coo_matrix((vals, (r_idx, c_idx)), shape=(len(rows), num_vars)).tocsr()
-
-
-def _highs(m: _Matrices) -> Any:
-    """A HiGHS instance holding the program's rows and integrality, made once per program:
-    each solve changes only costs, bounds and its extra rows. highspy's own ``Highs`` class
-    prints a banner to the process's stdout when made (a plan printed as JSON would not
-    parse); its ``_Highs`` base is the same solver without that logging callback."""
-    if m.solver is None:
-        from highspy import HighsLp, HighsVarType, MatrixFormat, _Highs
-
-        columns = m.matrix.tocsc()
-        lp = HighsLp()
-        lp.num_col_, lp.num_row_ = m.prog.num_vars, m.matrix.shape[0]
-        lp.col_cost_, lp.col_lower_, lp.col_upper_ = np.zeros(lp.num_col_), np.zeros(lp.num_col_), np.ones(lp.num_col_)
-        lp.row_lower_, lp.row_upper_ = m.lo, m.hi
-        lp.a_matrix_.format_ = MatrixFormat.kColwise
-        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = columns.indptr, columns.indices, columns.data
-        integer = set(m.prog.var_of.values())
-        lp.integrality_ = [HighsVarType.kInteger if i in integer else HighsVarType.kContinuous for i in range(lp.num_col_)]
-        m.solver = _Highs()
-        # feasibility jump (a primal heuristic) takes most of the time on these small
-        # programs and finds nothing the root LP does not
-        for key, value in (("output_flag", False), ("mip_rel_gap", 0.0), ("presolve", "on"), ("threads", 1),
-                           ("mip_heuristic_run_feasibility_jump", False)):
-            m.solver.setOptionValue(key, value)
-        m.solver.passModel(lp)
-    return m.solver
-
-
-@dataclass
-class _Bounded:
-    """One solve's view of the matrices: their columns under this solve's forced styles."""
-    m: _Matrices
-    upper: np.ndarray
-
-    def scaled(self, v: np.ndarray) -> np.ndarray:
-        """``v`` scaled so its largest allowed entry is 1e3 (HiGHS's tolerances are absolute)."""
-        top = float(np.max(np.abs(v[self.upper > 0]))) if v.size else 0.0
-        return v / top * 1e3 if top > 0 else v
-
-    def milp(self, c: np.ndarray, extra: tuple[tuple[np.ndarray, float], ...] = ()) -> np.ndarray | None:
-        """The optimum of cost ``c`` under this view's bounds and the ``extra`` dense rows
-        (vector, upper bound): a memory budget, the least parameter bytes. The solver starts
-        from nothing each time (no basis kept), so a result never depends on earlier solves."""
-        from highspy import HighsModelStatus
-
-        h, n = _highs(self.m), self.m.prog.num_vars
-        columns = np.arange(n, dtype=np.int32)
-        h.clearSolver()
-        h.changeColsBounds(n, columns, np.zeros(n), self.upper)
-        h.changeColsCost(n, columns, c)
-        for v, bound in extra:
-            nonzero = np.flatnonzero(v).astype(np.int32)
-            h.addRow(0.0, bound, len(nonzero), nonzero, v[nonzero])
-        try:
-            h.run()
-            optimal = h.getModelStatus() == HighsModelStatus.kOptimal
-            return np.array(h.getSolution().col_value) if optimal else None
-        finally:
-            if extra:
-                first = self.m.matrix.shape[0]
-                h.deleteRows(len(extra), np.arange(first, first + len(extra), dtype=np.int32))
-
-
-def _bounded(m: _Matrices, upper: np.ndarray) -> _Bounded:
-    return _Bounded(m, upper)
-
-
 def solve(graph: OpGraph, ctx: SolveContext) -> Solution:
     m = _matrices(graph, ctx)
     upper, tie, empty = _allowed(m.prog, ctx.forced)
     if empty:
         raise PlanningError(_no_strategy_message(empty[0], ctx, graph))
-    b = _bounded(m, upper)
+    b = m.model.view(upper)
     train_factor = cost.training_bytes_per_param(dtype=ctx.dtype, optimizer=getattr(ctx.opts, 'optimizer', 'adamw')) / _model_dtype_bytes(graph) / ctx.state_shards
     act_factor = cost.dtype_bytes(ctx.dtype) / _model_dtype_bytes(graph)
     memory = m.params * train_factor + m.acts * act_factor
     if ctx.memory_budget is None:
-        x = _lexicographic(b, tie, memory, ctx.hardware.memory_bytes)
+        x = _lexicographic(b, m, tie, memory, ctx.hardware.memory_bytes)
     else:
-        x = b.milp(b.scaled(m.time) + 1e-9 * tie, ((memory, float(ctx.memory_budget)),))
+        x = b.minimize(b.scaled(m.time) + 1e-9 * tie, ((memory, float(ctx.memory_budget)),))
         if x is None:
             raise PlanningError(_budget_message(b, memory, ctx))
     if x is None:
@@ -480,16 +405,16 @@ def solve(graph: OpGraph, ctx: SolveContext) -> Solution:
     return _solution(m.prog, x, m.time, m.params, memory)
 
 
-def _lexicographic(b: _Bounded, tie: np.ndarray, memory: np.ndarray, device_bytes: float) -> np.ndarray | None:
+def _lexicographic(b: MilpView, m: _Matrices, tie: np.ndarray, memory: np.ndarray, device_bytes: float) -> np.ndarray | None:
     """Least weight bytes first; then, among those plans, the fastest that fits the device
     (sequence parallel, say, when activations would not fit), else the fastest."""
-    weights, time = b.m.weights, b.m.time
-    first = b.milp(b.scaled(weights) + 1e-9 * tie)
+    weights, time = m.weights, m.time
+    first = b.minimize(b.scaled(weights) + 1e-9 * tie)
     if first is None:
         return None
     least = (weights, _total(weights, first) * (1 + 1e-9) + 1.0)
-    fitting = b.milp(b.scaled(time) + 1e-9 * tie, (least, (memory, float(device_bytes))))
-    return fitting if fitting is not None else b.milp(b.scaled(time) + 1e-9 * tie, (least,))
+    fitting = b.minimize(b.scaled(time) + 1e-9 * tie, (least, (memory, float(device_bytes))))
+    return fitting if fitting is not None else b.minimize(b.scaled(time) + 1e-9 * tie, (least,))
 
 
 def _total(v: np.ndarray, x: np.ndarray) -> float:
@@ -529,8 +454,8 @@ def _no_strategy_message(op: Op, ctx: SolveContext, graph: OpGraph) -> str:
     return f"op {op.target!r} in {op.owner or 'the top level'!r} has no valid placement at tp={ctx.tp}"
 
 
-def _budget_message(b: _Bounded, memory: np.ndarray, ctx: SolveContext) -> str:
-    least = b.milp(b.scaled(memory))
+def _budget_message(b: MilpView, memory: np.ndarray, ctx: SolveContext) -> str:
+    least = b.minimize(b.scaled(memory))
     if least is None:  # nothing is valid at all (a pinned style that cannot be placed)
         return f"no valid tensor-parallel plan at tp={ctx.tp} with the styles pinned; unpin them or change tp"
     reach = _total(memory, least)
