@@ -34,9 +34,9 @@ from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern
 
 from .agree import agree
 from .gradsync import install_gradient_sync
+from .head_styles import ColwiseKVReplicated, ColwisePartialInput, GatherPartialGrad, ReplicatePartialGrad
 from .styles import (
-    ColwiseKVReplicated, ColwisePartialInput, Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, GatherPartialGrad,
-    LocalVocabParallel, MoEExpertsParallel, PackedColwise, ReplicatePartialGrad,
+    Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, LocalVocabParallel, MoEExpertsParallel, PackedColwise,
     ReplicateParallel,
     combine, local_during_forward, placement,
 )

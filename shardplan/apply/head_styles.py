@@ -1,0 +1,137 @@
+"""Head styles: the ``ParallelStyle`` subclasses for heads shared across ranks.
+
+Contract
+--------
+Like :mod:`.styles` (whose parameter helpers they use), each class is applied by
+``parallelize_module``:
+
+* ``ColwiseKVReplicated``: a k/v projection with fewer kv heads than tp: colwise on
+  kv-head groups, each group replicated on the ranks whose query heads read it
+  (``grouped_mesh``: the tp axis as ``(groups, tp / groups)``);
+* ``GatherPartialGrad``, ``ReplicatePartialGrad``, ``ColwisePartialInput``: MLA's latent
+  projection (gathered, or whole) and its reader, around a whole value whose gradient comes
+  back Partial (the shared rotary key, broadcast to heads split tp ways).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from .styles import _distribute_own, _restore_params, _swap_to_local
+
+__all__ = ["grouped_mesh", "ColwiseKVReplicated", "GatherPartialGrad", "ReplicatePartialGrad", "ColwisePartialInput"]
+
+
+def grouped_mesh(tp_mesh: Any, groups: int) -> Any:
+    """The tp axis as ``(groups, tp / groups)``: rank r is in group r // (tp / groups), so a
+    ``[Shard(0), Replicate()]`` weight gives the ranks of one group the same rows."""
+    name = tp_mesh.mesh_dim_names[0] if tp_mesh.mesh_dim_names else "tp"
+    rep = tp_mesh.size() // groups
+    return tp_mesh._unflatten(0, (groups, rep), (f"{name}_kv{groups}", f"{name}_kv{groups}_rep"))
+
+
+class ColwiseKVReplicated(ParallelStyle):
+    """``colwise_kv_replicated``: a k or v projection when tp exceeds the kv heads.
+
+    Query head i reads kv head i // (heads / kv_heads); with heads split tp ways, rank r's
+    query heads all read kv head r // (tp / groups). So the weight [kv_heads * head_dim, in]
+    is placed ``[Shard(0), Replicate()]`` on the tp axis unflattened to (groups, tp /
+    groups) (:func:`grouped_mesh`): each rank holds the rows of its kv head, and
+    ``y = x W_local^T`` is that kv head's keys, with no collective. Backward, each rank
+    back-propagates its own query heads' share only: the weight gradient is Partial over the
+    group's tp / groups ranks (``to_local(grad_placements=[Shard(0), Partial()])``, summed
+    by the gradient sync when backward ends), and the input gradient Partial over all tp
+    ranks, summed by the region's all-reduce with the q projection's, or here by one of its own.
+    The global view of the weight is the module's own, so checkpoints reshard as any DTensor."""
+
+    def __init__(self, *, groups: int, input_layouts: Any = None) -> None:
+        super().__init__()
+        self.groups = groups
+        # a sequence-sharded input (sequence parallel) is all-gathered on entry, its gradient
+        # reduce-scattered back, as ColwiseParallel's is; inside a region it arrives gathered
+        self.input_layouts = input_layouts or Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        mesh = grouped_mesh(device_mesh, self.groups)
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        for name in names:
+            param = module._parameters[name]
+            dist = distribute_tensor(param.detach(), mesh, [Shard(0), Replicate()], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+        module.register_forward_pre_hook(partial(_kv_enter, names=names, tp_mesh=device_mesh, layout=self.input_layouts))
+        module.register_forward_hook(_restore_params)
+        return module
+
+
+def _kv_enter(module, args, *, names, tp_mesh, layout):
+    _swap_to_local(module, args, names=names, partial_grads=names)
+    return tuple(_local_with_partial_grad(a, tp_mesh, layout) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _local_with_partial_grad(x: torch.Tensor, tp_mesh: Any, layout: Any) -> torch.Tensor:
+    """A Replicate input as a plain tensor whose gradient is declared Partial: a region's
+    DTensor sums it with its other consumers'; a plain input is all-reduced on its own (or,
+    arriving sequence-sharded, all-gathered here and its gradient reduce-scattered)."""
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, tp_mesh, [layout], run_check=False)
+    if not x.placements[0].is_replicate():
+        x = x.redistribute(placements=[Replicate()])
+    return x.to_local(grad_placements=(Partial(),))
+
+
+class GatherPartialGrad(ColwiseParallel):
+    """``colwise_gather_output`` whose output's gradient comes back Partial (MLA's latent,
+    read by heads split tp ways): the gathered output hands on its local tensor with
+    ``grad_placements=[Partial()]``, so the all-gather's backward is a reduce-scatter, which
+    both sums the ranks' partial gradients and keeps this rank's features."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.redistribute(placements=output_layouts).to_local(grad_placements=(Partial(),))
+
+
+class ReplicatePartialGrad(ParallelStyle):
+    """A whole module whose output's gradient comes back Partial (MLA's low-rank projection,
+    replicated): its parameters are Replicate DTensors read as local tensors with Partial
+    gradients (all-reduced when backward ends, gradsync), and its input is handed on as a
+    local tensor whose gradient is Partial too, summed by the region with its siblings' (a
+    sequence-sharded input is all-gathered here, its gradient reduce-scattered)."""
+
+    def __init__(self, *, input_layouts: Any = None) -> None:
+        super().__init__()
+        self.input_layouts = input_layouts or Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        _distribute_own(module, names, {}, device_mesh, self.src_data_rank)
+        module.register_forward_pre_hook(partial(_kv_enter, names=names, tp_mesh=device_mesh, layout=self.input_layouts))
+        module.register_forward_hook(_restore_params)
+        return module
+
+
+class ColwisePartialInput(ColwiseParallel):
+    """``colwise`` on a whole input whose gradient is left Partial (an ``Rp`` value): the
+    input becomes a Replicate DTensor for the forward, and its Partial gradient goes back as
+    this rank's summand, for the module that produced the input to sum."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        return (_FromLocalKeepPartialGrad.apply(x, device_mesh) if not isinstance(x, DTensor) else x, *inputs[1:])
+
+
+class _FromLocalKeepPartialGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh):
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad.to_local() if isinstance(grad, DTensor) else grad), None
