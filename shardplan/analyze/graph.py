@@ -16,6 +16,7 @@ that hold no weights. Nothing here depends on module *names*: only on data flow.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 import re
@@ -144,8 +145,14 @@ def _interleaved(module: nn.Module) -> bool:
     declared = getattr(module, "is_concatenated", None)
     if isinstance(declared, bool):
         return not declared
+    return _strided_gate_in_source(type(module))
+
+
+@functools.lru_cache(maxsize=256)
+def _strided_gate_in_source(cls: type) -> bool:
+    """Per class: reading and searching its source costs ~25 ms, once per layer otherwise."""
     try:
-        source = inspect.getsource(type(module))
+        source = inspect.getsource(cls)
     except (OSError, TypeError):
         return False
     return re.search(r"\[\s*\.\.\.\s*,\s*0?\s*::\s*2\s*\]", source) is not None
