@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy import sparse
 
 __all__ = ["MilpModel", "MilpView"]
 
@@ -29,24 +28,32 @@ _OPTIONS = (("output_flag", False), ("mip_rel_gap", 0.0), ("presolve", "on"), ("
 
 @dataclass
 class MilpModel:
-    matrix: sparse.csr_matrix
+    """The constraint matrix column by column (HiGHS's colwise format: column ``j``'s rows are
+    ``index[start[j]:start[j + 1]]``), built with numpy alone: scipy's import would cost a
+    quarter of a second of every command."""
+    start: np.ndarray
+    index: np.ndarray
+    value: np.ndarray
     lo: np.ndarray
     hi: np.ndarray
+    num_vars: int
     integer: frozenset[int]
     _solver: Any = field(default=None, repr=False)
 
     @classmethod
     def from_rows(cls, rows: list[dict[int, float]], lo: list[float], hi: list[float], *, num_vars: int,
                   integer: frozenset[int]) -> "MilpModel":
-        r_idx = [r for r, row in enumerate(rows) for _ in row]
-        c_idx = [col for row in rows for col in row]
-        vals = [v for row in rows for v in row.values()]
-        matrix = sparse.coo_matrix((vals, (r_idx, c_idx)), shape=(len(rows), num_vars)).tocsr()
-        return cls(matrix, np.array(lo), np.array(hi), integer)
+        r_idx = np.array([r for r, row in enumerate(rows) for _ in row], dtype=np.int32)
+        c_idx = np.array([col for row in rows for col in row], dtype=np.int32)
+        vals = np.array([v for row in rows for v in row.values()], dtype=np.float64)
+        order = np.lexsort((r_idx, c_idx))  # by column, then row: each (row, column) once
+        start = np.searchsorted(c_idx[order], np.arange(num_vars + 1)).astype(np.int32)
+        return cls(start, r_idx[order], vals[order], np.array(lo, dtype=np.float64), np.array(hi, dtype=np.float64),
+                   num_vars, integer)
 
     @property
-    def num_vars(self) -> int:
-        return self.matrix.shape[1]
+    def num_rows(self) -> int:
+        return len(self.lo)
 
     def view(self, upper: np.ndarray) -> "MilpView":
         return MilpView(self, upper)
@@ -58,13 +65,13 @@ class MilpModel:
         if self._solver is None:
             from highspy import HighsLp, HighsVarType, MatrixFormat, _Highs
 
-            columns, n = self.matrix.tocsc(), self.num_vars
+            n = self.num_vars
             lp = HighsLp()
-            lp.num_col_, lp.num_row_ = n, self.matrix.shape[0]
+            lp.num_col_, lp.num_row_ = n, self.num_rows
             lp.col_cost_, lp.col_lower_, lp.col_upper_ = np.zeros(n), np.zeros(n), np.ones(n)
             lp.row_lower_, lp.row_upper_ = self.lo, self.hi
             lp.a_matrix_.format_ = MatrixFormat.kColwise
-            lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = columns.indptr, columns.indices, columns.data
+            lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = self.start, self.index, self.value
             lp.integrality_ = [HighsVarType.kInteger if i in self.integer else HighsVarType.kContinuous for i in range(n)]
             self._solver = _Highs()
             for key, value in _OPTIONS:
@@ -101,5 +108,5 @@ class MilpView:
             return np.array(h.getSolution().col_value) if optimal else None
         finally:
             if extra:
-                first = self.model.matrix.shape[0]
+                first = self.model.num_rows
                 h.deleteRows(len(extra), np.arange(first, first + len(extra), dtype=np.int32))
