@@ -1,7 +1,7 @@
 """Spawn-importable worker for ``tests/test_fsdp.py``.
 
 ``train(rank, world_size, plan_yaml, ...)`` runs on every gloo rank of a ``(dp, tp)`` mesh:
-it builds ``llama3-debug`` twice from one seed, shards one with ``apply_plan`` then
+it builds ``llama3-debug`` (or ``builder``, a ``module:callable`` token model) twice from one seed, shards one with ``apply_plan`` then
 ``fully_shard_plan``, and trains both for a few AdamW steps with ``clip_grad_norm_``: the
 reference on the whole global batch, the sharded one on its dp rank's slice of it. It returns
 the losses (the sharded one averaged over dp), the gradient norms and the worst final weight
@@ -10,6 +10,7 @@ differences, so the parent can assert. Imports no pytest.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -42,17 +43,31 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, t
     return loss.detach(), _full(norm).detach()
 
 
+def _build(builder: str) -> torch.nn.Module:
+    if ":" not in builder:
+        return build_preset(builder, device="cpu", seed=0)
+    module, _, name = builder.partition(":")
+    return getattr(importlib.import_module(module), name)()
+
+
+def _tokens(builder: str, model: torch.nn.Module, batch: int) -> tuple[torch.Tensor, int]:
+    """The inputs and the vocabulary (targets are drawn below it)."""
+    vocab = next(m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    if ":" not in builder:
+        return get_preset(builder).example_inputs(batch_size=batch, device="cpu")[0], vocab
+    return torch.randint(0, vocab, (batch, 16), generator=torch.Generator().manual_seed(1)), vocab
+
+
 def train(rank: int, world_size: int, plan_yaml: str, axes: dict[str, int], global_batch: int, steps: int,
-          max_norm: float, atol: float, rtol: float) -> dict[str, Any]:
+          max_norm: float, atol: float, rtol: float, builder: str = NAME) -> dict[str, Any]:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
     plan = shardplan.Plan.from_yaml(plan_yaml)
-    ref = build_preset(NAME, device="cpu", seed=0)
-    model = build_preset(NAME, device="cpu", seed=0)
+    ref, model = _build(builder), _build(builder)
     shardplan.apply_plan(model, mesh, plan)
     fully_shard_plan(model, mesh, plan)
-    (x,) = get_preset(NAME).example_inputs(batch_size=global_batch, device="cpu")
-    target = torch.randint(0, 512, x.shape, generator=torch.Generator().manual_seed(_TARGET_SEED))
+    x, vocab = _tokens(builder, ref, global_batch)
+    target = torch.randint(0, vocab, x.shape, generator=torch.Generator().manual_seed(_TARGET_SEED))
     dp_mesh = mesh["dp"]
     local = global_batch // dp_mesh.size()
     mine = slice(dp_mesh.get_local_rank() * local, (dp_mesh.get_local_rank() + 1) * local)
@@ -64,11 +79,11 @@ def train(rank: int, world_size: int, plan_yaml: str, axes: dict[str, int], glob
         dist.all_reduce(loss, group=dp_mesh.get_group())  # each dp rank's mean over its equal slice
         out["losses"].append((float(loss_ref), float(loss / dp_mesh.size())))
         out["norms"].append((float(norm_ref), float(norm)))
-    out.update(_weights(ref, model, atol, rtol))
+    out.update(_weights(ref, model, atol, rtol, builder))
     return out
 
 
-def _weights(ref: torch.nn.Module, model: torch.nn.Module, atol: float, rtol: float) -> dict[str, Any]:
+def _weights(ref: torch.nn.Module, model: torch.nn.Module, atol: float, rtol: float, builder: str) -> dict[str, Any]:
     """Worst |sharded - reference| over the final weights, and its ratio to the tolerance."""
     worst, ratio, placements = ("", 0.0), ("", 0.0), set()
     with torch.no_grad():
@@ -80,16 +95,16 @@ def _weights(ref: torch.nn.Module, model: torch.nn.Module, atol: float, rtol: fl
             r = float((d / (atol + rtol * want.double().abs())).max())
             worst = max(worst, (name, float(d.max())), key=lambda kv: kv[1])
             ratio = max(ratio, (name, r), key=lambda kv: kv[1])
-            moved = not torch.equal(want, build_param(name))
+            moved = not torch.equal(want, build_param(name, builder))
             if not moved:
                 raise AssertionError(f"{name} did not move: the steps compared initial values")
     return {"worst_param": worst, "worst_ratio": ratio, "placements": sorted(placements)}
 
 
-_INITIAL: dict[str, torch.Tensor] = {}
+_INITIAL: dict[str, dict[str, torch.Tensor]] = {}
 
 
-def build_param(name: str) -> torch.Tensor:
-    if not _INITIAL:
-        _INITIAL.update({n: p.detach() for n, p in build_preset(NAME, device="cpu", seed=0).named_parameters()})
-    return _INITIAL[name]
+def build_param(name: str, builder: str = NAME) -> torch.Tensor:
+    if builder not in _INITIAL:
+        _INITIAL[builder] = {n: p.detach() for n, p in _build(builder).named_parameters()}
+    return _INITIAL[builder][name]
