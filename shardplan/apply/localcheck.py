@@ -20,6 +20,7 @@ import copy
 from typing import Any, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
@@ -228,8 +229,9 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
     shard(block, mesh, _sub_plan(plan, target))
     args, kwargs = _local_args(call, placements, plan.tp)
     stack = _track_modules(block)
+    views: list[tuple[str, tuple[int, ...]]] = []
     try:
-        with torch.no_grad(), quiet_probes():
+        with torch.no_grad(), quiet_probes(), _ViewRecorder(block, stack, views):
             block(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
         leaf = _failing_leaf(block, stack, target)  # a weight module's own forward: it can be kept whole
@@ -249,6 +251,59 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
             "tensor (view(b, s, -1, head_dim)), or let that module run whole (the default without strict)",
             culprit, leaf,
         ) from None
+    _check_views(graph, plan, placements, target, views)
+
+
+class _ViewRecorder(TorchFunctionMode):
+    """Records (running module, output shape) of every view and reshape the code makes
+    outside its weight modules."""
+
+    def __init__(self, block: nn.Module, stack: list[str], views: list) -> None:
+        super().__init__()
+        from ..analyze.trace import is_weight_leaf
+
+        self.stack, self.views = stack, views
+        self.leaves = {name for name, sub in block.named_modules() if is_weight_leaf(sub)}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inside = self.stack[-1] if self.stack else ""
+        if getattr(func, "__name__", "") in _VIEW_OPS and isinstance(out, torch.Tensor) and inside not in self.leaves:
+            self.views.append((inside, tuple(out.shape)))
+        return out
+
+
+def _check_views(graph: OpGraph, plan: Plan, placements: dict[int, str], target: str, views: list) -> None:
+    """Running is not enough: ``view(bsz, -1, self.num_heads, self.head_dim)`` with the global
+    head count runs on a shard too, its ``-1`` absorbing the split into the sequence dim. Each
+    module's views must give, in order, the local shapes the plan expects of those values;
+    the first module whose views do not is a LocalShapeError, so its attributes are tried."""
+    seen: dict[str, list[tuple[int, ...]]] = {}
+    for name, shape in views:
+        seen.setdefault(f"{target}.{name}" if target and name else (name or target), []).append(shape)
+    for fqn, want in _expected_views(graph, placements, target, plan.tp).items():
+        got = iter(seen.get(fqn, []))
+        missing = next((w for w in want if not any(shape == w for shape in got)), None)
+        if missing is not None:
+            raise LocalShapeError(
+                f"{fqn}: running its shards at tp={plan.tp}, a view does not give the local shape "
+                f"{list(missing)} the plan expects (its views gave {[list(v) for v in seen.get(fqn, [])][:4]}). The "
+                "code uses a global size (a head count or width) where a shard holds 1/tp of it", fqn, None)
+
+
+def _expected_views(graph: OpGraph, placements: dict[int, str], target: str, tp: int) -> dict[str, list]:
+    """Per module inside ``target`` whose own code views a split value: the local shapes, in
+    trace order (a reshape after a kv repeat left out, as the code may skip the repeat)."""
+    out: dict[str, list] = {}
+    for op in graph.ops:
+        if op.kind != "function" or op.target not in _VIEW_OPS or not (
+                not target or op.owner == target or op.owner.startswith(target + ".")):
+            continue
+        placement = placements.get(op.output, "R")
+        if placement in ("R", "Rp") or (groups_of(placements.get(op.inputs[0], "R")) or ("",))[0] == "e":
+            continue
+        out.setdefault(op.owner, []).append(_local_shape(graph.values[op.output].shape, placement, tp))
+    return out
 
 
 _MAX_ATTRIBUTE_CANDIDATES = 12
