@@ -84,7 +84,7 @@ FAMILIES = [
     Family("llama", True), Family("mistral", True), Family("qwen2", True), Family("qwen3", True),
     Family("gemma2", True), Family("phi3", True), Family("gpt2", False), Family("gpt_neox", True),
     Family("falcon", False), Family("mixtral", True), Family("qwen3_moe", True), Family("bert", False),
-    Family("vit", False), Family("t5", False),
+    Family("vit", False), Family("t5", False), Family("opt", False),
 ]
 
 

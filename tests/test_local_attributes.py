@@ -77,3 +77,23 @@ def test_a_size_other_sizes_derive_from_is_rewritten_with_them() -> None:
     assert [(a.module, a.values) for a in plan.attributes] == [("blocks.*", {"dim": 32, "heads": 2})]
     result = verify("tests.portability.heads:derived_lm", nproc=2, timeout_s=240)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_view_with_minus_one_on_the_sequence_gets_the_local_head_count(tp: int) -> None:
+    """``view(b, -1, self.heads, hd)`` (BART, OPT) runs on a shard with the global count, its
+    -1 absorbing the split into the sequence: the check compares the views with the plan's
+    local shapes, so the count is made local instead of the heads being mixed."""
+    from tests.portability.heads import sequence_minus_one_lm
+
+    with torch.device("meta"):
+        model = sequence_minus_one_lm()
+    plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=TOKENS)
+    assert [(a.module, a.values) for a in plan.attributes] == [("blocks.*", {"heads": 4 // tp})], plan.attributes
+    assert plan.rule_for("blocks.0.q").style == "colwise" and plan.rule_for("blocks.0.o").style == "rowwise"
+
+
+def test_a_view_with_minus_one_on_the_sequence_matches_one_process_on_gloo() -> None:
+    result = verify("tests.portability.heads:sequence_minus_one_lm", nproc=2, timeout_s=240)
+    assert result.plan.attributes, result.plan.warnings
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

@@ -90,3 +90,22 @@ def derived_lm() -> DerivedLM:
 def hard_coded_lm_8_heads() -> HardCodedLM:
     """8 heads of 8: the head count equals head_dim."""
     return HardCodedLM(heads=8)
+
+
+class SequenceMinusOneHeads(HardCodedHeads):
+    """The BART family's (and OPT's) view: ``-1`` on the sequence dim, the head count stored.
+    On a shard the global count still runs, the ``-1`` absorbing the split."""
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (m(x).view(b, -1, self.heads, self.hd).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def sequence_minus_one_lm() -> HardCodedLM:
+    torch.manual_seed(0)
+    model = HardCodedLM()
+    for block in model.blocks:
+        block.__class__ = SequenceMinusOneHeads
+    return model
