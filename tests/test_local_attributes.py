@@ -81,7 +81,7 @@ def test_a_size_other_sizes_derive_from_is_rewritten_with_them() -> None:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_a_view_with_minus_one_on_the_sequence_gets_the_local_head_count(tp: int) -> None:
-    """``view(b, -1, self.heads, hd)`` (BART, OPT) runs on a shard with the global count, its
+    """``view(b, -1, self.heads, hd)`` (OPT) runs on a shard with the global count, its
     -1 absorbing the split into the sequence: the check compares the views with the plan's
     local shapes, so the count is made local instead of the heads being mixed."""
     from tests.portability.heads import sequence_minus_one_lm

@@ -93,7 +93,7 @@ def hard_coded_lm_8_heads() -> HardCodedLM:
 
 
 class SequenceMinusOneHeads(HardCodedHeads):
-    """The BART family's (and OPT's) view: ``-1`` on the sequence dim, the head count stored.
+    """OPT's view (and older BART-family code's): ``-1`` on the sequence dim, the head count stored.
     On a shard the global count still runs, the ``-1`` absorbing the split."""
 
     def forward(self, x):
