@@ -20,9 +20,9 @@ import copy
 from typing import Any, Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
 import torch.distributed as dist
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
 from ..analyze.graph import OpGraph
@@ -117,11 +117,12 @@ def _on_meta(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_meta else torch.empty_like(t, device="meta")
 
 
-def _track_modules(block: nn.Module) -> list[str]:
-    """A live stack of the submodules running inside ``block`` (names relative to it)."""
+def _track_modules(block: nn.Module, *, prepend: bool = False) -> list[str]:
+    """A live stack of the submodules running inside ``block`` (names relative to it); with
+    ``prepend``, a module counts as running from before its style's own pre-hooks."""
     stack: list[str] = []
     for name, sub in block.named_modules():
-        sub.register_forward_pre_hook(lambda _m, _a, n=name: stack.append(n))
+        sub.register_forward_pre_hook(lambda _m, _a, n=name: stack.append(n), prepend=prepend)
         sub.register_forward_hook(lambda _m, _a, _o: stack.pop() and None)  # None keeps the output
     return stack
 
@@ -405,32 +406,17 @@ _local_shape = local_shape
 def _record_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> list[tuple[int, ...]]:
     """The output shapes of the views ``fqn``'s own code makes (not its weight modules'),
     running its shards under ``plan``."""
-    from torch.overrides import TorchFunctionMode
-
-    from ..analyze.trace import is_weight_leaf
-
     call = graph.traced.calls[fqn][0]
-    seen: list[tuple[int, ...]] = []
-    depth = [0]
-
-    class Views(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if depth[0] == 0 and getattr(func, "__name__", "") in _VIEW_OPS and isinstance(out, torch.Tensor):
-                seen.append(tuple(out.shape))
-            return out
+    views: list[tuple[str, tuple[int, ...]]] = []
 
     def run(block: nn.Module) -> None:
-        for sub in block.modules():
-            if is_weight_leaf(sub):
-                sub.register_forward_pre_hook(lambda *_: depth.__setitem__(0, depth[0] + 1), prepend=True)
-                sub.register_forward_hook(lambda *_: depth.__setitem__(0, depth[0] - 1))
+        stack = _track_modules(block, prepend=True)
         args, kwargs = _local_args(call, placements, plan.tp)
-        with torch.no_grad(), quiet_probes(), Views():
+        with torch.no_grad(), quiet_probes(), _ViewRecorder(block, stack, views):
             block(*args, **kwargs)
 
     with _check_mesh(plan, mesh) as tp_mesh:
         if tp_mesh is None:
             return []
         run(shard(_meta_copy(graph.model.get_submodule(fqn)), tp_mesh, _sub_plan(plan, fqn)))
-    return seen
+    return [shape for _, shape in views]

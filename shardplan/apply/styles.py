@@ -392,10 +392,7 @@ class LocalVocabParallel(ParallelStyle):
         self.output_layouts = output_layouts or Replicate()
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        p = module.weight
-        if not isinstance(p, DTensor):
-            table = distribute_tensor(p.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
-            module.register_parameter("weight", nn.Parameter(table, requires_grad=p.requires_grad))
+        _distribute_own(module, ["weight"], {"weight": Shard(0)}, device_mesh, self.src_data_rank)
         module.register_forward_pre_hook(partial(_vocab_enter, mesh=device_mesh))
         module.register_forward_hook(partial(_vocab_leave, mesh=device_mesh, layout=self.output_layouts))
         return module
