@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern
+from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern, set_int_attribute
 
 from .agree import agree
 from .gradsync import install_gradient_sync
@@ -248,7 +248,7 @@ def set_local_attributes(model: nn.Module, plan: Plan) -> None:
         for fqn in expand_pattern(entry.module, plan.model.repeats):
             module = model.get_submodule(fqn)
             for name, value in entry.values.items():
-                setattr(module, name, value)
+                set_int_attribute(module, name, value)
 
 
 def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..analyze.graph import OpGraph
 from ..analyze.trace import portable_path, user_frame
-from ..plan.model import LocalAttributes, Plan, expand_pattern
+from ..plan.model import LocalAttributes, Plan, expand_pattern, int_attributes
 from ..decide.placements import groups_of, local_shape, shard_dim
 from ..decide.propagation import quiet_probes
 from ..decide.solve import PlanningError
@@ -142,7 +142,9 @@ def _failing_leaf(block: nn.Module, stack: list[str], target: str) -> str | None
     """The weight module itself, when the failure is inside its own forward."""
     from ..analyze.trace import is_weight_leaf
 
-    if stack and is_weight_leaf(block.get_submodule(stack[-1])):
+    # a stock module (nn.Linear) that fails was handed a wrong-sized input: its caller's doing
+    if stack and is_weight_leaf(leaf := block.get_submodule(stack[-1])) and \
+            not type(leaf).forward.__module__.startswith("torch.nn."):
         return ".".join(n for n in (target, stack[-1]) if n)
     return None
 
@@ -344,21 +346,20 @@ def find_local_attributes(graph: OpGraph, plan: Plan, placements: dict[int, str]
 
     from ..decide.assemble import pattern_map, patterned
 
-    module = graph.model.get_submodule(fqn)
+    ints = int_attributes(graph.model.get_submodule(fqn))
     split, whole = _dim_sizes(graph, placements, fqn, plan.tp)
     # a count the plan splits (heads: the sharded dim of the viewed q); first those that are
     # never a size it keeps whole (head_dim: rewriting it instead would also run, on wrong
     # heads), then those that also are one (2 kv heads beside a batch of 2, 16 heads of 16),
-    # for which the view check alone decides
-    counts = sorted(k for k, v in vars(module).items() if type(v) is int and not k.startswith("_")
-                    and v in split and v % split[v] == 0)
-    clean = [k for k in counts if getattr(module, k) not in whole]
+    # for which the view check alone decides; the module's own before its config's
+    counts = sorted((k for k, v in ints.items() if v in split and v % split[v] == 0), key=lambda k: (k.startswith("config."), k))
+    clean = [k for k in counts if ints[k] not in whole]
     candidates = (clean + [k for k in counts if k not in clean])[:_MAX_ATTRIBUTE_CANDIDATES]
     names = patterned(fqn, graph, pattern_map(graph))
     subsets = (sub for size in range(1, len(candidates) + 1) for sub in combinations(candidates, size))
     for subset in islice(subsets, _MAX_ATTRIBUTE_TRIALS):
-        values = {k: getattr(module, k) // split[getattr(module, k)] for k in subset}
-        entries = [LocalAttributes(module=n, values=values, why=_attribute_why(module, values, split, plan.tp))
+        values = {k: ints[k] // split[ints[k]] for k in subset}
+        entries = [LocalAttributes(module=n, values=values, why=_attribute_why(ints, values, split, plan.tp))
                    for n in names]
         trial = plan.model_copy(update={"attributes": plan.attributes + entries})
         try:
@@ -371,9 +372,9 @@ def find_local_attributes(graph: OpGraph, plan: Plan, placements: dict[int, str]
     return None
 
 
-def _attribute_why(module: nn.Module, values: dict[str, int], split: dict[int, int], tp: int) -> str:
-    changes = ", ".join(f"{k} {getattr(module, k)} -> {v}" for k, v in values.items())
-    shard = "a 1/tp shard" if all(split[getattr(module, k)] == tp for k in values) else "one rank's shard"
+def _attribute_why(ints: dict[str, int], values: dict[str, int], split: dict[int, int], tp: int) -> str:
+    changes = ", ".join(f"{k} {ints[k]} -> {v}" for k, v in values.items())
+    shard = "a 1/tp shard" if all(split[ints[k]] == tp for k in values) else "one rank's shard"
     return f"its code sizes tensors by them: {changes} on {shard}"
 
 

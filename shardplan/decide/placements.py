@@ -31,7 +31,7 @@ from typing import Any
 
 from ..analyze.graph import Op
 
-__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "grouped", "groups_of", "group_counts",
+__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "sliced_part", "view_parts", "grouped", "groups_of", "group_counts",
            "view_groups", "VIEW_OPS",
            "local_shape"]
 
@@ -139,3 +139,57 @@ def chunk_count(op: Op) -> int | None:
         return None
     k = op.node.kwargs.get("chunks", op.node.args[1] if len(op.node.args) > 1 else None)
     return k if isinstance(k, int) and k > 1 else None
+
+
+def split_parts(op: Op, size: int) -> int | None:
+    """The number of equal parts a split of a dim of ``size`` cuts: ``chunk(k)``,
+    ``split(width)`` (nanoGPT's ``split(self.n_embd)``), ``split([w, w, w])`` and
+    ``tensor_split(k)``; None for unequal parts or any other op. A packed projection
+    [q; k; v] cut so hands each part to its consumer, and a rank that holds its slice of
+    every part (``S{d}p{k}``) cuts the local tensor into exactly those slices."""
+    if op.target == "chunk":
+        return chunk_count(op)
+    if op.target not in ("split", "tensor_split"):
+        return None
+    arg = op.node.kwargs.get("split_size_or_sections", op.node.kwargs.get("sections", op.node.args[1] if len(op.node.args) > 1 else None))
+    if op.target == "tensor_split" and isinstance(arg, int):
+        k = arg
+    elif isinstance(arg, int) and arg > 0 and size % arg == 0:
+        k = size // arg
+    elif isinstance(arg, (list, tuple)) and arg and all(type(w) is int and w == arg[0] for w in arg) and sum(arg) == size:
+        k = len(arg)
+    else:
+        return None
+    return k if k > 1 and size % k == 0 else None
+
+
+def sliced_part(index: Any, shape: tuple[int, ...], parts: int) -> int | None:
+    """The dim that ``x[index]`` slices to exactly one of ``parts`` equal blocks (phi3's
+    ``qkv[..., :query_pos]``, ``qkv[..., q:q + kv]``), every other dim kept whole; None for
+    any other index."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        items = items[:k] + [slice(None)] * (len(shape) - len(items) + 1) + items[k + 1:]
+    if len(items) > len(shape) or not all(isinstance(i, slice) for i in items):
+        return None
+    cut = [d for d, i in enumerate(items) if i != slice(None)]
+    if len(cut) != 1:
+        return None
+    d = cut[0]
+    start, stop, step = items[d].indices(shape[d])
+    width = shape[d] // parts
+    return d if step == 1 and shape[d] % parts == 0 and stop - start == width and start % width == 0 else None
+
+
+def view_parts(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(d, k)`` when a view cuts the last dim ``d`` of ``src`` into ``(k, heads, ...)`` and
+    keeps the others (timm's ``reshape(B, N, 3, heads, head_dim)``): the outermost factor
+    names the parts of a packed projection, the next one is split across ranks."""
+    d = len(src) - 1
+    if d < 0 or len(dst) < len(src) + 2 or tuple(dst[:d]) != tuple(src[:d]) or dst[d] < 2:
+        return None
+    rest = 1
+    for n in dst[d:]:
+        rest *= n
+    return (d, dst[d]) if rest == src[d] else None

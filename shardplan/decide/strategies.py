@@ -37,7 +37,8 @@ from ..analyze.graph import Op, OpGraph
 
 from .heads import grouped_conversions, grouped_values, grouped_variants, partial_grad_twins, under_partial_grad_owner
 from .placements import (
-    VIEW_OPS, Strategy, chunk_count, groups_of, packed, placement_str, shard_dim, view_groups,
+    VIEW_OPS, Strategy, chunk_count, groups_of, packed, placement_str, shard_dim, sliced_part, split_parts,
+    view_groups, view_parts,
 )
 from .propagation import dtensor_strategies, metadata_only
 from .weights import module_strategies
@@ -277,6 +278,12 @@ def _view(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
         o = _map_view_dim(src, out_shape, d, tp)
         if o is not None:
             result.append(Strategy("", (f"S{d}",) + ("R",) * (len(op.inputs) - 1), f"S{o}"))
+    found = view_parts(tuple(src), tuple(out_shape))
+    if found and out_shape[found[0] + 1] % tp == 0:
+        # [b, s, k*h*d] packed [q_r; k_r; v_r] on each rank views locally as [b, s, k, h/tp, d]:
+        # the heads dim of the global [b, s, k, h, d], sharded
+        d, k = found
+        result.append(Strategy("", (packed(d, k),) + ("R",) * (len(op.inputs) - 1), f"S{d + 1}"))
     return result
 
 
@@ -403,10 +410,10 @@ def _split(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
             continue
         o = d - 1 if op.target == "unbind" and d > min(dims) else d
         result.append(Strategy("", (f"S{d}",), f"S{o}"))
-    k = chunk_count(op)
+    (d,) = dims if len(dims) == 1 else (None,)
+    k = split_parts(op, src[d]) if d is not None else None
     if k is not None:  # packed input: each rank holds its slice of every part, so local chunks
-        (d,) = dims    # are the parts' local slices
-        if src[d] % (k * tp) == 0:
+        if src[d] % (k * tp) == 0:  # are the parts' local slices
             result.append(Strategy("", (packed(d, k),), f"S{d}"))
     return result
 
@@ -416,15 +423,30 @@ def _getitem(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
     if isinstance(src_node.meta.get("val"), (tuple, list)):
         # element of a tuple: carries the tuple's placement
         return [Strategy("", (p,), p) for p in _candidates(out_shape, tp) + ["P"] if p != "R"]
-    mapping = _index_dim_map(op.node.args[1], len(_shape(graph, op.inputs[0])))
-    if mapping is None:
-        return []
     src = _shape(graph, op.inputs[0])
-    result = []
+    result = _packed_slice(op.node.args[1], src, tp)
+    mapping = _index_dim_map(op.node.args[1], len(src))
+    if mapping is None:
+        return result
     for d, o in mapping.items():
         if src[d] % tp == 0 and src[d] >= tp and out_shape[o] == src[d]:
             result.append(Strategy("", (f"S{d}",), f"S{o}"))
     return result
+
+
+def _packed_slice(index: Any, src: tuple[int, ...], tp: int) -> list[Strategy]:
+    """``qkv[..., :q_pos]`` of a packed projection: the rank holds its slice of every part
+    [q_r; k_r; v_r], so slicing one part's local block gives that part's Shard(d)."""
+    items = index if isinstance(index, tuple) else (index,)
+    cut = [i for i in items if isinstance(i, slice) and i != slice(None)]
+    if len(cut) != 1 or any(isinstance(i, torch.fx.Node) for i in items):
+        return []
+    d = len(src) - 1
+    start, stop, _ = cut[0].indices(src[d])
+    k = src[d] // (stop - start) if stop > start else 0
+    if k < 2 or src[d] % (k * tp) or sliced_part(index, src, k) != d:
+        return []
+    return [Strategy("", (packed(d, k),), f"S{d}")]
 
 
 def _index_dim_map(index: Any, ndim: int) -> dict[int, int] | None:

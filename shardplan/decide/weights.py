@@ -49,7 +49,7 @@ from torch import nn
 from ..analyze.graph import Op, OpGraph
 from ..analyze.graph import module_kind as module_kind_of
 from .heads import grouped_values, under_partial_grad_owner, viewed_heads
-from .placements import Strategy, chunk_count, group_counts, grouped, packed
+from .placements import Strategy, group_counts, grouped, packed, sliced_part, split_parts, view_parts
 
 __all__ = ["module_strategies", "STYLE_NAMES"]
 
@@ -174,7 +174,7 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
             out.append(Strategy(
                 "colwise", (f"S{d}",), f"S{last}", entry=(f"S{d}",), layouts={"weight": col_w, "input": f"S{d}"}, **col,
             ))
-    k = _chunked_into(op, graph)
+    k = _packed_into(op, graph)
     if k and n_out % (k * tp) == 0 and module_kind_of(module) == "linear":
         out.append(Strategy(
             "packed_colwise", ("R",), packed(last, k), entry=("R",), layouts={"weight": f"S0p{k}", "packed": k}, **col,
@@ -239,15 +239,36 @@ def _kv_replicated(x, y, module: nn.Module, pbytes: int, flops: float, tp: int, 
     return out
 
 
-def _chunked_into(op: Op, graph: OpGraph) -> int | None:
-    """k when every consumer splits the output into k parts on the last dim (fused gate/up)."""
+def _packed_into(op: Op, graph: OpGraph) -> int | None:
+    """k when every consumer cuts the output's last dim into the same k equal parts: a
+    fused gate/up or q/k/v projection split by ``chunk``/``split``, sliced part by part, or
+    viewed as ``(k, heads, head_dim)``."""
+    shape = graph.values[op.output].shape
+    last = len(shape) - 1
     users = [graph.ops[c] for c in graph.consumers.get(op.output, [])]
-    counts = {chunk_count(u) for u in users}
-    last = len(graph.values[op.output].shape) - 1
-    if len(counts) != 1 or None in counts:
+    counts = {_parts_taken(u, graph, shape, last) for u in users}
+    return counts.pop() if len(counts) == 1 and None not in counts else None
+
+
+def _parts_taken(user: Op, graph: OpGraph, shape: tuple[int, ...], last: int) -> int | None:
+    if user.target in ("chunk", "split", "tensor_split"):
+        args = user.node.args
+        dim = user.node.kwargs.get("dim", args[2] if len(args) > 2 else 0)
+        return split_parts(user, shape[last]) if isinstance(dim, int) and dim % (last + 1) == last else None
+    if user.target == "getitem" and len(user.node.args) > 1:
+        # the parts' width is that of the first slice; every slice must take one whole part
+        index = user.node.args[1]
+        items = index if isinstance(index, tuple) else (index,)
+        cut = [i for i in items if isinstance(i, slice) and i != slice(None)]
+        if len(cut) == 1:
+            start, stop, _ = cut[0].indices(shape[last])
+            k = shape[last] // (stop - start) if stop > start else 0
+            return k if k > 1 and sliced_part(index, shape, k) == last else None
         return None
-    dims = {int(u.node.kwargs.get("dim", u.node.args[2] if len(u.node.args) > 2 else 0)) % (last + 1) for u in users}
-    return counts.pop() if dims == {last} else None
+    if user.target in ("view", "reshape") and user.output is not None:
+        found = view_parts(shape, graph.values[user.output].shape)
+        return found[1] if found and found[0] == last else None
+    return None
 
 
 def _ceil_div_bytes(total: int, dim: int, tp: int) -> float:

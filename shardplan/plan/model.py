@@ -26,6 +26,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from .fileio import PlanFileError, atomic_write, describe, load_mapping, read_text
 
 __all__ = [
+    "int_attributes", "set_int_attribute",
     "STYLES", "Rule", "Region", "LocalAttributes", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
     "PlanOptions", "Plan", "load_plan", "load_plan_with_lines", "expand_braces", "brace_ranges", "brace_members", "fingerprint", "PlanFileError", "LAYOUT_RE", "portable", "SIGNIFICANT_DIGITS",
 ]
@@ -413,3 +414,30 @@ def fingerprint(model) -> str:
     for name, p in model.named_parameters(remove_duplicate=False):
         h.update(f"{name}:{tuple(p.shape)}:{str(p.dtype).replace('torch.', '')};".encode())
     return "sha256:" + h.hexdigest()[:32]
+
+
+def int_attributes(module) -> dict[str, int]:
+    """The integer attributes a module's code may size tensors by: its own (``self.num_heads``)
+    and those of the config object it keeps (``self.config.num_attention_heads``, as phi3's
+    attention reads), spelled ``config.<name>``."""
+    found = {k: v for k, v in vars(module).items() if type(v) is int and not k.startswith("_")}
+    config = vars(module).get("config")
+    if config is not None and not hasattr(config, "_parameters") and hasattr(config, "__dict__"):
+        found.update((f"config.{k}", v) for k, v in vars(config).items() if type(v) is int and not k.startswith("_"))
+    return found
+
+
+def set_int_attribute(module, name: str, value: int) -> None:
+    """Set one of :func:`int_attributes`. A ``config.`` value goes into a copy of the config
+    that this module alone keeps: the config object is shared by every layer and the model,
+    whose other readers (the rotary embedding, ``save_pretrained``) keep the global value."""
+    import copy
+
+    owner, _, attr = name.rpartition(".")
+    if owner == "config":
+        if not getattr(module, "_shardplan_own_config", False):
+            module.config = copy.copy(module.config)
+            module._shardplan_own_config = True
+        setattr(module.config, attr, value)
+    else:
+        setattr(module, attr, value)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .model import fingerprint, matches
+from .model import fingerprint, int_attributes, matches
 
 __all__ = ["check_findings", "sharded_dim", "weight_of"]
 
@@ -68,8 +68,9 @@ def _attribute_findings(entry: Any, modules: dict[str, Any]) -> list[str]:
         return [f"attributes {entry.module}: matches no module of the model"]
     for fqn in hits:
         for name in entry.values:
-            if type(getattr(modules[fqn], name, None)) is not int:
-                have = sorted(k for k, v in vars(modules[fqn]).items() if type(v) is int and not k.startswith("_"))
+            have = int_attributes(modules[fqn])
+            if name not in have:
+                have = sorted(have)
                 return [f"attributes {entry.module}: {fqn or '<root>'} ({type(modules[fqn]).__name__}) has no integer "
                         f"attribute {name!r}; its integer attributes are {have}"]
     return []

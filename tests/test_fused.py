@@ -1,0 +1,79 @@
+"""Fused projections cut into equal parts by the ops after them, each the packed style:
+``split(self.n_embd)`` (nanoGPT), slices ``qkv[..., :q_pos]`` (phi3), ``reshape(B, N, 3,
+heads, head_dim)`` (timm's ViT). Plans on meta at tp=2 and 4 (every rank holds its slice
+of q, k and v, the widths and head counts the code sizes by made local), numerics on 2
+gloo ranks, and a GQA ``split([q, kv, kv])`` of unequal parts, which no DTensor placement
+can hold, gathered with a warning that names the split; the same GQA projection grouped
+per kv head (Megatron's layout) is plain colwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardplan
+from shardplan.apply.mesh import fake_process_group, make_mesh
+from shardplan.tools.verify import verify
+from tests.portability import fused
+
+TOKENS = (torch.zeros(2, 16, dtype=torch.long, device="meta"),)
+LOCAL = {  # the attributes each attention's code sizes by, at tp
+    "split_by_width": lambda tp: {"n_embd": 64 // tp, "n_head": 8 // tp},
+    "equal_slices": lambda tp: {"kv_width": 64 // tp, "n_embd": 64 // tp, "q_pos": 64 // tp, "n_head": 8 // tp},
+    "reshape_three": lambda tp: {"n_embd": 64 // tp, "n_head": 8 // tp},
+}
+
+
+def _plan(name: str, tp: int) -> shardplan.Plan:
+    with torch.device("meta"):
+        model = getattr(fused, name)()
+    return shardplan.plan_model(model, {"tp": tp}, example_inputs=TOKENS)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", sorted(LOCAL))
+def test_equal_parts_are_packed(name: str, tp: int) -> None:
+    plan = _plan(name, tp)
+    qkv, proj = plan.rule_for("layers.0.attn.qkv"), plan.rule_for("layers.0.attn.proj")
+    assert (qkv.style, qkv.packed, proj.style) == ("packed_colwise", 3, "rowwise"), (qkv, proj)
+    assert [(a.module, a.values) for a in plan.attributes] == [("layers.*.attn", LOCAL[name](tp))]
+    assert not plan.warnings, plan.warnings
+
+
+@pytest.mark.parametrize(("name", "style"), [("split_by_width", "packed_colwise"), ("reshape_three", "packed_colwise"),
+                                           ("phi3_equal_heads", "packed_colwise"), ("grouped_per_kv", "colwise")])
+def test_fused_projections_match_one_process_on_gloo(name: str, style: str) -> None:
+    result = verify(f"tests.portability.fused:{name}", nproc=2, timeout_s=300)
+    assert style in {r.style for r in result.plan.rules if r.module.endswith("qkv") or r.module.endswith("qkv_proj")}
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_a_config_count_is_made_local_for_that_module_alone() -> None:
+    """phi3 slices q by ``self.config.num_attention_heads * self.head_dim``: the attention gets
+    its own copy of the config with the local count; the model's config keeps the global one."""
+    model = fused.phi3_equal_heads()
+    plan = shardplan.plan_model(model, {"tp": 2}, batch_size=2, seq_len=16)
+    (entry,) = plan.attributes
+    assert entry.values["config.num_attention_heads"] == 2, entry
+    with fake_process_group(2):
+        shardplan.apply_plan(model, make_mesh({"tp": 2}), plan)
+    attn = model.model.layers[0].self_attn
+    assert (attn.config.num_attention_heads, model.config.num_attention_heads) == (2, 4)
+    assert model.model.layers[1].self_attn.config is not model.config
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_rows_grouped_per_kv_head_are_colwise(tp: int) -> None:
+    plan = _plan("grouped_per_kv", tp)
+    assert [plan.rule_for(f"layers.0.attn.{n}").style for n in ("qkv", "proj")] == ["colwise", "rowwise"]
+    assert [a.values for a in plan.attributes] == [{"n_embd": 64 // tp, "n_head": 8 // tp, "n_kv_head": 4 // tp}]
+    assert not plan.warnings, plan.warnings
+
+
+def test_unequal_gqa_parts_are_gathered_with_the_split_named() -> None:
+    with torch.device("meta"):
+        model = fused.split_gqa()
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=TOKENS)
+    assert plan.rule_for("layers.0.attn.qkv").style == "colwise_gather_output"
+    (warning,) = [w for w in plan.warnings if w.startswith("layers.*.attn.qkv")]
+    assert "`split` (tests/portability/fused.py:" in warning and "split([self.q_pos, self.kv_width" in warning, warning
