@@ -77,3 +77,13 @@ def test_unequal_gqa_parts_are_gathered_with_the_split_named() -> None:
     assert plan.rule_for("layers.0.attn.qkv").style == "colwise_gather_output"
     (warning,) = [w for w in plan.warnings if w.startswith("layers.*.attn.qkv")]
     assert "`split` (tests/portability/fused.py:" in warning and "split([self.q_pos, self.kv_width" in warning, warning
+    assert "cuts its 128 features into unequal parts [64, 32, 32]" in warning, warning
+
+
+def test_unequal_slices_of_phi3_with_fewer_kv_heads_are_named() -> None:
+    from shardplan.interop.hf_models import build_hf_model
+
+    model, inputs, kwargs = build_hf_model("phi3", tiny=True)  # 4 heads, 2 kv heads: q 64, k 32, v 32
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, example_kwargs=kwargs)
+    (warning,) = [w for w in plan.warnings if w.startswith("model.layers.*.self_attn.qkv_proj")]
+    assert "modeling_phi3.py" in warning and "slices [0:64], [64:96], [96:128]" in warning, warning

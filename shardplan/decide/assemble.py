@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import torch
 from torch import nn
 
 from . import cost
@@ -312,21 +313,49 @@ def _blocking_op(graph: OpGraph, op, tp: int, *, depth: int = 24) -> str:
                 user = graph.ops[c]
                 outs = _outputs_taking(user, value, placement, op_strategies(user, graph, tp=tp))
                 if outs is None:
-                    return _blocked_by(user, graph.values[value].shape, int(placement[1:]), tp)
+                    return _blocked_by(user, graph.values[value].shape, int(placement[1:]), tp, graph=graph, value=value)
                 if user.kind == "function" and user.output is not None:
                     nxt += [(user.output, o) for o in outs if o.startswith("S")]
         frontier = nxt
     return ""
 
 
-def _blocked_by(user, shape, dim: int, tp: int) -> str:
+def _blocked_by(user, shape, dim: int, tp: int, *, graph: OpGraph, value: int) -> str:
     from ..analyze.trace import _user_line
 
     where = _user_line(user.node)
     what = (f"`{user.target}`" if user.kind != "module" else f"module `{user.target}`") + (f" ({where})" if where else "")
     if shape[dim] % tp:  # nothing could run on an uneven split: say that, not the op's fault
         return f"its {shape[dim]} output features do not divide by tp={tp}, so {what} and everything after it run on them whole"
+    parts = _unequal_parts(graph, value, dim)
+    if parts:
+        return (f"{what} cuts its {shape[dim]} features into {parts}: a packed split needs equal parts (DTensor's "
+                "strided placement cuts equal ones), so they run whole; write the parts as separate Linears, or "
+                "order the rows per kv head (view(b, s, kv, q_per_kv + 2, head_dim)), to split them")
     return f"{what} needs its input whole where tp={tp} splits it (dim {dim}), and everything after it runs on the gathered tensor"
+
+
+def _unequal_parts(graph: OpGraph, value: int, dim: int) -> str | None:
+    """How the consumers of ``value`` cut ``dim`` into parts of unequal widths (GQA fused
+    q/k/v: ``split([q, kv, kv])``, or slices ``[:q]``, ``[q:q + kv]``, ``[q + kv:]``); None
+    when they do not."""
+    shape = graph.values[value].shape
+    slices = []
+    for c in graph.consumers.get(value, []):
+        user = graph.ops[c]
+        args = user.node.args
+        if user.target == "split" and len(args) > 1 and isinstance(args[1], (list, tuple)):
+            at = user.node.kwargs.get("dim", args[2] if len(args) > 2 else 0)
+            if isinstance(at, int) and at % len(shape) == dim and len(set(args[1])) > 1:
+                return f"unequal parts {list(args[1])}"
+        if user.target == "getitem" and len(args) > 1:
+            items = args[1] if isinstance(args[1], tuple) else (args[1],)
+            cut = [i for i in items if isinstance(i, slice) and i != slice(None)]
+            if len(cut) == 1 and items[-1] is cut[0] and all(isinstance(x, (int, type(None))) for x in (cut[0].start, cut[0].stop)):
+                slices.append(cut[0].indices(shape[dim])[:2])
+    if len({stop - start for start, stop in slices}) < 2:
+        return None
+    return "slices " + ", ".join(f"[{start}:{stop}]" for start, stop in sorted(slices))
 
 
 def _outputs_taking(user, value: int, placement: str, strategies) -> set[str] | None:
