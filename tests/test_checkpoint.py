@@ -37,9 +37,9 @@ from tests import _checkpoint_workers as w  # noqa: E402
 TYPES = ["phi3", "mixtral", "qwen3_moe"]
 
 
-# the style each type tests, at each tp; qwen3_moe's 2 kv heads are on 2 ranks each at tp=4
+# the style each type tests, at each tp; qwen3_moe's 2 kv heads are gathered on 2 ranks each at tp=4
 PACKED = {("phi3", 2): "packed_colwise", ("phi3", 4): "packed_colwise", ("mixtral", 2): "moe_tp_experts",
-          ("mixtral", 4): "moe_tp_experts", ("qwen3_moe", 4): "colwise_kv_replicated"}
+          ("mixtral", 4): "moe_tp_experts", ("qwen3_moe", 4): "colwise_kv_gathered"}
 
 
 def _plan(model_type: str, tp: int) -> str:

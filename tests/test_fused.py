@@ -77,7 +77,8 @@ def test_unequal_gqa_parts_are_gathered_with_the_split_named() -> None:
     assert plan.rule_for("layers.0.attn.qkv").style == "colwise_gather_output"
     (warning,) = [w for w in plan.warnings if w.startswith("layers.*.attn.qkv")]
     assert "`split` (tests/portability/fused.py:" in warning and "split([self.q_pos, self.kv_width" in warning, warning
-    assert "cuts its 128 features into unequal parts [64, 32, 32]" in warning, warning
+    assert "cuts its 128 features into unequal parts [64, 32, 32], which a packed split cannot hold" in warning, warning
+    assert "rows ordered per kv head" in warning, warning
 
 
 def test_unequal_slices_of_phi3_with_fewer_kv_heads_are_named() -> None:

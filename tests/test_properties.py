@@ -185,7 +185,8 @@ def _rank0_piece(n: int, tp: int) -> int:
 def _expected_local(module: nn.Module, pname: str, shape: tuple, style: str, packed: int | None, tp: int,
                     groups: int | None = None) -> tuple:
     """The local shape the plan implies: Linear W is [out, in] (colwise splits dim 0, bias too;
-    rowwise dim 1, bias whole; kv heads in ``groups``: dim 0 in that many parts), an Embedding
+    rowwise dim 1, bias whole; kv heads replicated in ``groups``: dim 0 in that many parts; gathered in groups: dim 0 split
+tp ways), an Embedding
     [vocab, dim] (vocab-parallel splits dim 0, colwise dim 1); norms and replicate keep
     everything whole."""
     out = list(shape)
@@ -193,7 +194,7 @@ def _expected_local(module: nn.Module, pname: str, shape: tuple, style: str, pac
     if style == "colwise_kv_replicated":
         out[0] //= groups
         return tuple(out)
-    if style in ("colwise", "colwise_gather_output", "packed_colwise"):
+    if style in ("colwise", "colwise_gather_output", "packed_colwise", "colwise_kv_gathered"):
         dim = 1 if emb else 0
     elif style in ("rowwise", "rowwise_split_input", "embedding_rowwise"):
         dim = 0 if emb else (1 if pname == "weight" else None)

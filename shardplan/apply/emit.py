@@ -34,7 +34,7 @@ from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern, set_
 
 from .agree import agree
 from .gradsync import install_gradient_sync
-from .head_styles import ColwiseKVReplicated, ColwisePartialInput, GatherPartialGrad, ReplicatePartialGrad
+from .head_styles import ColwiseKVGathered, ColwiseKVReplicated, ColwisePartialInput, GatherPartialGrad, ReplicatePartialGrad
 from .styles import (
     Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, LocalVocabParallel, MoEExpertsParallel, PackedColwise,
     ReplicateParallel,
@@ -65,6 +65,8 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False) -> Pa
         return PackedColwise(parts=rule.packed or 2, input_layouts=inp or Replicate(), output_layouts=Shard(-1))
     if rule.style == "colwise_kv_replicated":
         return ColwiseKVReplicated(groups=rule.groups, input_layouts=inp)
+    if rule.style == "colwise_kv_gathered":
+        return ColwiseKVGathered(groups=rule.groups, input_layouts=inp)
     if rule.style == "colwise_gather_output":
         return col(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
     if rule.style == "rowwise":  # a Partial output stays a DTensor for the block's exit to sum

@@ -8,6 +8,8 @@ Like :mod:`.styles` (whose parameter helpers they use), each class is applied by
 * ``ColwiseKVReplicated``: a k/v projection with fewer kv heads than tp: colwise on
   kv-head groups, each group replicated on the ranks whose query heads read it
   (``grouped_mesh``: the tp axis as ``(groups, tp / groups)``);
+* ``ColwiseKVGathered``: the same kv-head groups from a weight split 1/tp, each group's
+  head gathered across its ranks;
 * ``GatherPartialGrad``, ``ReplicatePartialGrad``, ``ColwisePartialInput``: MLA's latent
   projection (gathered, or whole) and its reader, around a whole value whose gradient comes
   back Partial (the shared rotary key, broadcast to heads split tp ways).
@@ -26,13 +28,13 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from .styles import _distribute_own, _restore_params, _swap_to_local
 
-__all__ = ["grouped_mesh", "ColwiseKVReplicated", "GatherPartialGrad", "ReplicatePartialGrad", "ColwisePartialInput"]
+__all__ = ["grouped_mesh", "ColwiseKVReplicated", "ColwiseKVGathered", "GatherPartialGrad", "ReplicatePartialGrad", "ColwisePartialInput"]
 
 
 def grouped_mesh(tp_mesh: Any, groups: int) -> Any:
     """The tp axis as ``(groups, tp / groups)``: rank r is in group r // (tp / groups), so a
     ``[Shard(0), Replicate()]`` weight gives the ranks of one group the same rows."""
-    name = tp_mesh.mesh_dim_names[0] if tp_mesh.mesh_dim_names else "tp"
+    name = _axis(tp_mesh)
     rep = tp_mesh.size() // groups
     return tp_mesh._unflatten(0, (groups, rep), (f"{name}_kv{groups}", f"{name}_kv{groups}_rep"))
 
@@ -68,6 +70,50 @@ class ColwiseKVReplicated(ParallelStyle):
         module.register_forward_pre_hook(partial(_kv_enter, names=names, tp_mesh=device_mesh, layout=self.input_layouts))
         module.register_forward_hook(_restore_params)
         return module
+
+
+class ColwiseKVGathered(ParallelStyle):
+    """``colwise_kv_gathered``: a k or v projection when tp exceeds the kv heads, every
+    weight still split tp ways.
+
+    The weight [kv_heads * head_dim, in] is plain ``Shard(0)`` on the tp axis, so the tp /
+    groups ranks of group j (ranks j * tp / groups ...) hold consecutive slices of kv head
+    j's rows, the head their query heads read. Each computes ``y_r = x W_r^T``, its slice of
+    that head's features, and an all-gather over the group (the inner axis of
+    :func:`grouped_mesh`) makes the head whole on each of them, as
+    ``colwise_kv_replicated`` holds it. Backward, each rank's gradient of the head is its
+    own query heads' share (Partial over the group): the all-gather's backward is then a
+    reduce-scatter, which sums the shares and keeps the rank's slice, so the weight gradient
+    is complete; the input gradient is Partial over all tp ranks, summed by the region's
+    all-reduce with the q projection's."""
+
+    def __init__(self, *, groups: int, input_layouts: Any = None) -> None:
+        super().__init__()
+        self.groups = groups
+        self.input_layouts = input_layouts or Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        for name in names:
+            param = module._parameters[name]
+            dist = distribute_tensor(param.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+        group = grouped_mesh(device_mesh, self.groups)[f"{_axis(device_mesh)}_kv{self.groups}_rep"]
+        module.register_forward_pre_hook(partial(_kv_enter, names=names, tp_mesh=device_mesh, layout=self.input_layouts))
+        module.register_forward_hook(partial(_gather_in_group, group=group))
+        return module
+
+
+def _axis(tp_mesh: Any) -> str:
+    return tp_mesh.mesh_dim_names[0] if tp_mesh.mesh_dim_names else "tp"
+
+
+def _gather_in_group(module, args, output, *, group):
+    _restore_params(module, args, output)
+    # the local slice of the head -> the whole head on each rank of the group; the incoming
+    # gradient is this rank's share (Partial), so the backward is a reduce-scatter
+    whole = DTensor.from_local(output, group, [Shard(output.dim() - 1)], run_check=False).redistribute(placements=[Replicate()])
+    return whole.to_local(grad_placements=(Partial(),))
 
 
 def _kv_enter(module, args, *, names, tp_mesh, layout):

@@ -329,16 +329,17 @@ def _blocked_by(user, shape, dim: int, tp: int, *, graph: OpGraph, value: int) -
         return f"its {shape[dim]} output features do not divide by tp={tp}, so {what} and everything after it run on them whole"
     parts = _unequal_parts(graph, value, dim)
     if parts:
-        return (f"{what} cuts its {shape[dim]} features into {parts}: a packed split needs equal parts (DTensor's "
-                "strided placement cuts equal ones), so they run whole; write the parts as separate Linears, or "
-                "order the rows per kv head (view(b, s, kv, q_per_kv + 2, head_dim)), to split them")
+        hint = ("; a fused q/k/v splits when written as separate Linears, or with its rows ordered per kv head "
+                "(view(b, s, kv, q_per_kv + 2, head_dim))") if parts[1] == 3 else ""
+        return (f"{what} cuts its {shape[dim]} features into {parts[0]}, which a packed split cannot hold (DTensor's "
+                f"strided placement cuts equal parts), so they run whole{hint}")
     return f"{what} needs its input whole where tp={tp} splits it (dim {dim}), and everything after it runs on the gathered tensor"
 
 
-def _unequal_parts(graph: OpGraph, value: int, dim: int) -> str | None:
+def _unequal_parts(graph: OpGraph, value: int, dim: int) -> tuple[str, int] | None:
     """How the consumers of ``value`` cut ``dim`` into parts of unequal widths (GQA fused
-    q/k/v: ``split([q, kv, kv])``, or slices ``[:q]``, ``[q:q + kv]``, ``[q + kv:]``); None
-    when they do not."""
+    q/k/v: ``split([q, kv, kv])``, or slices ``[:q]``, ``[q:q + kv]``, ``[q + kv:]``), and
+    into how many; None when they do not."""
     shape = graph.values[value].shape
     slices = []
     for c in graph.consumers.get(value, []):
@@ -347,7 +348,7 @@ def _unequal_parts(graph: OpGraph, value: int, dim: int) -> str | None:
         if user.target == "split" and len(args) > 1 and isinstance(args[1], (list, tuple)):
             at = user.node.kwargs.get("dim", args[2] if len(args) > 2 else 0)
             if isinstance(at, int) and at % len(shape) == dim and len(set(args[1])) > 1:
-                return f"unequal parts {list(args[1])}"
+                return f"unequal parts {list(args[1])}", len(args[1])
         if user.target == "getitem" and len(args) > 1:
             items = args[1] if isinstance(args[1], tuple) else (args[1],)
             cut = [i for i in items if isinstance(i, slice) and i != slice(None)]
@@ -355,7 +356,7 @@ def _unequal_parts(graph: OpGraph, value: int, dim: int) -> str | None:
                 slices.append(cut[0].indices(shape[dim])[:2])
     if len({stop - start for start, stop in slices}) < 2:
         return None
-    return "slices " + ", ".join(f"[{start}:{stop}]" for start, stop in sorted(slices))
+    return "slices " + ", ".join(f"[{start}:{stop}]" for start, stop in sorted(slices)), len(slices)
 
 
 def _outputs_taking(user, value: int, placement: str, strategies) -> set[str] | None:

@@ -55,6 +55,8 @@ def collective_list(
         s = solution.strategies[op.index]
         for kind, n in s.fwd if op.index not in partial else ():
             events[("forward", kind, n, 0)] += op.multiplicity
+        for phase, kind, n, group in s.group_comms:
+            events[(phase, kind, n, group)] += op.multiplicity
         for kind, n in s.bwd:
             if bucket and s.name in PARTIAL_GRAD_STYLES:
                 bucketed += n * op.multiplicity

@@ -55,6 +55,9 @@ class Strategy:
     # (bytes, ranks): Partial weight gradients all-reduced over a sub-group of the tp axis when
     # backward ends, all of one group size in one bucket (kv heads replicated on tp / n ranks)
     group_grads: tuple[tuple[int, int], ...] = ()
+    # (phase, kind, logical bytes, ranks): collectives over a sub-group of the tp axis (a kv
+    # head's projection gathered across the tp / groups ranks that hold its rows)
+    group_comms: tuple[tuple[str, str, float, int], ...] = ()
 
 
 # ops that reshape without moving data

@@ -108,7 +108,8 @@ def comm_time(s: Strategy, ctx: SolveContext) -> float:
     own_bucket = bucketed and s.name in BUCKETED_GRAD_STYLES
     return (sum(_collective(k, n, ctx.tp, ctx) for k, n in s.fwd)
             + sum(_collective(k, n, ctx.tp, ctx, latency=not own_bucket) for k, n in s.bwd)
-            + sum(_collective("all_reduce", n, g, ctx, latency=not bucketed) for n, g in s.group_grads))
+            + sum(_collective("all_reduce", n, g, ctx, latency=not bucketed) for n, g in s.group_grads)
+            + sum(_collective(k, n, g, ctx) for _, k, n, g in s.group_comms))
 
 
 def _collective(kind: str, num_bytes: float, group: int, ctx: SolveContext, *, latency: bool = True) -> float:

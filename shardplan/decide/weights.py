@@ -20,9 +20,9 @@ The matrix math (Linear computes y = x @ W.T, W is [out, in]):
   logits the user needs whole).
 * embedding_rowwise (vocab parallel): the table is sharded on the vocabulary (Shard(0));
   each rank looks up the ids it owns and zeros the rest: a Partial sum, all-reduced.
-* packed_colwise: a fused projection later split by ``chunk(k, -1)`` (gate and up in one
-  Linear): each rank keeps its slice of every part, so the local chunks are the parts'
-  local slices. A contiguous split would hand rank 0 the whole gate and rank 1 the up.
+* packed_colwise: a fused projection whose output is cut into ``k`` equal parts (gate and
+  up by ``chunk(2)``; q/k/v by ``split(width)``, slices, a ``(3, heads, head_dim)`` view):
+  each rank keeps its slice of every part, so the local cuts are the parts' local slices. A contiguous split would hand rank 0 the whole gate and rank 1 the up.
 * rowwise_split_input: rowwise on an input that arrives whole; each rank slices its
   features locally, and backward all-gathers the sliced input gradient.
 * colwise_kv_replicated: fewer kv heads than tp (Megatron's and vLLM's answer). The k/v
@@ -32,6 +32,13 @@ The matrix math (Linear computes y = x @ W.T, W is [out, in]):
   rank back-propagates only its own query heads' share, so the weight gradient is Partial
   over the group's ``tp / n`` ranks (all-reduced when backward ends) and the input gradient
   Partial over all tp ranks, summed with the q projection's by the region's all-reduce.
+* colwise_kv_gathered: the same kv head on the same ranks, from a weight split 1/tp
+  (plain Shard(0): the ``tp / n`` ranks of a group hold consecutive slices of its kv head's
+  rows). Each computes its slice, and an all-gather across the group makes the head whole;
+  backward, the group's partial output gradients are summed and scattered back by a
+  reduce-scatter, so the weight gradient is complete. Every weight stays split tp ways (the
+  default plan's choice); colwise_kv_replicated trades tp / n times the k/v weight for no
+  forward collective, within a memory budget.
 * sequence_parallel (norms): the activation is sharded on the sequence; the norm is
   per-token so it runs locally, but its weight gradient sums over tokens: Partial,
   all-reduced once per step. replicated_with_grad_allreduce is the same for a norm whose
@@ -58,6 +65,7 @@ STYLE_NAMES = (
     "rowwise",
     "colwise_gather_output",
     "colwise_kv_replicated",
+    "colwise_kv_gathered",
     "packed_colwise",
     "rowwise_split_input",
     "embedding_rowwise",
@@ -101,7 +109,16 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
     else:
         found = [_replicate(op, graph, module)]
     full = _weight_bytes(module)
-    return [replace(s, weight_bytes=full if s.layouts.get("weight", "R") == "R" else full / tp) for s in found]
+    return [replace(s, weight_bytes=_held(full, s, tp)) for s in found]
+
+
+def _held(full: int, s: Strategy, tp: int) -> float:
+    """Weight bytes a device holds under ``s``: whole, 1/tp, or 1/groups with kv heads
+    replicated in groups. The default plan holds the fewest (a user who asks for tp=8 wants
+    the model split 8 ways): replicating kv heads for speed is chosen within a memory budget."""
+    if s.layouts.get("weight", "R") == "R":
+        return full
+    return full / (s.layouts["groups"] if s.name == "colwise_kv_replicated" else tp)
 
 
 def read_elsewhere(graph: OpGraph) -> frozenset[str]:
@@ -233,9 +250,19 @@ def _kv_replicated(x, y, module: nn.Module, pbytes: int, flops: float, tp: int, 
             continue
         grads = tuple((int(p.numel() * p.element_size() // n), tp // n) for p in module.parameters(recurse=False))
         common = dict(param_bytes=pbytes / n, flops=flops / n, act_bytes=y.nbytes / n, group_grads=grads)
+        # the same kv head from rows split 1/tp: each of its tp / n ranks computes a slice of
+        # it, gathered across them; backward, their partial output gradients (each rank's
+        # own query heads) are summed and scattered back by a reduce-scatter, so the weight
+        # gradient is complete
+        g, head = tp // n, y.nbytes / n
+        gathered = dict(param_bytes=pbytes / tp, flops=flops / tp, act_bytes=head,
+                        group_comms=(("forward", "all_gather", head, g), ("backward", "reduce_scatter", head, g)))
         for p in ["R"] + [f"S{d}" for d in seq_dims]:
             layouts = {"weight": grouped(0, n), "groups": n, **({"input": p} if p != "R" else {})}
             out.append(Strategy("colwise_kv_replicated", (p,), grouped(last, n), entry=(p,), layouts=layouts, **common))
+            if n_out % tp == 0:
+                out.append(Strategy("colwise_kv_gathered", (p,), grouped(last, n), entry=(p,),
+                                    layouts={**layouts, "weight": "S0"}, **gathered))
     return out
 
 

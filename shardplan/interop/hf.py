@@ -66,6 +66,7 @@ STYLE_FAMILY: dict[str, str] = {
     "colwise_rep": "colwise",
     "packed_colwise": "colwise",
     "colwise_kv_replicated": "colwise",
+    "colwise_kv_gathered": "colwise",
     "local_colwise": "colwise",
     "local_packed_colwise": "colwise",
     "embedding_colwise": "colwise",  # embedding table split on the hidden dim (output features)

@@ -32,11 +32,11 @@ __all__ = [
 ]
 
 STYLES = (
-    "colwise", "rowwise", "colwise_gather_output", "colwise_kv_replicated", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
+    "colwise", "rowwise", "colwise_gather_output", "colwise_kv_replicated", "colwise_kv_gathered", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
     "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "replicate",
 )
 Style = Literal[
-    "colwise", "rowwise", "colwise_gather_output", "colwise_kv_replicated", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
+    "colwise", "rowwise", "colwise_gather_output", "colwise_kv_replicated", "colwise_kv_gathered", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
     "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "replicate",
 ]
 LAYOUT_RE = re.compile(r"^(Replicate|Partial|Shard\((-?\d+)\))$")
@@ -84,7 +84,7 @@ class Rule(_Strict):
     copy_output: bool = False
     packed: Annotated[int, Field(strict=True, ge=2)] | None = None  # packed_colwise: parts the output dim holds
     # colwise_kv_replicated: the weight's rows form this many groups (one per kv head), each
-    # held whole by tp / groups ranks
+    # held whole by tp / groups ranks; colwise_kv_gathered: each group gathered across them
     groups: Annotated[int, Field(strict=True, ge=2)] | None = None
     # MLA's shared rotary key, broadcast to heads split tp ways, hands back partial gradients:
     # colwise_gather_output sums its output's (a reduce-scatter backward, not a slice), and a
@@ -310,7 +310,7 @@ class Plan(_Strict):
         Hugging Face has no counterpart for (kv heads in groups, MLA's partial-gradient
         latent) raise: its loader would shard them otherwise, or not at all."""
         alien = [r.module for r in self.rules
-                 if r.style == "colwise_kv_replicated" or r.output_grad_partial or r.input_grad_partial]
+                 if r.style in ("colwise_kv_replicated", "colwise_kv_gathered") or r.output_grad_partial or r.input_grad_partial]
         if alien:
             raise ValueError(
                 f"{alien[0]} (and {len(alien) - 1} more) use styles Hugging Face's tp_plan cannot express "

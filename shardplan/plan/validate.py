@@ -18,8 +18,9 @@ from .model import fingerprint, int_attributes, matches
 
 __all__ = ["check_findings", "sharded_dim", "weight_of"]
 
-_COLWISE_STYLES = ("colwise", "colwise_gather_output", "packed_colwise", "colwise_kv_replicated")
+_COLWISE_STYLES = ("colwise", "colwise_gather_output", "packed_colwise", "colwise_kv_replicated", "colwise_kv_gathered")
 _ROWWISE_STYLES = ("rowwise", "rowwise_split_input", "embedding_rowwise")
+_KV_STYLES = ("colwise_kv_replicated", "colwise_kv_gathered")
 _UNEVEN_OK = ("colwise_gather_output", "embedding_rowwise")
 
 
@@ -84,8 +85,8 @@ def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) 
     """A finding when the dim a style splits does not divide by tp (uneven-tolerant styles aside)."""
     if rule.style in _UNEVEN_OK and not (rule.output_layouts or "").startswith("Shard"):
         return []
-    if rule.style == "colwise_kv_replicated" and (rule.groups is None or tp % rule.groups or rule.groups >= tp):
-        return [f"rule {rule.module} (colwise_kv_replicated): groups {rule.groups} must divide tp={tp} and be smaller "
+    if rule.style in _KV_STYLES and (rule.groups is None or tp % rule.groups or rule.groups >= tp):
+        return [f"rule {rule.module} ({rule.style}): groups {rule.groups} must divide tp={tp} and be smaller "
                 "(one group per kv head, each on tp / groups ranks); set groups to the number of kv heads"]
     parts = rule.groups if rule.style == "colwise_kv_replicated" else tp
     bad = []
@@ -107,7 +108,7 @@ def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) 
 # no weight kind (replicate takes anything; sequence parallel takes norms and the like)
 _KINDS = {
     "colwise": {"linear", "conv1d", "embedding"}, "colwise_gather_output": {"linear", "conv1d", "embedding"},
-    "packed_colwise": {"linear", "conv1d"}, "colwise_kv_replicated": {"linear"}, "rowwise": {"linear", "conv1d", "embedding"},
+    "packed_colwise": {"linear", "conv1d"}, "colwise_kv_replicated": {"linear"}, "colwise_kv_gathered": {"linear"}, "rowwise": {"linear", "conv1d", "embedding"},
     "rowwise_split_input": {"linear", "conv1d"}, "embedding_rowwise": {"embedding"}, "moe_tp_experts": {"experts"},
 }
 
