@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import torch
 from torch import nn
 
 from . import cost
