@@ -261,8 +261,31 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
             )
             out.append(f"{name}: output all-gathered: {reason}")
     for fqn in _unused_modules(graph):
-        out.append(f"{fqn}: owns parameters but is not called in forward; replicated")
+        reader = _parameter_reader(graph, fqn)
+        out.append(f"{fqn}: {reader}; replicated" if reader else f"{fqn}: owns parameters but is not called in forward; replicated")
     return out
+
+
+def _parameter_reader(graph: OpGraph, fqn: str) -> str | None:
+    """What uses ``fqn``'s parameters without calling it as a weight module, with the source
+    line: an opaque call of it or of a module around it (torch's ``nn.MultiheadAttention``,
+    traced as one op, hands ``in_proj_weight`` and ``out_proj.weight`` to
+    ``F.multi_head_attention_forward``), or an op reading one as a tensor; None if nothing does."""
+    from ..analyze.trace import _user_line
+
+    for op in graph.ops:
+        if op.kind == "function" and (fqn == op.target or fqn.startswith(op.target + ".")):
+            where = _user_line(op.node)
+            kind = type(graph.model.get_submodule(op.target)).__name__
+            return (f"its parameters are read inside one call of {kind} `{op.target}`" + (f" ({where})" if where else "")
+                    + ", which has no tensor-parallel style")
+        if op.kind == "const" and op.target.rpartition(".")[0] == fqn and op.output is not None:
+            user = next((graph.ops[c] for c in graph.consumers.get(op.output, [])), None)
+            if user is not None:
+                where = _user_line(user.node)
+                return (f"its parameters are read as plain tensors by `{user.target}`" + (f" ({where})" if where else "")
+                        + ", not through a call of it, so no style applies")
+    return None
 
 
 def _blocking_reshape(graph: OpGraph, op, tp: int) -> str:
