@@ -22,7 +22,8 @@ The matrix math (Linear computes y = x @ W.T, W is [out, in]):
   each rank looks up the ids it owns and zeros the rest: a Partial sum, all-reduced.
 * packed_colwise: a fused projection whose output is cut into ``k`` equal parts (gate and
   up by ``chunk(2)``; q/k/v by ``split(width)``, slices, a ``(3, heads, head_dim)`` view):
-  each rank keeps its slice of every part, so the local cuts are the parts' local slices. A contiguous split would hand rank 0 the whole gate and rank 1 the up.
+  each rank keeps its slice of every part, so the local cuts are the parts' local slices.
+  A contiguous split would hand rank 0 the whole gate and rank 1 the up.
 * rowwise_split_input: rowwise on an input that arrives whole; each rank slices its
   features locally, and backward all-gathers the sliced input gradient.
 * colwise_kv_replicated: fewer kv heads than tp (Megatron's and vLLM's answer). The k/v
