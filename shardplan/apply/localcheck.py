@@ -407,7 +407,12 @@ _local_shape = local_shape
 def _record_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> list[tuple[int, ...]]:
     """The output shapes of the views ``fqn``'s own code makes (not its weight modules'),
     running its shards under ``plan``."""
-    call = graph.traced.calls[fqn][0]
+    # the nearest module whose call was recorded: fqn itself, or under the export front end,
+    # which records the root's call only, the whole model, keeping the views made inside fqn
+    target = fqn
+    while target not in graph.traced.calls and target:
+        target = target.rpartition(".")[0]
+    call = graph.traced.calls[target][0]
     views: list[tuple[str, tuple[int, ...]]] = []
 
     def run(block: nn.Module) -> None:
@@ -419,5 +424,6 @@ def _record_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: s
     with _check_mesh(plan, mesh) as tp_mesh:
         if tp_mesh is None:
             return []
-        run(shard(_meta_copy(graph.model.get_submodule(fqn)), tp_mesh, _sub_plan(plan, fqn)))
-    return [shape for _, shape in views]
+        run(shard(_meta_copy(graph.model.get_submodule(target)), tp_mesh, _sub_plan(plan, target)))
+    inner = fqn[len(target):].lstrip(".")
+    return [shape for name, shape in views if not inner or name == inner or name.startswith(inner + ".")]

@@ -77,6 +77,20 @@ class GroupedPerKV(_Fused):
         return self._attend(q, k, v, b, s)
 
 
+class EinopsThree(_Fused):
+    """lucidrains-style: ``rearrange(qkv, 'b n (three h d) -> three b h n d', h=self.n_head)``.
+    einops defeats the fx tracer, so the export front end traces it; the head count is made
+    local as for hand-written views."""
+
+    def forward(self, x):
+        from einops import rearrange
+
+        b, s, _ = x.shape
+        q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.n_head)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(rearrange(out, "b h n d -> b n (h d)"))
+
+
 def _lm(cls, *, heads: int = 8, kv_heads: int | None = None, dim: int = 64, layers: int = 2) -> TokenLM:
     return TokenLM([PreNormBlock(cls(dim, heads, kv_heads), dim) for _ in range(layers)], dim=dim, vocab=128)
 
@@ -95,6 +109,10 @@ def reshape_three() -> TokenLM:
 
 def split_gqa() -> TokenLM:
     return _lm(SplitGQA, kv_heads=4)
+
+
+def einops_three() -> TokenLM:
+    return _lm(EinopsThree)
 
 
 def grouped_per_kv() -> TokenLM:
