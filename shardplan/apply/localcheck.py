@@ -298,15 +298,20 @@ def _expected_views(graph: OpGraph, placements: dict[int, str], target: str, tp:
     """Per module inside ``target`` whose own code views a split value: the local shapes, in
     trace order (a reshape after a kv repeat left out, as the code may skip the repeat)."""
     out: dict[str, list] = {}
-    for op in graph.ops:
-        if op.kind != "function" or op.target not in _VIEW_OPS or not (
-                not target or op.owner == target or op.owner.startswith(target + ".")):
-            continue
+    for op in _view_ops(graph, placements, target):
         placement = placements.get(op.output, "R")
-        if placement in ("R", "Rp") or (groups_of(placements.get(op.inputs[0], "R")) or ("",))[0] == "e":
-            continue
-        out.setdefault(op.owner, []).append(_local_shape(graph.values[op.output].shape, placement, tp))
+        if placement not in ("R", "Rp"):
+            out.setdefault(op.owner, []).append(_local_shape(graph.values[op.output].shape, placement, tp))
     return out
+
+
+def _view_ops(graph: OpGraph, placements: dict[int, str], target: str) -> list:
+    """The views and reshapes the code inside ``target`` makes, in trace order, less those of
+    a value whose kv heads were expanded (with one copy per rank the code may skip that
+    repeat altogether: HF's repeat_kv returns at n_rep == 1)."""
+    return [op for op in graph.ops if op.kind == "function" and op.target in _VIEW_OPS
+            and (not target or op.owner == target or op.owner.startswith(target + "."))
+            and (groups_of(placements.get(op.inputs[0], "R")) or ("",))[0] != "e"]
 
 
 _MAX_ATTRIBUTE_CANDIDATES = 12
@@ -387,12 +392,8 @@ def _views_as_planned(graph: OpGraph, plan: Plan, placements: dict[int, str], fq
     the module's code makes must give the local shape the plan expects of that value (its
     global shape with the sharded dim / tp), in the order the tracer recorded them (views of
     constants the tracer folded away may come between)."""
-    # the reshape after a kv repeat is left out: with one copy per rank the code may skip the
-    # repeat altogether (HF's repeat_kv returns at n_rep == 1)
     expected = [_local_shape(graph.values[op.output].shape, placements.get(op.output, "R"), plan.tp)
-                for op in graph.ops if op.kind == "function" and op.target in _VIEW_OPS
-                and (op.owner == fqn or op.owner.startswith(fqn + "."))
-                and (groups_of(placements.get(op.inputs[0], "R")) or ("",))[0] != "e"]
+                for op in _view_ops(graph, placements, fqn)]
     try:
         seen = iter(_record_views(graph, plan, placements, fqn, mesh))
     except Exception:  # noqa: BLE001 - it ran in the check; any failure here is a refusal

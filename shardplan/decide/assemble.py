@@ -21,6 +21,7 @@ from ..analyze.graph import OpGraph
 from ..plan.model import Region, Rule, brace_ranges
 from .regions import Entry, PartialBlock, partial_grad_params
 from .solve import Solution
+from .placements import one_slice
 from .strategies import placement_str
 from .weights import read_elsewhere
 
@@ -371,11 +372,9 @@ def _unequal_parts(graph: OpGraph, value: int, dim: int) -> tuple[str, int] | No
             at = user.node.kwargs.get("dim", args[2] if len(args) > 2 else 0)
             if isinstance(at, int) and at % len(shape) == dim and len(set(args[1])) > 1:
                 return f"unequal parts {list(args[1])}", len(args[1])
-        if user.target == "getitem" and len(args) > 1:
-            items = args[1] if isinstance(args[1], tuple) else (args[1],)
-            cut = [i for i in items if isinstance(i, slice) and i != slice(None)]
-            if len(cut) == 1 and items[-1] is cut[0] and all(isinstance(x, (int, type(None))) for x in (cut[0].start, cut[0].stop)):
-                slices.append(cut[0].indices(shape[dim])[:2])
+        cut = one_slice(args[1]) if user.target == "getitem" and len(args) > 1 else None
+        if cut is not None and (args[1] if isinstance(args[1], tuple) else (args[1],))[-1] is cut:
+            slices.append(cut.indices(shape[dim])[:2])
     if len({stop - start for start, stop in slices}) < 2:
         return None
     return "slices " + ", ".join(f"[{start}:{stop}]" for start, stop in sorted(slices)), len(slices)

@@ -31,7 +31,7 @@ from typing import Any
 
 from ..analyze.graph import Op
 
-__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "sliced_part", "view_parts", "grouped", "groups_of", "group_counts",
+__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "one_slice", "sliced_part", "view_parts", "grouped", "groups_of", "group_counts",
            "view_groups", "VIEW_OPS",
            "local_shape"]
 
@@ -166,23 +166,33 @@ def split_parts(op: Op, size: int) -> int | None:
     return k if k > 1 and size % k == 0 else None
 
 
-def sliced_part(index: Any, shape: tuple[int, ...], parts: int) -> int | None:
-    """The dim that ``x[index]`` slices to exactly one of ``parts`` equal blocks (phi3's
-    ``qkv[..., :query_pos]``, ``qkv[..., q:q + kv]``), every other dim kept whole; None for
-    any other index."""
+def one_slice(index: Any) -> slice | None:
+    """The only slice of ``x[index]`` that is not ``:``, when its bounds are plain ints (not
+    values the trace computed); None for any other index."""
+    items = index if isinstance(index, tuple) else (index,)
+    cut = [i for i in items if isinstance(i, slice) and i != slice(None)]
+    if len(cut) != 1 or not all(isinstance(b, (int, type(None))) for b in (cut[0].start, cut[0].stop, cut[0].step)):
+        return None
+    return cut[0]
+
+
+def sliced_part(index: Any, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(d, k)`` when ``x[index]`` slices dim ``d`` to exactly one of ``k`` equal blocks, its
+    width (phi3's ``qkv[..., :query_pos]``, ``qkv[..., q:q + kv]``), every other dim kept
+    whole; None for any other index."""
     items = list(index) if isinstance(index, tuple) else [index]
     if Ellipsis in items:
         k = items.index(Ellipsis)
         items = items[:k] + [slice(None)] * (len(shape) - len(items) + 1) + items[k + 1:]
-    if len(items) > len(shape) or not all(isinstance(i, slice) for i in items):
+    cut = one_slice(index)
+    if cut is None or len(items) > len(shape) or not all(isinstance(i, slice) for i in items):
         return None
-    cut = [d for d, i in enumerate(items) if i != slice(None)]
-    if len(cut) != 1:
+    d = next(d for d, i in enumerate(items) if i is cut)
+    start, stop, step = cut.indices(shape[d])
+    width = stop - start
+    if step != 1 or width < 1 or shape[d] % width or start % width or shape[d] // width < 2:
         return None
-    d = cut[0]
-    start, stop, step = items[d].indices(shape[d])
-    width = shape[d] // parts
-    return d if step == 1 and shape[d] % parts == 0 and stop - start == width and start % width == 0 else None
+    return d, shape[d] // width
 
 
 def view_parts(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, int] | None:

@@ -437,15 +437,10 @@ def _getitem(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
 def _packed_slice(index: Any, src: tuple[int, ...], tp: int) -> list[Strategy]:
     """``qkv[..., :q_pos]`` of a packed projection: the rank holds its slice of every part
     [q_r; k_r; v_r], so slicing one part's local block gives that part's Shard(d)."""
-    items = index if isinstance(index, tuple) else (index,)
-    cut = [i for i in items if isinstance(i, slice) and i != slice(None)]
-    if len(cut) != 1 or any(isinstance(i, torch.fx.Node) for i in items):
+    found = sliced_part(index, src)
+    if found is None or found[0] != len(src) - 1 or src[found[0]] % (found[1] * tp):
         return []
-    d = len(src) - 1
-    start, stop, _ = cut[0].indices(src[d])
-    k = src[d] // (stop - start) if stop > start else 0
-    if k < 2 or src[d] % (k * tp) or sliced_part(index, src, k) != d:
-        return []
+    d, k = found
     return [Strategy("", (packed(d, k),), f"S{d}")]
 
 

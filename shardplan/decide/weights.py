@@ -284,15 +284,9 @@ def _parts_taken(user: Op, graph: OpGraph, shape: tuple[int, ...], last: int) ->
         dim = user.node.kwargs.get("dim", args[2] if len(args) > 2 else 0)
         return split_parts(user, shape[last]) if isinstance(dim, int) and dim % (last + 1) == last else None
     if user.target == "getitem" and len(user.node.args) > 1:
-        # the parts' width is that of the first slice; every slice must take one whole part
-        index = user.node.args[1]
-        items = index if isinstance(index, tuple) else (index,)
-        cut = [i for i in items if isinstance(i, slice) and i != slice(None)]
-        if len(cut) == 1:
-            start, stop, _ = cut[0].indices(shape[last])
-            k = shape[last] // (stop - start) if stop > start else 0
-            return k if k > 1 and sliced_part(index, shape, k) == last else None
-        return None
+        # the parts' width is that of each slice: every slice must take one whole part
+        found = sliced_part(user.node.args[1], shape)
+        return found[1] if found and found[0] == last else None
     if user.target in ("view", "reshape") and user.output is not None:
         found = view_parts(shape, graph.values[user.output].shape)
         return found[1] if found and found[0] == last else None
