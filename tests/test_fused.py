@@ -93,25 +93,3 @@ def test_unequal_slices_of_phi3_with_fewer_kv_heads_are_named() -> None:
     plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, example_kwargs=kwargs)
     (warning,) = [w for w in plan.warnings if w.startswith("model.layers.*.self_attn.qkv_proj")]
     assert "modeling_phi3.py" in warning and "slices [0:64], [64:96], [96:128]" in warning, warning
-
-
-def test_torch_multihead_attention_is_whole_with_the_call_named() -> None:
-    """``nn.MultiheadAttention`` runs as one call that reads its own parameters: whole, and
-    the warning says where it is called rather than that it is unused."""
-    from tests.portability.lm import PreNormBlock, TokenLM
-
-    class Attention(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mha = torch.nn.MultiheadAttention(64, 8, batch_first=True)
-
-        def forward(self, x):
-            return self.mha(x, x, x, need_weights=False)[0]
-
-    with torch.device("meta"):
-        model = TokenLM([PreNormBlock(Attention(), 64) for _ in range(2)], dim=64, vocab=128)
-    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=TOKENS)
-    assert plan.rule_for("layers.0.attn.mha").style == "replicate"
-    (warning,) = [w for w in plan.warnings if w.startswith("layers.0.attn.mha:")]
-    assert "read inside one call of MultiheadAttention `layers.0.attn.mha` (tests/test_fused.py:" in warning, warning
-    assert "not called in forward" not in " ".join(plan.warnings)

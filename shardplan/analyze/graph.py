@@ -85,6 +85,8 @@ def module_kind(module: nn.Module) -> str:
     """Classify a weight-owning module by its parameters' roles, not its name."""
     params = dict(module.named_parameters(recurse=False))
     weight = params.get("weight")
+    if isinstance(module, nn.MultiheadAttention):
+        return "attention"
     if isinstance(module, nn.Linear) and weight is not None and weight.dim() == 2:
         return "linear"
     if type(module).__name__ == "Conv1D" and weight is not None and weight.dim() == 2 and hasattr(module, "nf"):

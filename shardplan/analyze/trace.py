@@ -78,7 +78,11 @@ def owns_params(module: nn.Module) -> bool:
 
 def is_weight_leaf(module: nn.Module) -> bool:
     """Owns parameters and no descendant does: one op in the graph (Linear, norm, experts).
-    A container that also owns a parameter (BERT's prediction head bias) is traced through."""
+    A container that also owns a parameter (BERT's prediction head bias) is traced through.
+    torch's ``nn.MultiheadAttention`` is one op too: its call reads its child ``out_proj``'s
+    parameters itself (``F.multi_head_attention_forward``), never calling it."""
+    if isinstance(module, nn.MultiheadAttention):
+        return True
     return owns_params(module) and not any(owns_params(m) for _, m in module.named_modules() if m is not module)
 
 
@@ -168,8 +172,9 @@ class _ShardTracer(MetaTracer):
         fqn = self._fqn(m)
         if fqn in self.folded or is_weight_leaf(m):
             return True
-        # parameter-free torch.nn modules (activations, dropout) are leaves too
-        return super().is_leaf_module(m, module_qualified_name)
+        # parameter-free torch.nn modules (activations, dropout) are leaves too; torch.nn's
+        # containers of weight modules (nn.TransformerEncoder, nn.Transformer) are traced through
+        return super().is_leaf_module(m, module_qualified_name) and not any(True for _ in m.parameters())
 
     def call_module(self, m, forward, args, kwargs):
         if self._computing_meta:  # inside a leaf's meta forward: plain meta tensors, no graph
@@ -289,6 +294,9 @@ class _ShardTracer(MetaTracer):
         return _IterableMetaProxy(node, self)
 
 
+_STRUCTURAL = frozenset({"is_nested", "is_sparse", "is_quantized", "is_mkldnn", "ndim", "dtype", "layout"})
+
+
 class _IterableMetaProxy(MetaProxy):
     """Tuple outputs (``q, k = x.chunk(2)``, blocks returning tuples) unpack by their meta."""
 
@@ -305,6 +313,14 @@ class _IterableMetaProxy(MetaProxy):
         if isinstance(meta, torch.Tensor) and meta.dim() > 0:  # iterating a tensor walks dim 0
             return iter([self[i] for i in range(meta.shape[0])])
         return super().__iter__()
+
+    def __getattr__(self, name: str) -> Any:
+        # a tensor's structural facts are the meta tensor's: ``if src.is_nested`` (torch's
+        # nn.TransformerEncoder) branches on them, and no shard changes them
+        meta = self.__dict__.get("_tensor_meta")
+        if name in _STRUCTURAL and isinstance(meta, torch.Tensor):
+            return getattr(meta, name)
+        return super().__getattr__(name)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         # ``t[..., i] = v``: record it; the solver keeps operands of ops without outputs whole

@@ -6,7 +6,8 @@ Contract
 ``torch.distributed.tensor.parallel.parallelize_module`` takes; ``apply_plan(model,
 device_mesh, plan)`` applies it on the plan's tensor-parallel axis, re-ties shared weights,
 and installs the gradient hooks sequence parallel needs. This module and
-:mod:`.styles` (the styles shardplan adds) are the only ones that import torch's TP styles. Between modules activations stay plain local tensors
+the style modules (:mod:`.styles`, :mod:`.head_styles`, :mod:`.attention_style`: the styles
+shardplan adds) are the only ones that import torch's TP styles. Between modules activations stay plain local tensors
 (``use_local_output=True``), except inside a region, where the input enters DTensor once
 (``PrepareModuleInput(..., use_local_output=False)``) so the Partial gradients of its
 Linears add up before one collective.
@@ -33,6 +34,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern, set_int_attribute
 
 from .agree import agree
+from .attention_style import MultiheadAttentionParallel
 from .gradsync import install_gradient_sync
 from .head_styles import ColwiseKVGathered, ColwiseKVReplicated, ColwisePartialInput, GatherPartialGrad, ReplicatePartialGrad
 from .styles import (
@@ -81,6 +83,8 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False) -> Pa
         return SequenceParallel(sequence_dim=(inp or Shard(1)).dim, use_local_output=True)
     if rule.style == "moe_tp_experts":
         return MoEExpertsParallel()
+    if rule.style == "attention_heads":
+        return MultiheadAttentionParallel(input_layouts=inp, output_layouts=out)
     if rule.style == "replicate":
         return ReplicateParallel(output_layouts=out, local=rule.read_outside)
     raise ValueError(f"style {rule.style!r} of {rule.module!r} has no emitter; expected one of colwise, rowwise, ...")

@@ -80,7 +80,9 @@ class ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         layout = self.output_layouts
-        if self.local or not type(module).forward.__module__.startswith("torch.nn."):
+        # nn.MultiheadAttention hands its masks as keyword arguments, which would stay plain
+        # beside DTensor inputs: it runs on local tensors too
+        if self.local or isinstance(module, nn.MultiheadAttention) or not type(module).forward.__module__.startswith("torch.nn."):
             return self._apply_local(module, device_mesh)
 
         def to_shard(_module, outputs, mesh):  # distribute_module wants exactly 3 arguments
@@ -92,7 +94,8 @@ class ReplicateParallel(ParallelStyle):
         """A class with its own ``forward`` (torchtitan's Embedding reads
         ``self.weight.to_local()``) may not run on DTensors: it runs on plain inputs and the
         parameters' local tensors, which, replicated, are the whole parameters."""
-        names = [n for n, _ in module.named_parameters(recurse=False)]
+        # nn.MultiheadAttention's call reads its out_proj's parameters too
+        names = [n for n, _ in module.named_parameters(recurse=isinstance(module, nn.MultiheadAttention))]
         own = ContainerParams(names, partial_grads=names if self.partial_grads else ())
         own.src_data_rank = self.src_data_rank
         own._apply(module, device_mesh)

@@ -246,6 +246,10 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
         name = patterned(op.target, graph, pmap)[0]
         if op.module_kind == "other":
             out.append(f"{name}: {type(module).__name__} has no tensor-parallel style; replicated")
+        elif op.module_kind == "attention" and style == "replicate":
+            out.append(f"{name}: {_whole_attention(graph, op, module, tp)}")
+        elif op.module_kind == "attention" and _unread_weights(graph, op):
+            out.append(f"{name}: {_unread_weights(graph, op)}")
         elif op.module_kind in ("linear", "conv1d", "embedding", "experts") and style == "replicate":
             shapes = [list(p.shape) for p in module.parameters(recurse=False) if p.dim() >= 2]
             sliced = (solution.strategies[op.index].output or "").startswith("S")
@@ -267,19 +271,46 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
     return out
 
 
+def _whole_attention(graph: OpGraph, op, module: nn.Module, tp: int) -> str:
+    """Why an ``nn.MultiheadAttention`` runs whole, with the call's source line."""
+    from ..analyze.trace import _user_line
+    from .attention import attention_call
+
+    where = _user_line(op.node)
+    at = f" ({where})" if where else ""
+    if module.num_heads % tp:
+        return f"its {module.num_heads} heads do not divide by tp={tp}, so the attention runs whole; use a tp that divides them"
+    if graph.traced.front_end == "export":
+        return ("traced by torch.export, whose graph does not keep the call's arguments, so the attention runs whole "
+                "(the meta fx tracer keeps them: make the rest of the model traceable by it)")
+    if attention_call(op, graph).need_weights:
+        return (f"the call{at} asks for per-head attention weights (average_attn_weights=False), which would need every "
+                "head on every rank, so the attention runs whole; average them or pass need_weights=False")
+    return f"kept whole by the cost model (`shardplan explain` prices each style){at}"
+
+
+def _unread_weights(graph: OpGraph, op) -> str:
+    """The call returns averaged attention weights (``need_weights`` defaults to True) that
+    nothing reads: split by heads, each call still sums them across ranks."""
+    from ..analyze.trace import _user_line
+    from .attention import attention_call
+
+    call = attention_call(op, graph)
+    readers = [graph.ops[c] for c in graph.consumers.get(op.output, [])]
+    if not call.need_weights or not all(u.target == "getitem" and u.node.args[1:2] == (0,) for u in readers):
+        return ""
+    where = _user_line(op.node)
+    return (f"the call{f' ({where})' if where else ''} returns attention weights (need_weights defaults to True) that "
+            f"nothing reads, and each call all-reduces them ({call.batch}x{call.tgt_len}x{call.src_len}); "
+            "pass need_weights=False")
+
+
 def _parameter_reader(graph: OpGraph, fqn: str) -> str | None:
     """What uses ``fqn``'s parameters without calling it as a weight module, with the source
-    line: an opaque call of it or of a module around it (torch's ``nn.MultiheadAttention``,
-    traced as one op, hands ``in_proj_weight`` and ``out_proj.weight`` to
-    ``F.multi_head_attention_forward``), or an op reading one as a tensor; None if nothing does."""
+    line: an op reading one as a tensor; None if nothing does."""
     from ..analyze.trace import _user_line
 
     for op in graph.ops:
-        if op.kind == "function" and (fqn == op.target or fqn.startswith(op.target + ".")):
-            where = _user_line(op.node)
-            kind = type(graph.model.get_submodule(op.target)).__name__
-            return (f"its parameters are read inside one call of {kind} `{op.target}`" + (f" ({where})" if where else "")
-                    + ", which has no tensor-parallel style")
         if op.kind == "const" and op.target.rpartition(".")[0] == fqn and op.output is not None:
             user = next((graph.ops[c] for c in graph.consumers.get(op.output, [])), None)
             if user is not None:

@@ -49,6 +49,7 @@ The matrix math (Linear computes y = x @ W.T, W is [out, in]):
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -73,16 +74,19 @@ STYLE_NAMES = (
     "sequence_parallel",
     "replicated_with_grad_allreduce",
     "moe_tp_experts",
+    "attention_heads",
     "replicate",
 )
 
 
+# a weight module's parameters, its children's included: only nn.MultiheadAttention has
+# children among weight modules (``out_proj``, read by its own call)
 def _param_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def _weight_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False) if p.dim() >= 2)
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.dim() >= 2)
 
 
 def _seq_dims(shape: tuple[int, ...], tp: int) -> list[int]:
@@ -107,6 +111,8 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
             found = found[1:]
     elif kind == "experts":
         found = _experts(op, graph, module, tp)
+    elif kind == "attention":
+        found = _attention(op, graph, module, tp, sp)
     else:
         found = [_replicate(op, graph, module)]
     full = _weight_bytes(module)
@@ -388,6 +394,40 @@ def _experts(op: Op, graph: OpGraph, module: nn.Module, tp: int) -> list[Strateg
             param_bytes=_experts_param_bytes(module, ep.down_bias, tp), flops=flops / tp, act_bytes=y.nbytes,
             layouts={"weight": "experts"},
         ))
+    return out
+
+
+def _attention(op: Op, graph: OpGraph, module: nn.MultiheadAttention, tp: int, sp: bool) -> list[Strategy]:
+    """torch's ``nn.MultiheadAttention``, whole or ``attention_heads``: split by heads, its
+    packed in projection colwise (each rank's [q_r; k_r; v_r]) and ``out_proj`` rowwise, so
+    one module is a Megatron attention block. The output is a partial sum: to Replicate an
+    all-reduce, to Shard(seq) a reduce-scatter. q, k and v are read whole, so the gradient
+    of each distinct input is summed across ranks (all-reduce), or, for inputs that arrive
+    sequence-sharded and are gathered on entry, reduce-scattered. Averaged attention
+    weights (``need_weights=True``, the default) are summed by one more all-reduce."""
+    from .attention import attention_call
+
+    call = attention_call(op, graph)
+    y = graph.values[op.output]
+    y_bytes = math.prod(y.shape) * y.dtype.itemsize  # the output alone, not the (output, weights) pair
+    flops = call.flops(module)
+    out = [_replicate(op, graph, module, flops)]
+    if module.num_heads % tp or not call.splittable:
+        return out
+    out_dims = ["R"] + ([f"S{d}" for d in _seq_dims(y.shape, tp)] if sp else [])
+    in_dims = ["R"] + ([p for p in out_dims[1:] if call.shardable(graph, op, p, tp)])
+    pbytes = _param_bytes(module)
+    kept = module.out_proj.bias.numel() * module.out_proj.bias.element_size() if module.out_proj.bias is not None else 0
+    for p_in in in_dims:
+        for p_out in out_dims:
+            fwd, bwd = call.comms(graph, op, p_in, p_out, y_bytes)
+            out.append(Strategy(
+                "attention_heads", call.placements(op, p_in), p_out, fwd=fwd, bwd=bwd,
+                param_bytes=(pbytes - kept) / tp + kept, flops=flops / tp,
+                act_bytes=y_bytes / (1 if p_out == "R" else tp),
+                layouts={"weight": "S0p3", **({"input": p_in} if p_in != "R" else {}),
+                         **({"output": p_out} if p_out != "R" else {})},
+            ))
     return out
 
 

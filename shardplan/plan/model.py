@@ -33,11 +33,11 @@ __all__ = [
 
 STYLES = (
     "colwise", "rowwise", "colwise_gather_output", "colwise_kv_replicated", "colwise_kv_gathered", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
-    "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "replicate",
+    "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "attention_heads", "replicate",
 )
 Style = Literal[
     "colwise", "rowwise", "colwise_gather_output", "colwise_kv_replicated", "colwise_kv_gathered", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
-    "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "replicate",
+    "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "attention_heads", "replicate",
 ]
 LAYOUT_RE = re.compile(r"^(Replicate|Partial|Shard\((-?\d+)\))$")
 MAX_TENSOR_DIMS = 8  # Shard(d) needs -8 <= d < 8: no activation or weight has more dims
@@ -307,14 +307,16 @@ class Plan(_Strict):
 
     def to_hf_tp_plan(self) -> dict[str, str]:
         """Hugging Face ``tp_plan`` mapping (patterns use ``*`` for layer indices). Styles
-        Hugging Face has no counterpart for (kv heads in groups, MLA's partial-gradient
-        latent) raise: its loader would shard them otherwise, or not at all."""
+        Hugging Face has no counterpart for (kv heads in groups, ``attention_heads``, MLA's
+        partial-gradient latent) raise: its loader would shard them otherwise, or not at all."""
         alien = [r.module for r in self.rules
-                 if r.style in ("colwise_kv_replicated", "colwise_kv_gathered") or r.output_grad_partial or r.input_grad_partial]
+                 if r.style in ("colwise_kv_replicated", "colwise_kv_gathered", "attention_heads")
+                 or r.output_grad_partial or r.input_grad_partial]
         if alien:
             raise ValueError(
                 f"{alien[0]} (and {len(alien) - 1} more) use styles Hugging Face's tp_plan cannot express "
-                "(kv heads replicated in groups, or MLA's latent with a partial gradient); apply the plan with "
+                "(kv heads replicated in groups, torch's nn.MultiheadAttention split by heads, or MLA's latent "
+                "with a partial gradient); apply the plan with "
                 "shardplan.apply_plan instead, or plan for a tp that divides the kv heads")
         return {key: r.style for r in self.rules if r.style != "replicate" for key in expand_braces(r.module)}
 

@@ -43,6 +43,9 @@ def sharded_dim(style: str, module: Any) -> int | None:
     kind = module_kind(module)
     if style == "moe_tp_experts" and kind == "experts":
         return _expert_dim(module)
+    if style == "attention_heads" and kind == "attention":
+        return 0  # in_proj_weight [3E, E]: each rank's heads of q, k and v
+
     col = {"linear": 0, "conv1d": 1, "embedding": 1}.get(kind)
     row = {"linear": 1, "conv1d": 0, "embedding": 0}.get(kind)
     if style in _COLWISE_STYLES:
@@ -92,6 +95,9 @@ def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) 
     bad = []
     for fqn in hits:
         mod = modules[fqn]
+        if rule.style == "attention_heads" and getattr(mod, "num_heads", tp) % tp:
+            return [f"{fqn}: attention_heads splits its {mod.num_heads} heads, which tp={tp} does not divide; "
+                    "use replicate for it, or a tp that divides its heads"]
         weight, dim = weight_of(mod), sharded_dim(rule.style, mod)
         if weight is None or dim is None or dim >= weight.dim() or weight.shape[dim] % parts == 0:
             continue
@@ -110,6 +116,7 @@ _KINDS = {
     "colwise": {"linear", "conv1d", "embedding"}, "colwise_gather_output": {"linear", "conv1d", "embedding"},
     "packed_colwise": {"linear", "conv1d"}, "colwise_kv_replicated": {"linear"}, "colwise_kv_gathered": {"linear"}, "rowwise": {"linear", "conv1d", "embedding"},
     "rowwise_split_input": {"linear", "conv1d"}, "embedding_rowwise": {"embedding"}, "moe_tp_experts": {"experts"},
+    "attention_heads": {"attention"},
 }
 
 
