@@ -208,7 +208,7 @@ def _pad(mask):
 
 def _attend(q, k, v, attn_mask, dropout_p, is_causal, need_weights, *, bsz, heads):
     """[bsz * heads, L, head_dim] -> ([L * bsz, heads * head_dim] ordered as torch's, weights)."""
-    tgt_len, head_dim = q.shape[1], q.shape[2]
+    head_dim = q.shape[2]
     if need_weights:
         scores = q * math.sqrt(1.0 / float(head_dim)) @ k.transpose(-2, -1)
         weights = torch.softmax(scores if attn_mask is None else scores + attn_mask, dim=-1)
