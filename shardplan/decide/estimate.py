@@ -172,7 +172,7 @@ def unit_param_bytes(graph: OpGraph, solution: Solution, units: list[tuple[str, 
     seen: set[int] = set()
     for fqn, mod in graph.model.named_modules():
         own = [p for p in mod.parameters(recurse=False) if id(p) not in seen]
-        if not own:
+        if not own or _read_by_planned_parent(_representative(fqn, folded), planned):
             continue
         fresh = len(own) == len(list(mod.parameters(recurse=False)))  # not a tied second owner
         seen.update(id(p) for p in own)
@@ -180,6 +180,12 @@ def unit_param_bytes(graph: OpGraph, solution: Solution, units: list[tuple[str, 
         local = s.param_bytes if s is not None and fresh else sum(p.numel() * p.element_size() for p in own)
         out[unit_of(fqn, units)] += local
     return out
+
+
+def _read_by_planned_parent(fqn: str, planned: dict) -> bool:
+    """``mha.out_proj``: its parameters are in its parent weight module's strategy."""
+    parts = fqn.split(".")
+    return any(".".join(parts[:k]) in planned for k in range(1, len(parts)))
 
 
 def _representative(fqn: str, folded: dict[str, str]) -> str:

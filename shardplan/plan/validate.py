@@ -157,10 +157,20 @@ def check_findings(plan: Any, model: Any, *, where: Any = None) -> list[str]:
     for i, entry in enumerate(plan.attributes):
         findings += [at(("attributes", i, "module")) + f for f in _attribute_findings(entry, modules)]
     covered = {fqn for rule in {r.module for r in plan.rules} for fqn in modules if matches(rule, fqn)}
+    covered |= _read_by_their_parent(covered, modules)
     for fqn, mod in modules.items():
         if _owns_params(mod) and fqn not in covered:
             findings.append(f"{fqn or '<root>'} ({type(mod).__name__}): owns parameters but no rule covers it")
     return findings
+
+
+def _read_by_their_parent(covered: set[str], modules: dict[str, Any]) -> set[str]:
+    """Children whose parameters their parent's call reads itself (``nn.MultiheadAttention``'s
+    ``out_proj``): the parent's rule covers them."""
+    from ..analyze.graph import module_kind
+
+    parents = [fqn for fqn in covered if module_kind(modules[fqn]) == "attention"]
+    return {f"{p}.{name}" for p in parents for name, _ in modules[p].named_modules() if name}
 
 
 _MAX_REPEATS_LISTED = 20
