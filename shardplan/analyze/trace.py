@@ -22,6 +22,7 @@ with depth beyond this cheap walk.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import linecache
@@ -30,7 +31,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx
@@ -493,7 +494,8 @@ def trace_model(
     meta_args = {f"x{i}": _to_meta(a) for i, a in enumerate(example_inputs)}
     meta_args.update({k: _to_meta(v) for k, v in kwargs.items()})
     try:
-        graph = tracer.trace(root, meta_args)
+        with _mask_checks_take_proxies():
+            graph = tracer.trace(root, meta_args)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the module that failed
@@ -502,6 +504,25 @@ def trace_model(
             "Check that example_inputs match forward(), or make the failing module a leaf."
         ) from exc
     return _strip_root(graph, model, tracer)
+
+
+@contextlib.contextmanager
+def _mask_checks_take_proxies() -> Iterator[None]:
+    """torch's attention modules check a mask's type (``F._none_or_dtype``: None or a Tensor,
+    else raise) before canonicalizing it; a traced mask is a proxy whose meta is the tensor."""
+    import torch.nn.functional as F
+
+    original = F._none_or_dtype
+
+    def none_or_dtype(value: Any) -> Any:
+        meta = getattr(value, "_tensor_meta", None) if isinstance(value, torch.fx.Proxy) else None
+        return meta.dtype if isinstance(meta, torch.Tensor) else original(value)
+
+    F._none_or_dtype = none_or_dtype
+    try:
+        yield
+    finally:
+        F._none_or_dtype = original
 
 
 def _strip_root(graph: torch.fx.Graph, model: nn.Module, tracer: _ShardTracer) -> Traced:

@@ -47,7 +47,7 @@ class Encoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) if self.batch_first else self.embed(tokens).transpose(0, 1)
-        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device)
         x = self.encoder(x, mask=mask, is_causal=True)
         return self.head(x if self.batch_first else x.transpose(0, 1))
 
