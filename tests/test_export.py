@@ -82,3 +82,20 @@ def test_code_neither_can_trace_is_one_error_naming_the_line() -> None:
 def test_unknown_front_end_is_refused() -> None:
     with pytest.raises(ValueError, match="front_end='jit'"):
         shardplan.plan_model(_meta("callable_argument"), {"tp": 2}, example_inputs=X, front_end="jit")
+
+
+def test_data_dependent_sizes_plan_at_their_bound_and_run_on_gloo() -> None:
+    """MoE dispatch by ``torch.where`` on the router's choice: export's sizes are symbols
+    (``u0``), which the planner used to compare with integers and crash on. They are taken at
+    their upper bound (every token reaching every expert), each expert is split as an MLP
+    (w1, w3 colwise, w2 rowwise), and the plan matches one process on 2 gloo ranks."""
+    from tests.portability import routed_experts
+
+    with torch.device("meta"):
+        model = routed_experts.moe_lm()
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.zeros(2, 16, dtype=torch.long, device="meta"),))
+    styles = plan.module_styles()
+    for e in range(4):
+        assert [styles[f"moes.0.experts.{e}.{w}"] for w in ("w1", "w3", "w2")] == ["colwise", "colwise", "rowwise"], styles
+    result = verify("tests.portability.routed_experts:moe_lm", nproc=2, seq_len=16, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

@@ -122,10 +122,30 @@ def _meta_example(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def _to_meta(val: Any) -> Any:
     if isinstance(val, torch.Tensor):
-        return torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device="meta")
+        shape = tuple(_concrete(n) for n in val.shape)
+        if any(isinstance(n, torch.SymInt) for n in (*val.shape, *val.stride())):  # contiguous at its bound
+            return torch.empty(shape, dtype=val.dtype, device="meta")
+        return torch.empty_strided(shape, tuple(val.stride()), dtype=val.dtype, device="meta")
     if isinstance(val, (tuple, list)):
         return type(val)(_to_meta(v) for v in val)
     return val
+
+
+def _concrete(n: Any) -> Any:
+    """A size as an int. A data-dependent one (the rows ``nonzero``/``torch.where``/a boolean
+    index selects, as MoE dispatch does) is unbacked in export's graph: it is taken at the
+    upper bound export's shape environment knows for it (every row selected), so the planner
+    prices each expert as if all tokens reached it, and never compares symbols."""
+    if not isinstance(n, torch.SymInt):
+        return n
+    node = n.node
+    if not node.expr.free_symbols or node.has_hint():
+        return int(node.require_hint()) if node.expr.free_symbols else int(node.expr)
+    upper = node.shape_env.bound_sympy(node.expr).upper
+    if not upper.is_finite:
+        raise TraceError(f"torch.export graph: a data-dependent size ({node.expr}) has no upper bound; "
+                         "plan a model whose sizes follow from its inputs' shapes")
+    return int(upper)
 
 
 # --------------------------------------------------------------------------- inlining
