@@ -19,6 +19,7 @@ byte-identical to ``plan_model(model, that_split)`` with the same options.
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from collections.abc import Mapping
@@ -115,7 +116,21 @@ def _check_axes(axes: dict[str, int], tp_axis: str) -> None:
 
 def infer_example_inputs(model: nn.Module, *, batch_size: int, seq_len: int) -> tuple:
     """Token ids for models that start with an Embedding, features for ones that start with a Linear."""
-    first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear))), None)
+    first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear, nn.modules.conv._ConvNd))), None)
+    if isinstance(first, nn.modules.conv._ConvNd):
+        raise ValueError(
+            f"cannot infer example inputs for {type(model).__name__}: it starts with a {type(first).__name__} "
+            f"({first.in_channels} channels), whose input size it does not say; pass example_inputs=(tensor, ...) "
+            "shaped like a real batch (from the command line: return (model, example_inputs) from the callable)"
+        )
+    required = [p.name for p in inspect.signature(model.forward).parameters.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) > 1:
+        raise ValueError(
+            f"cannot infer example inputs for {type(model).__name__}: forward() takes {len(required)} inputs "
+            f"({', '.join(required)}); pass example_inputs=(tensor, ...) for them (from the command line: return "
+            "(model, example_inputs) from the callable)"
+        )
     if isinstance(first, nn.Embedding):
         return (torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta"),)
     if isinstance(first, nn.Linear):

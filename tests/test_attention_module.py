@@ -19,7 +19,7 @@ import shardplan
 from shardplan.apply.attention_style import local_attention, mha_arguments
 from shardplan.tools.simulate import simulate
 from shardplan.tools.verify import verify
-from tests.portability import torch_attention
+from tests.portability import conv_first, torch_attention
 
 TOKENS = (torch.zeros(2, 16, dtype=torch.long, device="meta"),)
 SPLIT = {  # model -> its nn.MultiheadAttention modules (first block) and its MLP Linears
@@ -181,3 +181,27 @@ def test_an_encoder_trains_under_fsdp_as_one_process() -> None:
     for r in results:
         for ref, got in r["losses"] + r["norms"]:
             assert abs(got - ref) <= TOLS["loss"][0], (r["losses"], r["norms"])
+
+
+@pytest.mark.parametrize(("name", "says"), [("vit", "it starts with a Conv2d (3 channels)"),
+                                            ("two_inputs", "forward() takes 2 inputs (source, target)")])
+def test_inputs_that_cannot_be_inferred_are_asked_for(name: str, says: str) -> None:
+    from shardplan.cli import main
+
+    with pytest.raises(ValueError, match="cannot infer example inputs") as info:
+        shardplan.plan_model(getattr(conv_first, name)(), {"tp": 2})
+    assert says in str(info.value) and "return (model, example_inputs) from the callable" in str(info.value)
+    assert main(["plan", f"tests.portability.conv_first:{name}", "--mesh", "tp=2"]) == 2
+
+
+@pytest.mark.parametrize("name", ["vit_with_inputs", "two_inputs_with_inputs"])
+def test_a_callable_hands_its_example_inputs_to_every_command(name: str) -> None:
+    """``(model, example_inputs)`` from the callable: planned, simulated and verified with them."""
+    from shardplan.cli import main
+
+    spec = f"tests.portability.conv_first:{name}"
+    assert main(["plan", spec, "--mesh", "tp=2"]) == 0
+    assert main(["simulate", spec, "--mesh", "tp=2"]) == 0
+    result = verify(spec, nproc=2, timeout_s=300)
+    assert "attention_heads" in {r.style for r in result.plan.rules}
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

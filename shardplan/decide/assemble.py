@@ -68,9 +68,11 @@ def rules(
     partial = {r for b in blocks for r in b.rowwise}
     returned = {v for op in graph.ops if op.kind == "output" for v in op.inputs}
     rules: list[Rule] = []
+    seen: set[str] = set()
     for op in graph.ops:
-        if op.kind != "module":
-            continue
+        if op.kind != "module" or op.target in seen:
+            continue  # a module called twice takes one style for both calls (the solver ties them)
+        seen.add(op.target)
         s = solution.strategies[op.index]
         inp = None if op.index in in_region else _layout(s.layouts.get("input"))
         for module in patterned(op.target, graph, pmap):

@@ -216,6 +216,7 @@ def _matrices(graph: OpGraph, ctx: SolveContext) -> _Matrices:
         prog = _build(graph, replace(ctx, forced={}))
         rows, lo, hi = _rows(prog)
         _tied_rows(prog, rows, lo, hi)
+        _same_module_rows(prog, rows, lo, hi)
         model = MilpModel.from_rows(rows, lo, hi, num_vars=prog.num_vars, integer=frozenset(prog.var_of.values()))
         cached = graph.strategy_cache[key] = _Matrices(prog, model, *_vectors(prog))
     return cached
@@ -350,6 +351,31 @@ def _tied_rows(prog: _Program, rows, lo, hi) -> None:
                 rows.append(row)
                 lo.append(0.0)
                 hi.append(0.0)
+
+
+def _same_module_rows(prog: _Program, rows, lo, hi) -> None:
+    """A module called more than once (one embedding for a model's two inputs) has one rule,
+    so every call takes the same style with the same layouts."""
+    calls: dict[str, list[int]] = {}
+    for op in prog.graph.ops:
+        if op.kind == "module":
+            calls.setdefault(op.target, []).append(op.index)
+    for ops in calls.values():
+        for a, b in zip(ops, ops[1:]):
+            keys = {_rule_key(s) for s in prog.strategies[a]} | {_rule_key(s) for s in prog.strategies[b]}
+            for key in sorted(keys, key=repr):
+                row = {prog.var_of[(a, i)]: 1.0 for i, s in enumerate(prog.strategies[a]) if _rule_key(s) == key}
+                for i, s in enumerate(prog.strategies[b]):
+                    if _rule_key(s) == key:
+                        row[prog.var_of[(b, i)]] = row.get(prog.var_of[(b, i)], 0.0) - 1.0
+                rows.append(row)
+                lo.append(0.0)
+                hi.append(0.0)
+
+
+def _rule_key(s: Strategy) -> tuple:
+    """What a module's rule records of its strategy."""
+    return (s.name, *(repr(s.layouts.get(k)) for k in ("input", "output", "packed", "groups", "output_grad", "input_grad")))
 
 
 def _tied_second_owners(graph: OpGraph) -> set[int]:

@@ -9,8 +9,10 @@ should let :func:`shardplan.plan_model` infer them. ``spec`` is one of
 * a preset name from :data:`shardplan.models.PRESETS` (``llama3-8b``); example inputs come
   from the preset, sized by ``batch_size``/``seq_len`` when given;
 * ``package.module:callable`` (``callable`` may be dotted, ``mod:Class.build``): imported
-  and called with no arguments under ``torch.device(device)``; it must return an
-  ``nn.Module``. The current directory is importable, as with ``python -m``;
+  and called with no arguments under ``torch.device(device)``; it returns an ``nn.Module``,
+  or ``(model, example_inputs)`` (a tensor or a tuple of tensors, used as they are) for a
+  model whose inputs cannot be inferred (images, several inputs). The current directory is
+  importable, as with ``python -m``;
 * ``hf:<model_type>`` (``hf:llama``): a Hugging Face ``transformers`` model built from the
   default config of that type; ``hf-tiny:<model_type>`` the same classes with the config
   shrunk to :data:`shardplan.interop.hf_models.TINY` sizes (for ``simulate`` and ``verify``);
@@ -67,7 +69,7 @@ def resolve_model(
     if _looks_like_path(spec):
         return _hf_model(None, spec, device=device, batch_size=batch_size, seq_len=seq_len, path=_config_path(spec))
     if ":" in spec:
-        return _from_callable(spec, device=device), None, spec
+        return (*_from_callable(spec, device=device), spec)
     raise ValueError(_unknown_message(spec, list(PRESETS)))
 
 
@@ -98,7 +100,7 @@ def _preset(
 # --------------------------------------------------------------------------- module:callable
 
 
-def _from_callable(spec: str, *, device: str | torch.device) -> nn.Module:
+def _from_callable(spec: str, *, device: str | torch.device) -> tuple[nn.Module, tuple | None]:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"model spec {spec!r} is not 'package.module:callable' (e.g. mypkg.models:build_model)")
@@ -113,9 +115,17 @@ def _from_callable(spec: str, *, device: str | torch.device) -> nn.Module:
             f"{spec}: calling {attr}() raised {type(exc).__name__}: {exc}{_user_site(exc)}; "
             "it must build and return a model with no arguments"
         ) from exc
+    inputs = None
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module):
+        model, inputs = model  # (model, example_inputs): a model that does not take token ids
+        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
+        if not isinstance(inputs, tuple) or not all(isinstance(t, torch.Tensor) for t in inputs):
+            raise ValueError(f"{spec}: {attr}() returned (model, {type(inputs).__name__}); the second item must be "
+                             "the example inputs, a tensor or a tuple of tensors passed to forward() positionally")
     if not isinstance(model, nn.Module):
-        raise ValueError(f"{spec}: {attr}() returned a {type(model).__name__} object; expected a torch.nn.Module")
-    return model
+        raise ValueError(f"{spec}: {attr}() returned a {type(model).__name__} object; expected a torch.nn.Module "
+                         "or (model, example_inputs)")
+    return model, inputs
 
 
 def _import_attr(module_name: str, attr: str, spec: str) -> Any:
