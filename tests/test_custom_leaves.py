@@ -105,3 +105,36 @@ def test_an_own_forward_embedding_trains_under_fsdp_as_one_process() -> None:
         for ref_loss, loss in r["losses"]:
             assert abs(loss - ref_loss) <= TOLS["loss"][0], r["losses"]
         assert r["worst_ratio"][1] <= 1.0, (r["worst_param"], r["worst_ratio"])
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_linears_written_by_hand_split_as_nn_linear(tp: int) -> None:
+    """``F.linear(x, self.weight, self.bias)`` and ``x @ self.weight.t()`` in modules of their
+    own: q/k/v and w1/w3 colwise, wo and w2 rowwise, the head count made local, no warning."""
+    from tests.portability import by_hand
+
+    with torch.device("meta"):
+        model = by_hand.transformer()
+    plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=TOKENS)
+    styles = plan.module_styles()
+    want = {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"}
+    assert {k: styles[f"layers.0.attn.{k}"] for k in want} == want, styles
+    assert [styles[f"layers.0.ffn.{k}"] for k in ("w1", "w3", "w2")] == ["colwise", "colwise", "rowwise"], styles
+    assert [(a.module, a.values) for a in plan.attributes] == [("layers.*.attn", {"n_heads": 8 // tp})]
+    assert not plan.warnings, plan.warnings
+
+
+def test_linears_written_by_hand_match_one_process_on_gloo() -> None:
+    result = verify("tests.portability.by_hand:transformer", nproc=2, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_linears_written_by_hand_simulate_as_predicted() -> None:
+    from shardplan.tools.simulate import simulate
+    from tests.portability import by_hand
+
+    with torch.device("meta"):
+        model = by_hand.transformer()
+    plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=TOKENS, sequence_parallel=True)
+    result = simulate(by_hand.transformer(), plan, (torch.randint(0, 128, (2, 16)),))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"

@@ -30,7 +30,7 @@ from torch import nn
 
 from .trace import Traced, is_weight_leaf
 
-__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind"]
+__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,8 @@ def module_kind(module: nn.Module) -> str:
         return "attention"
     if isinstance(module, nn.Linear) and weight is not None and weight.dim() == 2:
         return "linear"
+    if linear_like(module):
+        return "linear"
     if type(module).__name__ == "Conv1D" and weight is not None and weight.dim() == 2 and hasattr(module, "nf"):
         return "conv1d"  # Hugging Face's transposed Linear (GPT-2): y = x @ W + b, W [in, out]
     if isinstance(module, nn.Embedding):
@@ -139,6 +141,31 @@ def expert_params(module: nn.Module) -> ExpertParams | None:
         return None
     found = replace(found, interleaved=found.packed and _interleaved(module))
     return _with_biases(found, weights, biases) if biases else found
+
+
+def linear_like(module: nn.Module) -> bool:
+    """A Linear written by hand: not an ``nn.Linear``, it owns ``weight`` [out, in] (and a
+    ``bias`` [out]) and nothing else, and its ``forward`` computes ``F.linear(x, self.weight,
+    ...)`` or ``x @ self.weight.T`` (DeepSeek's and gemma's reference code write one to
+    control init and dtype). It splits as nn.Linear does."""
+    if isinstance(module, (nn.Linear, nn.Embedding)) or any(True for _ in module.children()):
+        return False
+    params = dict(module.named_parameters(recurse=False))
+    weight, bias = params.get("weight"), params.get("bias")
+    if weight is None or weight.dim() != 2 or set(params) - {"weight", "bias"}:
+        return False
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        return False
+    return _linear_in_source(type(module))
+
+
+@functools.lru_cache(maxsize=256)
+def _linear_in_source(cls: type) -> bool:
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(r"linear\([^,()]+(\([^()]*\))?[^,()]*,\s*self\.weight\b|@\s*self\.weight\.(T\b|t\(\))", source) is not None
 
 
 def _interleaved(module: nn.Module) -> bool:

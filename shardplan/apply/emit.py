@@ -38,7 +38,7 @@ from .attention_style import MultiheadAttentionParallel
 from .gradsync import install_gradient_sync
 from .head_styles import ColwiseKVGathered, ColwiseKVReplicated, ColwisePartialInput, GatherPartialGrad, ReplicatePartialGrad
 from .styles import (
-    Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, LocalVocabParallel, MoEExpertsParallel, PackedColwise,
+    AsLinear, Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, LocalVocabParallel, MoEExpertsParallel, PackedColwise,
     ReplicateParallel,
     combine, local_during_forward, placement,
 )
@@ -112,6 +112,7 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
             continue  # applied after the module's own style (apply_plan)
         styles[r.module] = combine(styles.get(r.module), _region_style(r))
     conv1d, own_forward = _conv1d_rules(plan, model), _own_forward_embeddings(plan, model)
+    by_hand = _linear_like_rules(plan, model)
     adopted = _adopted_params(plan, model)
     for rule in plan.rules:
         if rule.module in adopted:
@@ -121,8 +122,8 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
                 name: placement(layout) for name, layout in rule.param_layouts.items()},
                 partial_grads=rule.partial_grads))  # children carry their own styles
         elif not _never_called(rule) or not any(c == "" or rule.module.startswith(c + ".") for c in adopted):
-            styles[rule.module] = combine(styles.get(rule.module), _style(
-                rule, conv1d=rule.module in conv1d, own_forward=rule.module in own_forward))
+            style = _style(rule, conv1d=rule.module in conv1d, own_forward=rule.module in own_forward)
+            styles[rule.module] = combine(styles.get(rule.module), AsLinear(style) if rule.module in by_hand else style)
     return _fnmatch_keys(styles)
 
 
@@ -162,15 +163,26 @@ def _adopted_params(plan: Plan, model: nn.Module | None) -> dict[str, list[str]]
 
 
 def _conv1d_rules(plan: Plan, model: nn.Module | None) -> set[str]:
+    from ..analyze.graph import module_kind
+
+    return _rules_where(plan, model, lambda m: module_kind(m) == "conv1d")
+
+
+def _linear_like_rules(plan: Plan, model: nn.Module | None) -> set[str]:
+    """Rules that split a Linear written by hand (torch's Linear styles take nn.Linear only)."""
+    from ..analyze.graph import linear_like
+
+    return {r for r in _rules_where(plan, model, linear_like)
+            if next(x for x in plan.rules if x.module == r).style != "replicate"}
+
+
+def _rules_where(plan: Plan, model: nn.Module | None, test) -> set[str]:
     if model is None:
         return set()
-    from ..analyze.graph import module_kind
-    from ..plan.model import expand_pattern
-
     found = set()
     for rule in plan.rules:
         fqns = expand_pattern(rule.module, plan.model.repeats)
-        if fqns and module_kind(model.get_submodule(fqns[0])) == "conv1d":
+        if fqns and test(model.get_submodule(fqns[0])):
             found.add(rule.module)
     return found
 

@@ -434,6 +434,27 @@ class CopyOutput(ParallelStyle):
         return module
 
 
+class AsLinear(ParallelStyle):
+    """A Linear written by hand (``analyze.graph.linear_like``: own ``weight`` [out, in],
+    ``F.linear`` in its forward) under a Linear style. torch's Colwise/RowwiseParallel refuse
+    any class but ``nn.Linear`` before partitioning ``weight`` and ``bias`` exactly as they
+    would an ``nn.Linear``'s, so the module is an ``nn.Linear`` subclass while ``style``
+    applies (its own class first, so its ``forward`` runs), then its own class again: the
+    hooks the style installed stay on the instance."""
+
+    def __init__(self, style: ParallelStyle) -> None:
+        super().__init__()
+        self.style = style
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        cls = type(module)
+        module.__class__ = type(cls.__name__, (cls, nn.Linear), {"extra_repr": cls.extra_repr})
+        try:
+            return self.style._apply(module, device_mesh)
+        finally:
+            module.__class__ = cls
+
+
 class Both(ParallelStyle):
     """Two styles on one module (a block's entry and exit), applied in order."""
 
