@@ -182,12 +182,14 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
     last = len(y.shape) - 1
     out: list[Strategy] = [_replicate(op, graph, module, flops)]
     col = dict(param_bytes=_ceil_div_bytes(pbytes, n_out, tp), flops=flops / tp, act_bytes=y.nbytes / tp)
-    # gathering right away tolerates an uneven split (a 50257-token head); sharded outputs do not
-    out.append(Strategy(
-        "colwise_gather_output", ("R",), "R", fwd=(("all_gather", y.nbytes),), entry=("R",),
-        layouts={"weight": col_w, "output": "R"}, **col,
-    ))
-    for d in _seq_dims(x.shape, tp) if sp else []:
+    # gathering right away tolerates an uneven split (a 50257-token head); sharded outputs do
+    # not, and fewer features than ranks (qwen2_moe's 1-row shared_expert_gate) leave ranks empty
+    if n_out >= tp:
+        out.append(Strategy(
+            "colwise_gather_output", ("R",), "R", fwd=(("all_gather", y.nbytes),), entry=("R",),
+            layouts={"weight": col_w, "output": "R"}, **col,
+        ))
+    for d in _seq_dims(x.shape, tp) if sp and n_out >= tp else []:
         out.append(Strategy(
             "colwise_gather_output", (f"S{d}",), "R", fwd=(("all_gather", y.nbytes),), entry=(f"S{d}",),
             layouts={"weight": col_w, "input": f"S{d}", "output": "R"}, **col,
@@ -335,10 +337,11 @@ def _embedding(op: Op, graph: OpGraph, module: nn.Embedding, tp: int, sp: bool) 
     last = len(y.shape) - 1
     out: list[Strategy] = [_replicate(op, graph, module)]
     vocab_shard = _ceil_div_bytes(pbytes, module.num_embeddings, tp)  # uneven vocabularies split too
-    out.append(Strategy(
-        "embedding_rowwise", ("R",), "R", fwd=(("all_reduce", y.nbytes),),
-        param_bytes=vocab_shard, act_bytes=y.nbytes, layouts={"weight": "S0"},
-    ))
+    if module.num_embeddings >= tp:  # not fewer rows than ranks (roberta's 2 token types)
+        out.append(Strategy(
+            "embedding_rowwise", ("R",), "R", fwd=(("all_reduce", y.nbytes),),
+            param_bytes=vocab_shard, act_bytes=y.nbytes, layouts={"weight": "S0"},
+        ))
     if module.num_embeddings % tp == 0:
         for d in _seq_dims(y.shape, tp) if sp else []:
             out.append(Strategy(
