@@ -375,3 +375,13 @@ def test_fewer_rows_than_ranks_are_not_split_by_rows(model_type: str, module: st
     model, inputs, kwargs = hf.build_hf_model(model_type, tiny=True, device="cpu", seed=0)
     result = simulate(model, plan, inputs, kwargs)
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
+@pytest.mark.parametrize("model_type", ["granite", "cohere"])
+def test_logits_scaled_after_the_head_are_not_a_mid_model_gather(model_type: str) -> None:
+    """granite divides the logits by ``logits_scaling``, cohere multiplies by ``logit_scale``:
+    the head's gather is still the model's last collective, so nothing warns (--strict plans)."""
+    model, inputs, kwargs = hf.build_hf_model(model_type, tiny=True)
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, example_kwargs=kwargs)
+    assert plan.rule_for("lm_head").style == "colwise_gather_output"
+    assert not [w for w in plan.warnings if w.startswith("lm_head")], plan.warnings

@@ -261,7 +261,7 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
                    else "replicated for speed within the memory budget" if budget
                    else f"no style splits it evenly at tp={tp}")
             out.append(f"{name}: weight {shapes[0] if len(shapes) == 1 else shapes} not sharded: {why}")
-        elif style == "colwise_gather_output" and op.output not in output_values:
+        elif style == "colwise_gather_output" and op.output not in output_values and _feeds_weights(graph, op.output):
             reason = _blocking_reshape(graph, op, tp) or _blocking_op(graph, op, tp) or (
                 f"every op after it could take its output split tp={tp} ways, so either one of them also takes an input "
                 "that stays whole (see the other warnings) or gathering here is cheaper (`shardplan explain` prices each style)"
@@ -271,6 +271,23 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
         reader = _parameter_reader(graph, fqn)
         out.append(f"{fqn}: {reader}; replicated" if reader else f"{fqn}: owns parameters but is not called in forward; replicated")
     return out
+
+
+def _feeds_weights(graph: OpGraph, value: int) -> bool:
+    """Whether a weight module reads ``value`` or anything computed from it: a head whose
+    logits are only scaled or cast on the way out (cohere's ``* logit_scale``, granite's
+    ``/ logits_scaling``) is gathered at the model's end, not mid-model."""
+    frontier, seen = [value], set()
+    while frontier:
+        v = frontier.pop()
+        for c in graph.consumers.get(v, []):
+            user = graph.ops[c]
+            if user.kind in ("module", "folded"):
+                return True
+            if c not in seen and user.output is not None:
+                seen.add(c)
+                frontier.append(user.output)
+    return False
 
 
 def _whole_attention(graph: OpGraph, op, module: nn.Module, tp: int) -> str:
