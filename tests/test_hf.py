@@ -385,3 +385,13 @@ def test_logits_scaled_after_the_head_are_not_a_mid_model_gather(model_type: str
     plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, example_kwargs=kwargs)
     assert plan.rule_for("lm_head").style == "colwise_gather_output"
     assert not [w for w in plan.warnings if w.startswith("lm_head")], plan.warnings
+
+
+@pytest.mark.parametrize("model_type", ["gptj", "codegen", "whisper"])
+def test_tiny_configs_keep_rotary_and_position_sizes_consistent(model_type: str) -> None:
+    """hf-tiny shrinks gptj's and codegen's ``rotary_dim`` within the tiny head (their rotary
+    broadcast failed) and whisper's ``max_target_positions`` with the sequence (an index past
+    its table): the tiny model simulates with the counts predicted."""
+    from shardplan.cli import main
+
+    assert main(["simulate", f"hf-tiny:{model_type}", "--mesh", "tp=2"]) == 0

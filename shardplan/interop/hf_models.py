@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 __all__ = ["TINY", "shrink_config", "build_hf_model", "positional", "hf_config", "hf_build", "transformers_module",
-           "config_dtype"]
+           "config_dtype", "max_positions"]
 
 
 def transformers_module() -> Any:
@@ -115,7 +115,8 @@ def _from_config(tf: Any, cfg: Any, spec: str, *, dtype: torch.dtype | None = No
 
 
 TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab": 512,
-        "head_dim": 16, "positions": 128, "experts": 4, "experts_per_tok": 2, "image": 32, "patch": 8}
+        "head_dim": 16, "positions": 128, "experts": 4, "experts_per_tok": 2, "image": 32, "patch": 8,
+        "rotary_dim": 8}
 
 _SIZES: list[tuple[tuple[str, ...], str]] = [
     (("hidden_size", "n_embd", "d_model", "dim", "n_embed", "embed_dim"), "hidden"),
@@ -126,13 +127,25 @@ _SIZES: list[tuple[tuple[str, ...], str]] = [
       "moe_intermediate_size", "shared_expert_intermediate_size"), "intermediate"),
     (("vocab_size",), "vocab"),
     (("head_dim", "d_kv", "kv_channels"), "head_dim"),
-    (("max_position_embeddings", "n_positions", "n_ctx", "original_max_position_embeddings"), "positions"),
+    (("max_position_embeddings", "n_positions", "n_ctx", "original_max_position_embeddings", "max_target_positions"),
+     "positions"),
+    (("rotary_dim",), "rotary_dim"),  # the rotary part of a head (gptj, codegen): within the tiny head
     (("num_local_experts", "num_experts", "n_routed_experts"), "experts"),
     (("image_size",), "image"),
     (("patch_size",), "patch"),
 ]
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id",
               "cls_token_id", "mask_token_id")
+
+
+def max_positions(config: Any) -> int | None:
+    """The longest sequence the config's position table holds (whisper's decoder names it
+    ``max_target_positions``), or None."""
+    for name in ("max_position_embeddings", "n_positions", "max_target_positions", "n_ctx"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def _has(config: Any, name: str) -> bool:
@@ -273,7 +286,7 @@ def build_hf_model(
     if torch.device(device).type != "meta":
         model.float()
     if tiny:
-        positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        positions = max_positions(cfg)
         if isinstance(positions, int):
             seq_len = min(seq_len, positions)
     inputs, kwargs = _example_inputs(model, cfg, device=device, batch_size=batch_size, seq_len=seq_len, seed=seed)
