@@ -395,3 +395,15 @@ def test_tiny_configs_keep_rotary_and_position_sizes_consistent(model_type: str)
     from shardplan.cli import main
 
     assert main(["simulate", f"hf-tiny:{model_type}", "--mesh", "tp=2"]) == 0
+
+
+def test_a_reshape_after_an_unsqueeze_names_the_head_count() -> None:
+    """gpt_bigcode views its [2, 1, 1024, 768] query as [2, 1024, 12, 64]: 12 heads, which
+    tp=8 does not divide (the warning used to read the trailing 64 as the groups)."""
+    from shardplan.tools.sources import resolve_model
+
+    model, inputs, _ = resolve_model("hf:gpt_bigcode")
+    plan = shardplan.plan_model(model, {"tp": 8}, example_inputs=inputs, explain=False)
+    (warning,) = [w for w in plan.warnings if w.startswith("transformer.h.*.attn.c_attn")]
+    assert "makes 12 groups (heads) of its 768 features, which tp=8 does not divide" in warning, warning
+    assert warning.endswith("use a tp that divides 12"), warning

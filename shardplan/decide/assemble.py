@@ -357,7 +357,7 @@ def _blocking_reshape(graph: OpGraph, op, tp: int) -> str:
                 src, dst = graph.values[value].shape, graph.values[user.output].shape
                 last = len(src) - 1
                 if user.target in VIEWS and src and src[last] % tp == 0 and _map_view_dim(src, dst, last, tp) is None:
-                    groups = next((n for n in dst[last:] if n != 1), dst[-1]) if len(dst) > last else dst[-1]
+                    groups = _outer_group(src, dst, last)
                     where = _user_line(user.node)
                     return (f"reshape {list(src)} -> {list(dst)} makes {groups} groups (heads) of its {src[last]} features, "
                             f"which tp={tp} does not divide" + (f" ({where})" if where else "") +
@@ -365,6 +365,17 @@ def _blocking_reshape(graph: OpGraph, op, tp: int) -> str:
                 nxt.append(user.output)
         frontier = nxt
     return ""
+
+
+def _outer_group(src: tuple[int, ...], dst: tuple[int, ...], d: int) -> int:
+    """The outermost size src dim ``d`` is cut into by a reshape: [.., 768] -> [.., 12, 64]
+    makes 12 groups (heads), whatever dims before it were added or merged."""
+    from .placements import view_groups
+
+    for gi, gj in view_groups(tuple(src), tuple(dst)):
+        if d in gi:
+            return next((dst[k] for k in gj if dst[k] != 1), dst[-1])
+    return dst[-1]
 
 
 def _blocking_op(graph: OpGraph, op, tp: int, *, depth: int = 24) -> str:
