@@ -407,3 +407,21 @@ def test_a_reshape_after_an_unsqueeze_names_the_head_count() -> None:
     (warning,) = [w for w in plan.warnings if w.startswith("transformer.h.*.attn.c_attn")]
     assert "makes 12 groups (heads) of its 768 features, which tp=8 does not divide" in warning, warning
     assert warning.endswith("use a tp that divides 12"), warning
+
+
+def test_a_norm_over_all_heads_is_whole_and_its_output_sliced_back() -> None:
+    """OLMo 2 normalizes q and k over all heads together ([b, s, heads * hd]): q and k are
+    gathered for their norms, which hand each rank its heads' slice, so v stays colwise, the
+    attention runs on each rank's heads and o_proj is rowwise (before, v, o and the attention
+    ran whole); numerics on 2 gloo ranks."""
+    from shardplan.tools.verify import verify
+
+    model, inputs, kwargs = hf.build_hf_model("olmo2", tiny=True)
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, example_kwargs=kwargs)
+    rules = {r.module.rpartition(".")[2]: r for r in plan.rules if ".self_attn." in r.module}
+    assert {k: rules[k].style for k in ("q_proj", "k_proj", "v_proj", "o_proj")} == {
+        "q_proj": "colwise_gather_output", "k_proj": "colwise_gather_output", "v_proj": "colwise", "o_proj": "rowwise"}
+    assert rules["q_norm"].output_layouts == rules["k_norm"].output_layouts == "Shard(2)"
+    assert all("hands each rank its slice of the result" in w for w in plan.warnings if ".self_attn." in w), plan.warnings
+    result = verify("hf-tiny:olmo2", nproc=2, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

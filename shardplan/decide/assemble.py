@@ -262,7 +262,7 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
                    else f"no style splits it evenly at tp={tp}")
             out.append(f"{name}: weight {shapes[0] if len(shapes) == 1 else shapes} not sharded: {why}")
         elif style == "colwise_gather_output" and op.output not in output_values and _feeds_weights(graph, op.output):
-            reason = _blocking_reshape(graph, op, tp) or _blocking_op(graph, op, tp) or (
+            reason = _sliced_back(graph, solution, op) or _blocking_reshape(graph, op, tp) or _blocking_op(graph, op, tp) or (
                 f"every op after it could take its output split tp={tp} ways, so either one of them also takes an input "
                 "that stays whole (see the other warnings) or gathering here is cheaper (`shardplan explain` prices each style)"
             )
@@ -271,6 +271,20 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
         reader = _parameter_reader(graph, fqn)
         out.append(f"{fqn}: {reader}; replicated" if reader else f"{fqn}: owns parameters but is not called in forward; replicated")
     return out
+
+
+def _sliced_back(graph: OpGraph, solution: Solution, op) -> str:
+    """A gathered projection whose only reader is a norm over all its features, run whole and
+    its output sliced back to each rank's share (OLMo 2's q_norm): said as such."""
+    from ..analyze.trace import _user_line
+
+    readers = [graph.ops[c] for c in graph.consumers.get(op.output, [])]
+    if not readers or any(u.module_kind != "norm" or not (solution.strategies[u.index].output or "").startswith("S")
+                          for u in readers):
+        return ""
+    where = _user_line(readers[0].node)
+    return (f"module `{readers[0].target}`" + (f" ({where})" if where else "") + " normalizes all its features "
+            "together, so it runs on the gathered tensor and hands each rank its slice of the result")
 
 
 def _feeds_weights(graph: OpGraph, value: int) -> bool:

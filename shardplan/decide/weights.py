@@ -445,6 +445,15 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
     x = graph.values[op.inputs[0]]
     pbytes = _param_bytes(module)
     out = [Strategy("replicate", ("R",), "R", param_bytes=pbytes, mem_bytes=2 * x.nbytes, act_bytes=x.nbytes, layouts={"weight": "R"})]
+    last = len(x.shape) - 1
+    if x.shape and x.shape[last] % tp == 0 and x.shape[last] >= tp:
+        # a norm over all heads together (OLMo 2's q_norm/k_norm over [b, s, heads * hd]):
+        # whole on the gathered projection, then each rank keeps its heads' features, as vLLM
+        # does. Replicate -> Shard(-1) is a local slice; backward all-gathers the gradient
+        out.append(Strategy(
+            "replicate", ("R",), f"S{last}", bwd=(("all_gather", x.nbytes),), param_bytes=pbytes,
+            mem_bytes=2 * x.nbytes, act_bytes=x.nbytes / tp, layouts={"weight": "R", "output": f"S{last}"},
+        ))
     for d in _seq_dims(x.shape, tp) if sp else []:
         # dim 1 of (batch, seq, hidden) is the sequence; a deeper dim is heads (q_norm/k_norm)
         name = "sequence_parallel" if d == 1 and len(x.shape) == 3 else "replicated_with_grad_allreduce"
