@@ -23,7 +23,17 @@ def _meta(name: str) -> torch.nn.Module:
         return getattr(untraceable, name)()
 
 
-@pytest.mark.parametrize("name", CASES)
+def test_a_module_made_in_forward_is_traced_through_by_fx() -> None:
+    """``nn.Identity()`` built per call (litgpt's clamp head) is not the model's: the meta fx
+    tracer traces its code (no op) instead of naming it, so the model keeps the fast, folded
+    front end and its regions, and matches one process on 2 gloo ranks."""
+    plan = shardplan.plan_model(_meta("module_in_forward"), {"tp": 2}, example_inputs=X, explain=False, front_end="fx")
+    assert [(r.module, r.style) for r in plan.rules][1:3] == [("layers.*.up", "colwise"), ("layers.*.down", "rowwise")]
+    result = verify("tests.portability.untraceable:module_in_forward", nproc=2, seq_len=8, timeout_s=240)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+@pytest.mark.parametrize("name", [c for c in CASES if c != "module_in_forward"])
 def test_the_fx_tracer_alone_fails_on_it(name: str) -> None:
     with pytest.raises((TraceError, AttributeError)):
         shardplan.plan_model(_meta(name), {"tp": 2}, example_inputs=X, explain=False, front_end="fx")

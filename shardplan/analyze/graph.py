@@ -147,7 +147,7 @@ def linear_like(module: nn.Module) -> bool:
     """A Linear written by hand: not an ``nn.Linear``, it owns ``weight`` [out, in] (and a
     ``bias`` [out]) and nothing else, and its ``forward`` computes ``F.linear(x, self.weight,
     ...)`` or ``x @ self.weight.T`` (DeepSeek's and gemma's reference code write one to
-    control init and dtype). It splits as nn.Linear does."""
+    control init and dtype), and no top-k (a router). It splits as nn.Linear does."""
     if isinstance(module, (nn.Linear, nn.Embedding)) or any(True for _ in module.children()):
         return False
     params = dict(module.named_parameters(recurse=False))
@@ -165,7 +165,10 @@ def _linear_in_source(cls: type) -> bool:
         source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return False
-    return re.search(r"linear\([^,()]+(\([^()]*\))?[^,()]*,\s*self\.weight\b|@\s*self\.weight\.(T\b|t\(\))", source) is not None
+    # a router (Mixtral's MixtralTopKRouter: F.linear, then top-k) is more than a Linear; its
+    # few rows stay whole, as Megatron keeps them
+    return "topk" not in source and re.search(
+        r"linear\([^,()]+(\([^()]*\))?[^,()]*,\s*self\.weight\b|@\s*self\.weight\.(T\b|t\(\))", source) is not None
 
 
 def _interleaved(module: nn.Module) -> bool:
@@ -259,6 +262,11 @@ def _owner(node: torch.fx.Node) -> str:
     return fqn[2:] if fqn.startswith("m.") else ("" if fqn == "m" else fqn)
 
 
+# ATen ops that are a Python op with the same arguments: ``x.split([q, k, v], dim)`` exports
+# as ``split_with_sizes``
+_ATEN_AS = {"split_with_sizes": "split"}
+
+
 def _target_name(node: torch.fx.Node) -> str:
     if node.op in ("call_module", "get_attr", "call_method", "placeholder", "output"):
         return str(node.target)
@@ -266,7 +274,8 @@ def _target_name(node: torch.fx.Node) -> str:
     if target in (operator.getitem,):
         return "getitem"
     if isinstance(target, torch._ops.OpOverload):  # torch.export's ATen ops: aten.view.default -> view
-        return target.overloadpacket.__name__
+        name = target.overloadpacket.__name__
+        return _ATEN_AS.get(name, name)
     return getattr(target, "__name__", str(target))
 
 

@@ -170,6 +170,10 @@ class _ShardTracer(MetaTracer):
             return a
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if id(m) not in self._module_paths:
+            # made inside forward (litgpt's ``nn.Identity()`` per call): not the model's, so
+            # no rule can name it; its code is traced instead (an Identity leaves no op)
+            return False
         fqn = self._fqn(m)
         if fqn in self.folded or is_weight_leaf(m):
             return True

@@ -466,8 +466,10 @@ def _outputs_taking(user, value: int, placement: str, strategies) -> set[str] | 
 def repeats(graph: OpGraph) -> dict[str, int | list[str]]:
     out: dict[str, int | list[str]] = {}
     for fqn, mod in graph.model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and fqn:
-            names = [n for n, _ in mod.named_children()]
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) or not fqn:
+            continue
+        names = [n for n, _ in mod.named_children()]
+        if names:  # an empty one (x-transformers' layer_integrators) repeats nothing
             out[fqn] = len(names) if names == [str(i) for i in range(len(names))] else names
     return out
 

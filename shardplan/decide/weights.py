@@ -107,8 +107,8 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
         found = _embedding(op, graph, module, tp, sp)
     elif kind == "norm" and len(op.inputs) == 1 and _acts_like_norm(op, graph, module):
         found = _norm(op, graph, module, tp, sp)
-        if sp_opt is True and len(found) > 1:  # the user asked for sequence parallel norms
-            found = found[1:]
+        if sp_opt is True and any(s.name != "replicate" for s in found):  # the user asked for sequence parallel norms
+            found = [s for s in found if s.name != "replicate"]
     elif kind == "experts":
         found = _experts(op, graph, module, tp)
     elif kind == "attention":
