@@ -109,3 +109,28 @@ def test_data_dependent_sizes_plan_at_their_bound_and_run_on_gloo() -> None:
         assert [styles[f"moes.0.experts.{e}.{w}"] for w in ("w1", "w3", "w2")] == ["colwise", "colwise", "rowwise"], styles
     result = verify("tests.portability.routed_experts:moe_lm", nproc=2, seq_len=16, timeout_s=300)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_exporting_leaves_the_users_model_as_it_was() -> None:
+    """torch.export runs the model's own forward on fake tensors: a tensor the forward caches
+    on a module (x-transformers' ALiBi registers its bias as a buffer) and a module registered
+    under two names (a tied ``token_emb``) must not leave fakes in the model, which then
+    plans again, copies and runs."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    class CachingBlock(untraceable.CallableArgument):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.register_buffer("cached", torch.zeros(self.up.in_features), persistent=False)
+            self.scale = torch.ones(1)
+            return super().forward(x) + self.cached
+
+    model = untraceable.Stack(CachingBlock)
+    model.alias = model.layers[0]  # one module under two names
+    before = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.zeros(2, 8, 32),), explain=False)
+    assert plan.module_styles()["layers.0.up"] == "colwise"
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert all(after[n] is p for n, p in before.items())
+    tensors = [t for m in model.modules() for t in [*m._buffers.values(), *vars(m).values()] if isinstance(t, torch.Tensor)]
+    assert not [t for t in tensors if isinstance(t, FakeTensor)]
+    assert model(torch.randn(2, 8, 32)).shape == (2, 8, 32)
