@@ -134,3 +134,14 @@ def test_exporting_leaves_the_users_model_as_it_was() -> None:
     tensors = [t for m in model.modules() for t in [*m._buffers.values(), *vars(m).values()] if isinstance(t, torch.Tensor)]
     assert not [t for t in tensors if isinstance(t, FakeTensor)]
     assert model(torch.randn(2, 8, 32)).shape == (2, 8, 32)
+
+
+def test_the_local_check_runs_code_that_turns_autocast_off_on_its_device() -> None:
+    """``autocast(x.device.type, enabled=False)`` fails on meta, which skipped the check for
+    the whole exported model, so a q viewed by the global head count was split and crashed
+    on the ranks. The check now runs it (autocast taken as cpu's), keeps that attention whole
+    and the plan matches one process on 2 gloo ranks."""
+    plan = shardplan.plan_model(_meta("autocast_off_around_scale"), {"tp": 2}, example_inputs=X, explain=False)
+    assert not [w for w in plan.warnings if "check skipped" in w], plan.warnings
+    result = verify("tests.portability.untraceable:autocast_off_around_scale_with_inputs", nproc=2, timeout_s=240)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

@@ -49,10 +49,11 @@ _NOISY_LOGGERS = ("torch.distributed.tensor._collective_utils", "torch._subclass
 
 @contextlib.contextmanager
 def quiet_probes() -> Iterator[None]:
-    """Silence warnings and torch's log lines while running code only to see if it runs."""
+    """Silence warnings and torch's log lines while running code only to see if it runs (on
+    the meta device, where ``torch.autocast`` is taken as cpu's)."""
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     levels = [lg.level for lg in loggers]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _autocast_on_meta():
         warnings.simplefilter("ignore")
         for lg in loggers:
             lg.setLevel(logging.CRITICAL)
@@ -61,6 +62,24 @@ def quiet_probes() -> Iterator[None]:
         finally:
             for lg, level in zip(loggers, levels):
                 lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def _autocast_on_meta() -> Iterator[None]:
+    """``torch.autocast(x.device.type, enabled=False)`` around a computation (x-transformers'
+    rotary frequencies) raises for ``"meta"`` in torch 2.13; meta tensors take no kernel, so
+    cpu's autocast stands in and the code around it runs as it would."""
+    autocast = torch.amp.autocast_mode.autocast
+    original = autocast.__init__
+
+    def init(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+        original(self, "cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    autocast.__init__ = init
+    try:
+        yield
+    finally:
+        autocast.__init__ = original
 
 
 def metadata_only(op: Op) -> bool:

@@ -79,3 +79,46 @@ class ValueBranch(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
         return h if h.sum() > 0 else -h
+
+
+class GlobalHeads(nn.Module):
+    """q viewed by the global head count, k and v by the head dim (as x-transformers does)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
+        self.head_dim = dim // heads
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.to_q(x).view(b, s, 4, -1).transpose(1, 2)
+        k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.to_k, self.to_v))
+        out = F.scaled_dot_product_attention(q * scale, k, v, is_causal=True)
+        return self.to_out(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class AutocastOffAroundScale(nn.Module):
+    """Export only (a callable test), and ``autocast(x.device.type, enabled=False)`` around a
+    computation, which torch refuses for the meta device the local check runs on."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(GlobalHeads(dim) for _ in range(2))
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _resolve(x)
+        with torch.autocast(x.device.type, enabled=False):
+            scale = torch.ones((), device=x.device)
+        for layer in self.layers:
+            x = x + layer(x, scale)
+        return self.head(x)
+
+
+def autocast_off_around_scale() -> AutocastOffAroundScale:
+    torch.manual_seed(0)
+    return AutocastOffAroundScale()
+
+
+def autocast_off_around_scale_with_inputs() -> tuple[AutocastOffAroundScale, torch.Tensor]:
+    return autocast_off_around_scale(), torch.zeros(2, 8, 32)
