@@ -117,6 +117,9 @@ def _check_axes(axes: dict[str, int], tp_axis: str) -> None:
 def infer_example_inputs(model: nn.Module, *, batch_size: int, seq_len: int) -> tuple:
     """Token ids for models that start with an Embedding, features for ones that start with a Linear."""
     first = next((m for m in model.modules() if isinstance(m, (nn.Embedding, nn.Linear, nn.modules.conv._ConvNd))), None)
+    table = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if isinstance(first, nn.Linear) and table is not None and first.in_features == table.embedding_dim:
+        first = table  # a head registered before the token table (litgpt's lm_head): reads its width
     if isinstance(first, nn.modules.conv._ConvNd):
         raise ValueError(
             f"cannot infer example inputs for {type(model).__name__}: it starts with a {type(first).__name__} "
@@ -141,7 +144,8 @@ def infer_example_inputs(model: nn.Module, *, batch_size: int, seq_len: int) -> 
     )
 
 
-_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx")
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
+                  "block_size")  # nanoGPT's and litgpt's config
 
 
 def _max_positions(model: nn.Module) -> int | None:

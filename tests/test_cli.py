@@ -272,3 +272,31 @@ def test_hf_without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
     with pytest.raises(ValueError, match=r"shardplan\[hf\]"):
         resolve_model("hf:llama")
+
+
+def test_inputs_are_token_ids_when_the_head_is_registered_before_the_table() -> None:
+    """litgpt's GPT registers ``lm_head`` before ``transformer.wte``: the first Linear reads the
+    table's width, so the inputs are token ids, not features (the trace failed on them); and
+    a ``block_size`` in the config (nanoGPT, litgpt) bounds the default sequence."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from shardplan.api import infer_example_inputs
+
+    class HeadFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = nn.Linear(64, 256, bias=False)
+            self.wte = nn.Embedding(256, 64)
+            self.pos = nn.Embedding(32, 64)
+            self.config = SimpleNamespace(block_size=32)
+
+        def forward(self, idx):
+            return self.lm_head(self.wte(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device)))
+
+    (ids,) = infer_example_inputs(HeadFirst(), batch_size=2, seq_len=16)
+    assert ids.dtype == torch.long
+    plan = shardplan.plan_model(HeadFirst(), {"tp": 2})
+    assert plan.options.seq_len == 32 and plan.module_styles()["wte"] != "replicate"

@@ -145,3 +145,18 @@ def test_the_local_check_runs_code_that_turns_autocast_off_on_its_device() -> No
     assert not [w for w in plan.warnings if "check skipped" in w], plan.warnings
     result = verify("tests.portability.untraceable:autocast_off_around_scale_with_inputs", nproc=2, timeout_s=240)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_sizes_taken_at_their_bound_are_said_and_simulate_as_a_ceiling() -> None:
+    """The plan says which sizes it bounded; ``shardplan simulate`` then holds the counted
+    bytes to the predicted ceiling (the counts must still be equal)."""
+    from shardplan import cli
+    from shardplan.analyze.export import UPPER_BOUND_NOTE
+    from tests.portability import routed_experts
+
+    assert UPPER_BOUND_NOTE.startswith(cli._UPPER_BOUND_START)
+    with torch.device("meta"):
+        model = routed_experts.moe_lm()
+    plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=(torch.zeros(2, 16, dtype=torch.long, device="meta"),))
+    assert UPPER_BOUND_NOTE in plan.warnings
+    assert cli.main(["simulate", "tests.portability.routed_experts:moe_lm", "--mesh", "tp=4", "--seq", "16"]) == 0

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_map_only
 
 from .trace import ModuleCall, Traced, TraceError, is_weight_leaf
 
-__all__ = ["export_trace"]
+__all__ = ["export_trace", "UPPER_BOUND_NOTE"]
 
 # ops that check metadata and return nothing: kept, they would pin their input whole
 _DROPPED = {"_assert_tensor_metadata", "_assert_async", "sym_constrain_range_for_size", "_assert_scalar"}
@@ -63,7 +63,18 @@ def export_trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict |
     graph, placeholders, outputs = _Rewriter(model, state).run(flat)
     args, kw = _root_nodes(model, placeholders, tuple(example_inputs), kwargs)
     call = ModuleCall("", args, kw, outputs, _meta_example(example_inputs, kwargs))
-    return Traced(graph=graph, model=model, calls={"": [call]}, folded={}, front_end="export")
+    notes = [UPPER_BOUND_NOTE] if _data_dependent(flat) else []
+    return Traced(graph=graph, model=model, calls={"": [call]}, folded={}, notes=notes, front_end="export")
+
+
+UPPER_BOUND_NOTE = ("sizes that depend on tensor values (the rows `nonzero`, `torch.where` or a boolean index select, "
+                    "as MoE dispatch does) are taken at their upper bound, every row selected: the estimate's "
+                    "communication and compute for them are upper bounds")
+
+
+def _data_dependent(graph: torch.fx.Graph) -> bool:
+    return any(isinstance(n, torch.SymInt) and n.node.expr.free_symbols and not n.node.has_hint()
+               for node in graph.nodes for v in [node.meta.get("val")] if isinstance(v, torch.Tensor) for n in v.shape)
 
 
 def _root_nodes(model: nn.Module, placeholders: list, args: tuple, kwargs: dict) -> tuple[list, dict]:
