@@ -420,7 +420,8 @@ CASES: list[Case] = [
     api("api-batch-size-0", lambda fx: shardplan.plan_model(mlp(), {"tp": 2}, batch_size=0), ValueError, r"batch_size.*\b0\b"),
     api("api-model-not-a-module", lambda fx: shardplan.plan_model("mlp", {"tp": 2}), ValueError, r"nn\.Module.*str|str.*nn\.Module"),
     api("api-cannot-infer-inputs", lambda fx: shardplan.plan_model(builders.ConvOnly(), {"tp": 2}), ValueError,
-        r"cannot infer example inputs for ConvOnly: its first weight module is missing"),
+        r"cannot infer example inputs for ConvOnly: it starts with a Conv1d \(4 channels\), whose input size it does "
+        r"not say; pass example_inputs=\(tensor, \.\.\.\)"),
     api("api-no-parameters", lambda fx: shardplan.plan_model(builders.Empty(), {"tp": 2},
                                                              example_inputs=(torch.zeros(2, 4),)),
         ValueError, r"Empty has no parameters"),
@@ -450,7 +451,8 @@ CASES: list[Case] = [
     api("api-price-styles-not-divisible", lambda fx: shardplan.price_styles(mlp(), {"tp": 3}, {"layers.0": "colwise"}),
         PlanningError, r"'layers\.0' cannot take style 'colwise' at tp=3"),
     api("api-price-styles-infeasible", lambda fx: shardplan.price_styles(
-        llama(), {"tp": 2}, {"layers.*.attention.wq": "rowwise"}, example_inputs=llama_inputs()),
+        llama(), {"tp": 2}, {"layers.*.attention.wq": "colwise", "layers.*.attention.wo": "colwise"},
+        example_inputs=llama_inputs()),  # wq splits the heads, which wo would need whole
         PlanningError, r"no valid tensor-parallel plan at tp=2"),
     api("api-price-styles-bad-layout", lambda fx: shardplan.price_styles(
         mlp(), {"tp": 2}, {"layers.0": ("colwise", {"input": "bogus"})}), ValueError, NOT_DIVISIBILITY + r"'bogus'"),
