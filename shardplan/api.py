@@ -145,14 +145,14 @@ def infer_example_inputs(model: nn.Module, *, batch_size: int, seq_len: int) -> 
 
 
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
-                  "block_size")  # nanoGPT's and litgpt's config
+                  "block_size")  # nanoGPT's and litgpt's config; x-transformers' model keeps max_seq_len
 
 
 def _max_positions(model: nn.Module) -> int | None:
     """The longest sequence the model's own config allows (a RoPE table or a position
     embedding that long), read from ``model.config`` (Hugging Face, shardplan's presets) or
     torchtitan's ``model.model_args``: the default example stays within it."""
-    for cfg in (getattr(model, "config", None), getattr(model, "model_args", None), getattr(model, "params", None)):
+    for cfg in (getattr(model, "config", None), getattr(model, "model_args", None), getattr(model, "params", None), model):
         for key in _POSITION_KEYS:
             value = getattr(cfg, key, None) if cfg is not None else None
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:

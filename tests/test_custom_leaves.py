@@ -138,3 +138,17 @@ def test_linears_written_by_hand_simulate_as_predicted() -> None:
     plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=TOKENS, sequence_parallel=True)
     result = simulate(by_hand.transformer(), plan, (torch.randint(0, 128, (2, 16)),))
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
+def test_a_module_under_two_names_is_styled_once_and_matches_one_process() -> None:
+    """The decoder's ``emb`` is the encoder's: one module, one style (a second application
+    failed in ``distribute_module``); the model's own ``max_seq_len`` bounds the sequence."""
+    from tests.portability.custom_leaves import shared_table
+
+    with torch.device("meta"):
+        model = shared_table()
+    plan = shardplan.plan_model(model, {"tp": 2})
+    assert plan.options.seq_len == 32
+    assert plan.module_styles()["encoder.emb"] != "replicate"
+    result = verify("tests.portability.custom_leaves:shared_table", nproc=2, seq_len=16, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

@@ -114,7 +114,7 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
     conv1d, own_forward = _conv1d_rules(plan, model), _own_forward_embeddings(plan, model)
     by_hand = _linear_like_rules(plan, model)
     adopted = _adopted_params(plan, model)
-    for rule in plan.rules:
+    for rule in _one_rule_per_module(plan, model):
         if rule.module in adopted:
             # combined with a region's PrepareModuleInput on the same module (gpt-oss's self_attn
             # owns ``sinks`` and is the q/k/v region): replacing it would drop the shared all-reduce
@@ -125,6 +125,23 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
             style = _style(rule, conv1d=rule.module in conv1d, own_forward=rule.module in own_forward)
             styles[rule.module] = combine(styles.get(rule.module), AsLinear(style) if rule.module in by_hand else style)
     return _fnmatch_keys(styles)
+
+
+def _one_rule_per_module(plan: Plan, model: nn.Module | None) -> list[Rule]:
+    """The rules, less one whose modules are all objects an earlier rule already styles: a
+    module registered under two names (x-transformers' decoder ``token_emb`` is the encoder's)
+    is one module, and a style applies to it once. Its rules agree, since the solver shards a
+    shared parameter one way."""
+    if model is None:
+        return list(plan.rules)
+    seen: set[int] = set()
+    out = []
+    for rule in plan.rules:
+        objects = {id(model.get_submodule(f)) for f in expand_pattern(rule.module, plan.model.repeats)}
+        if not objects or not objects <= seen:
+            out.append(rule)
+        seen |= objects
+    return out
 
 
 def _fnmatch_keys(styles: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:

@@ -85,3 +85,28 @@ def tied_lm() -> LocalEmbeddingLM:
     model = LocalEmbeddingLM(tied=True)
     model.embed.__class__ = nn.Embedding  # the stock class: its style would run it on DTensors
     return model
+
+
+class SharedTable(nn.Module):
+    """One embedding registered under two names (an encoder-decoder with tied token tables, as
+    x-transformers' ``tie_token_emb`` writes it), and a ``max_seq_len`` kept on the model."""
+
+    def __init__(self, dim: int = 64, vocab: int = 128) -> None:
+        super().__init__()
+        self.max_seq_len = 32
+        self.encoder = nn.ModuleDict({"emb": nn.Embedding(vocab, dim), "up": nn.Linear(dim, 4 * dim),
+                                      "down": nn.Linear(4 * dim, dim)})
+        self.decoder = nn.ModuleDict({"emb": self.encoder["emb"], "up": nn.Linear(dim, 4 * dim),
+                                      "down": nn.Linear(4 * dim, dim)})
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert tokens.shape[1] <= self.max_seq_len, "longer than the position table"
+        memory = self.encoder["down"](F.gelu(self.encoder["up"](self.encoder["emb"](tokens))))
+        x = self.decoder["emb"](tokens) + memory
+        return self.head(x + self.decoder["down"](F.gelu(self.decoder["up"](x))))
+
+
+def shared_table() -> SharedTable:
+    torch.manual_seed(0)
+    return SharedTable()
