@@ -41,7 +41,7 @@ class AttentionCall:
         """Distinct values read as query, key or value: each one's gradient is summed once."""
         return list(dict.fromkeys(v for v, r in zip(op.inputs, self.roles) if r in _QKV))
 
-    def placements(self, op: Op, p_in: str) -> tuple[str, ...]:
+    def placements(self, p_in: str) -> tuple[str, ...]:
         return tuple(p_in if r in _QKV else "R" for r in self.roles)
 
     def shardable(self, graph: OpGraph, op: Op, p: str, tp: int) -> bool:

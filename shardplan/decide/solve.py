@@ -341,16 +341,8 @@ def _tied_rows(prog: _Program, rows, lo, hi) -> None:
                 owners.setdefault(id(p), []).append(op.index)
     for ops in owners.values():
         for a, b in zip(ops, ops[1:]):
-            if a == b:
-                continue
-            for placement in ("R", "S0", "S1"):
-                row = {prog.var_of[(a, i)]: 1.0 for i, s in enumerate(prog.strategies[a]) if s.layouts.get("weight") == placement}
-                for i, s in enumerate(prog.strategies[b]):
-                    if s.layouts.get("weight") == placement:
-                        row[prog.var_of[(b, i)]] = row.get(prog.var_of[(b, i)], 0.0) - 1.0
-                rows.append(row)
-                lo.append(0.0)
-                hi.append(0.0)
+            if a != b:
+                _same_choice(prog, a, b, lambda s: s.layouts.get("weight"), ("R", "S0", "S1"), rows, lo, hi)
 
 
 def _same_module_rows(prog: _Program, rows, lo, hi) -> None:
@@ -363,14 +355,20 @@ def _same_module_rows(prog: _Program, rows, lo, hi) -> None:
     for ops in calls.values():
         for a, b in zip(ops, ops[1:]):
             keys = {_rule_key(s) for s in prog.strategies[a]} | {_rule_key(s) for s in prog.strategies[b]}
-            for key in sorted(keys, key=repr):
-                row = {prog.var_of[(a, i)]: 1.0 for i, s in enumerate(prog.strategies[a]) if _rule_key(s) == key}
-                for i, s in enumerate(prog.strategies[b]):
-                    if _rule_key(s) == key:
-                        row[prog.var_of[(b, i)]] = row.get(prog.var_of[(b, i)], 0.0) - 1.0
-                rows.append(row)
-                lo.append(0.0)
-                hi.append(0.0)
+            _same_choice(prog, a, b, _rule_key, sorted(keys, key=repr), rows, lo, hi)
+
+
+def _same_choice(prog: _Program, a: int, b: int, key, values, rows, lo, hi) -> None:
+    """Ops ``a`` and ``b`` pick strategies with the same ``key(strategy)``: for each value,
+    the sum of a's columns with it equals the sum of b's."""
+    for value in values:
+        row = {prog.var_of[(a, i)]: 1.0 for i, s in enumerate(prog.strategies[a]) if key(s) == value}
+        for i, s in enumerate(prog.strategies[b]):
+            if key(s) == value:
+                row[prog.var_of[(b, i)]] = row.get(prog.var_of[(b, i)], 0.0) - 1.0
+        rows.append(row)
+        lo.append(0.0)
+        hi.append(0.0)
 
 
 def _rule_key(s: Strategy) -> tuple:

@@ -425,7 +425,7 @@ def _attention(op: Op, graph: OpGraph, module: nn.MultiheadAttention, tp: int, s
         for p_out in out_dims:
             fwd, bwd = call.comms(graph, op, p_in, p_out, y_bytes)
             out.append(Strategy(
-                "attention_heads", call.placements(op, p_in), p_out, fwd=fwd, bwd=bwd,
+                "attention_heads", call.placements(p_in), p_out, fwd=fwd, bwd=bwd,
                 param_bytes=(pbytes - kept) / tp + kept, flops=flops / tp,
                 act_bytes=y_bytes / (1 if p_out == "R" else tp),
                 layouts={"weight": "S0p3", **({"input": p_in} if p_in != "R" else {}),
