@@ -425,3 +425,16 @@ def test_a_norm_over_all_heads_is_whole_and_its_output_sliced_back() -> None:
     assert all("hands each rank its slice of the result" in w for w in plan.warnings if ".self_attn." in w), plan.warnings
     result = verify("hf-tiny:olmo2", nproc=2, timeout_s=300)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_a_router_is_whole_by_design_and_strict_plans_moe() -> None:
+    """A router module (``*TopKRouter``: a [experts, hidden] weight and a top-k) stays whole,
+    as every expert plan keeps it, without a warning: ``--strict`` used to refuse every MoE."""
+    from shardplan.tools.sources import resolve_model
+
+    model, inputs, _ = resolve_model("hf:qwen3_moe")
+    plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=inputs, explain=False, strict=True)
+    assert plan.rule_for("model.layers.0.mlp.gate").style == "replicate"
+    model, inputs, _ = resolve_model("hf:mixtral")
+    plan = shardplan.plan_model(model, {"tp": 8}, example_inputs=inputs, explain=False)
+    assert not [w for w in plan.warnings if "Router" in w], plan.warnings

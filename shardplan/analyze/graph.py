@@ -30,7 +30,7 @@ from torch import nn
 
 from .trace import Traced, is_weight_leaf
 
-__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like"]
+__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like", "router_like"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,23 @@ def _linear_in_source(cls: type) -> bool:
     # few rows stay whole, as Megatron keeps them
     return "topk" not in source and re.search(
         r"linear\([^,()]+(\([^()]*\))?[^,()]*,\s*self\.weight\b|@\s*self\.weight\.(T\b|t\(\))", source) is not None
+
+
+def router_like(module: nn.Module) -> bool:
+    """An MoE router written as a module of its own (Mixtral's ``MixtralTopKRouter``: a
+    ``weight`` [experts, hidden] and a top-k in its class): whole on every rank by design, as
+    Megatron, torchtitan and Hugging Face keep routers, not a weight left unsplit."""
+    weight = getattr(module, "weight", None)
+    return (not isinstance(module, nn.Linear) and isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and _topk_in_source(type(module)))
+
+
+@functools.lru_cache(maxsize=256)
+def _topk_in_source(cls: type) -> bool:
+    try:
+        return "topk" in inspect.getsource(cls)
+    except (OSError, TypeError):
+        return False
 
 
 def _interleaved(module: nn.Module) -> bool:

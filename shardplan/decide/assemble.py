@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from . import cost
-from ..analyze.graph import OpGraph
+from ..analyze.graph import OpGraph, router_like
 from ..plan.model import Region, Rule, brace_ranges
 from .regions import Entry, PartialBlock, partial_grad_params
 from .solve import Solution
@@ -246,7 +246,7 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
         style = solution.strategies[op.index].name
         module = graph.model.get_submodule(op.target)
         name = patterned(op.target, graph, pmap)[0]
-        if op.module_kind == "other":
+        if op.module_kind == "other" and not router_like(module):
             out.append(f"{name}: {type(module).__name__} has no tensor-parallel style; replicated")
         elif op.module_kind == "attention" and style == "replicate":
             out.append(f"{name}: {_whole_attention(graph, op, module, tp)}")
