@@ -189,8 +189,8 @@ def _linear_like_rules(plan: Plan, model: nn.Module | None) -> set[str]:
     """Rules that split a Linear written by hand (torch's Linear styles take nn.Linear only)."""
     from ..analyze.graph import linear_like
 
-    return {r for r in _rules_where(plan, model, linear_like)
-            if next(x for x in plan.rules if x.module == r).style != "replicate"}
+    split = {r.module for r in plan.rules if r.style != "replicate"}
+    return _rules_where(plan, model, linear_like) & split
 
 
 def _rules_where(plan: Plan, model: nn.Module | None, test) -> set[str]:

@@ -250,8 +250,8 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
             out.append(f"{name}: {type(module).__name__} has no tensor-parallel style; replicated")
         elif op.module_kind == "attention" and style == "replicate":
             out.append(f"{name}: {_whole_attention(graph, op, module, tp)}")
-        elif op.module_kind == "attention" and _unread_weights(graph, op):
-            out.append(f"{name}: {_unread_weights(graph, op)}")
+        elif op.module_kind == "attention" and (unread := _unread_weights(graph, op)):
+            out.append(f"{name}: {unread}")
         elif op.module_kind in ("linear", "conv1d", "embedding", "experts") and style == "replicate":
             shapes = [list(p.shape) for p in module.parameters(recurse=False) if p.dim() >= 2]
             sliced = (solution.strategies[op.index].output or "").startswith("S")
@@ -316,7 +316,8 @@ def _whole_attention(graph: OpGraph, op, module: nn.Module, tp: int) -> str:
     if graph.traced.front_end == "export":
         return ("traced by torch.export, whose graph does not keep the call's arguments, so the attention runs whole "
                 "(the meta fx tracer keeps them: make the rest of the model traceable by it)")
-    if attention_call(op, graph).need_weights:
+    call = attention_call(op, graph)
+    if call.need_weights and not call.splittable:
         return (f"the call{at} asks for per-head attention weights (average_attn_weights=False), which would need every "
                 "head on every rank, so the attention runs whole; average them or pass need_weights=False")
     return f"kept whole by the cost model (`shardplan explain` prices each style){at}"
