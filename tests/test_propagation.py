@@ -18,7 +18,7 @@ from shardplan.analyze.graph import expert_params
 from shardplan.api import _graph
 from shardplan.decide import propagation
 from shardplan.tools.verify import verify
-from tests.portability.dtensor_ops import EinsumModel, LiteralReshape
+from tests.portability.dtensor_ops import ChunkedAttention, EinsumModel, LiteralReshape, chunked_model
 from tests.portability.experts import Interleaved
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -82,6 +82,37 @@ def test_probe_answers_the_same_under_a_process_group() -> None:
 def test_einsum_model_matches_one_process_on_gloo() -> None:
     result = verify("tests.portability.dtensor_ops:einsum_model", nproc=2, timeout_s=240)
     assert {"colwise", "rowwise"} <= set(result.plan.module_styles().values())
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_a_write_into_a_tensor_split_by_heads_stays_on_the_shards() -> None:
+    """``out[:, :, i] = v`` (setitem, no result) on a buffer split by heads: DTensor writes each
+    rank's shard with no collective wherever the index leaves the split dim whole; a split
+    along the indexed dim (2) would need another rank's rows, and is refused."""
+    with torch.device("meta"):
+        model = ChunkedAttention()
+    graph = _graph(model, (torch.zeros(2, 16, 64, device="meta"),), None, {})
+    write = _op(graph, "setitem")
+    assert [graph.values[v].shape for v in write.inputs] == [(2, 8, 4, 4, 8), (2, 8, 4, 8)]
+    found = propagation.in_place_strategies(write, graph, tp=2)
+    assert set(found) == {("S0", "S0"), ("S1", "S1"), ("S3", "S2"), ("S4", "S3")}, found
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_chunked_attention_is_split_by_heads(tp: int) -> None:
+    """Before in-place writes were probed, every attention Linear here was gathered."""
+    with torch.device("meta"):
+        model = chunked_model()
+    plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=_tokens(), explain=False)
+    styles = plan.module_styles()
+    assert {styles[f"layers.{i}.attn.w{n}"] for i in (0, 1) for n in "qkv"} == {"colwise"}, styles
+    assert {styles[f"layers.{i}.attn.wo"] for i in (0, 1)} == {"rowwise"}, styles
+    assert not plan.warnings, plan.warnings
+
+
+def test_chunked_attention_matches_one_process_on_gloo() -> None:
+    result = verify("tests.portability.dtensor_ops:chunked_model", nproc=2, timeout_s=240)
+    assert result.plan.module_styles()["layers.0.attn.wq"] == "colwise"
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
 
 

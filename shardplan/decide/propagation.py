@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import operator
 import warnings
 from typing import Any, Iterator
 
@@ -32,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..analyze.graph import Op, OpGraph
 
-__all__ = ["dtensor_strategies", "metadata_only", "quiet_probes"]
+__all__ = ["dtensor_strategies", "in_place_strategies", "metadata_only", "quiet_probes"]
 
 # attributes that read no element and no size: any placement of the tensor gives the same
 # answer on every rank (``x.shape`` does not qualify: a shard's shape is local)
@@ -100,9 +101,53 @@ def dtensor_strategies(op: Op, graph: OpGraph, *, tp: int) -> list[tuple[tuple[s
     return list(_cache[key])
 
 
+def in_place_strategies(op: Op, graph: OpGraph, *, tp: int) -> list[tuple[str, ...]]:
+    """Input placements under which DTensor runs an in-place op with no result
+    (``t[:, :, i] = v``, ``operator.setitem``) with no collective, the written tensor keeping
+    its placement, and the same write on the local shards runs (a whole ``v`` written into a
+    shard of ``t`` is a slice DTensor makes for free, but plain local code would not)."""
+    if not is_in_place(op):
+        return []
+    key = _signature(op, graph, tp)
+    if key is None:
+        return []
+    if key not in _cache:
+        _cache[key] = tuple((combo, "") for combo in _in_place_all(op, graph, tp))
+    return [combo for combo, _ in _cache[key]]
+
+
+def is_in_place(op: Op) -> bool:
+    """An op that writes into its first tensor argument and returns nothing to the graph."""
+    node = op.node
+    return op.output is None and bool(op.inputs) and node.op == "call_function" and node.target is operator.setitem
+
+
+def _in_place_all(op: Op, graph: OpGraph, tp: int) -> list[tuple[str, ...]]:
+    choices = [_candidates(graph.values[v].shape, tp) for v in op.inputs]
+    combos = [c for c in itertools.product(*choices) if c[0] != "R"][:_MAX_COMBOS]
+    return [c for c in combos if _probe_in_place(op, graph, tp, dict(zip(op.inputs, c)))]
+
+
+def _probe_in_place(op: Op, graph: OpGraph, tp: int, placement: dict[int, str]) -> bool:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    try:
+        with quiet_probes(), torch.no_grad(), CommDebugMode() as comm:
+            args, kwargs = _args(op, placement, tp, distributed=True)
+            before = args[0].placements
+            _call(op, graph, (args, kwargs))
+        if comm.get_total_counts() or args[0].placements != before:
+            return False
+        with quiet_probes(), torch.no_grad():
+            _call(op, graph, _args(op, placement, tp, distributed=False))
+    except Exception:  # noqa: BLE001 - DTensor refusing (or the local write failing) is the answer "no"
+        return False
+    return True
+
+
 def _signature(op: Op, graph: OpGraph, tp: int) -> tuple | None:
     node, tensors = op.node, set(op.inputs)
-    if node.op not in ("call_function", "call_method", "call_module") or op.output is None:
+    if node.op not in ("call_function", "call_method", "call_module") or (op.output is None and not is_in_place(op)):
         return None
     if node.op == "call_module" and _has_state(graph, node.target):
         return None  # a module with weights or buffers is not an op DTensor can run alone

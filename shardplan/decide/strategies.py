@@ -40,7 +40,7 @@ from .placements import (
     VIEW_OPS, Strategy, chunk_count, groups_of, packed, placement_str, shard_dim, sliced_part, split_parts,
     view_groups, view_parts,
 )
-from .propagation import dtensor_strategies, metadata_only
+from .propagation import dtensor_strategies, in_place_strategies, metadata_only
 from .weights import module_strategies
 
 __all__ = ["Strategy", "op_strategies", "shard_dim", "placement_str", "packed", "chunk_count", "param_only_values"]
@@ -90,7 +90,8 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
     if op.output is None:
         if metadata_only(op):  # x.device, x.dtype: the same answer from any shard
             return [Strategy("", (p,), None) for p in _candidates(_shape(graph, op.inputs[0]), tp)] if len(op.inputs) == 1 else [_all(op, "R", None)]
-        return [_all(op, "R", None)]
+        # a write into a sharded tensor (t[:, :, i] = v) stays on each rank's shard
+        return [_all(op, "R", None)] + [Strategy("", ins, None) for ins in in_place_strategies(op, graph, tp=tp)]
     return _function_strategies(op, graph, tp)
 
 

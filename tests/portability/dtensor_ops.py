@@ -1,6 +1,8 @@
 """Attention written with ops the hand rules do not know, as torchtitan and research code
 write it: complex RoPE (``view_as_complex``/``view_as_real``), scores and output by
-``einsum``, GQA by ``repeat_interleave``; and one that reshapes with literal global sizes."""
+``einsum``, GQA by ``repeat_interleave``; one that writes its output chunk by chunk into a
+zeros buffer (``out[:, :, i] = ...``, as the reference kernels of linear attention do:
+Qwen3-Next's gated delta rule); and one that reshapes with literal global sizes."""
 
 import torch
 from torch import nn
@@ -43,6 +45,36 @@ class EinsumAttention(nn.Module):
 
 def EinsumModel(dim: int = 64, layers: int = 2, vocab: int = 128) -> TokenLM:
     return TokenLM([PreNormBlock(EinsumAttention(dim), dim) for _ in range(layers)], dim=dim, vocab=vocab)
+
+
+class ChunkedAttention(nn.Module):
+    """Causal attention computed one query chunk at a time, each chunk's result written into
+    a buffer made by ``zeros_like``: ``out[:, :, i] = ...`` is an in-place ``setitem`` on a
+    tensor split by heads (dim 1), along a dim no rank splits."""
+
+    def __init__(self, dim: int = 64, heads: int = 8, chunk: int = 4) -> None:
+        super().__init__()
+        self.head_dim, self.chunk = dim // heads, chunk
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # [b, heads, chunks, chunk, head_dim]
+        q, k, v = (w(x).view(b, s // self.chunk, self.chunk, -1, self.head_dim).permute(0, 3, 1, 2, 4)
+                   for w in (self.wq, self.wk, self.wv))
+        out = torch.zeros_like(v)
+        for i in range(s // self.chunk):
+            keys, values = k[:, :, : i + 1].flatten(2, 3), v[:, :, : i + 1].flatten(2, 3)
+            scores = q[:, :, i] @ keys.transpose(-1, -2) / self.head_dim**0.5
+            mask = torch.ones(self.chunk, (i + 1) * self.chunk, dtype=torch.bool, device=x.device).tril(i * self.chunk)
+            out[:, :, i] = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values
+        return self.wo(out.permute(0, 2, 3, 1, 4).reshape(b, s, -1))
+
+
+def chunked_model() -> TokenLM:
+    torch.manual_seed(0)
+    return TokenLM([PreNormBlock(ChunkedAttention(), 64) for _ in range(2)], dim=64, vocab=128)
 
 
 class LiteralReshape(nn.Module):
