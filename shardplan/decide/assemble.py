@@ -21,7 +21,7 @@ from ..analyze.graph import OpGraph, router_like
 from ..plan.model import Region, Rule, brace_ranges
 from .regions import Entry, PartialBlock, partial_grad_params
 from .solve import Solution
-from .placements import one_slice
+from .placements import one_slice, shard_dim
 from .strategies import placement_str
 from .weights import read_elsewhere
 
@@ -412,7 +412,7 @@ def _blocking_op(graph: OpGraph, op, tp: int, *, depth: int = 24) -> str:
                 user = graph.ops[c]
                 outs = _outputs_taking(user, value, placement, op_strategies(user, graph, tp=tp))
                 if outs is None:
-                    return _blocked_by(user, graph.values[value].shape, int(placement[1:]), tp, graph=graph, value=value)
+                    return _blocked_by(user, graph.values[value].shape, shard_dim(placement), tp, graph=graph, value=value)
                 if user.kind == "function" and user.output is not None:
                     nxt += [(user.output, o) for o in outs if o.startswith("S")]
         frontier = nxt

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..analyze.graph import OpGraph
+from .propagation import metadata_only
 from .solve import Solution
 
 __all__ = ["RegionSite", "Entry", "PartialBlock", "find_regions", "find_partial_blocks"]
@@ -70,7 +71,8 @@ def _candidate_sites(graph: OpGraph, value: int, consumers: tuple[int, ...], *,
     """Modules that receive ``value`` as an argument and hold only entering consumers of it,
     at least ``fewest`` of them."""
     node = graph.ops[graph.values[value].producer].node
-    others = set(graph.consumers.get(value, [])) - set(consumers)
+    # a read of metadata (``x.device`` for a mask) is the same on the gathered value
+    others = {c for c in graph.consumers.get(value, []) if not metadata_only(graph.ops[c])} - set(consumers)
     found = []
     for fqn, calls in graph.traced.calls.items():
         if not fqn or fqn in graph.traced.folded or len(calls) != 1:

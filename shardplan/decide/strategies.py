@@ -35,6 +35,7 @@ import torch.fx
 
 from ..analyze.graph import Op, OpGraph
 
+from .folded import folded_factory_strategies, folded_values, folded_variants, folded_view_strategies
 from .heads import grouped_conversions, grouped_values, grouped_variants, partial_grad_twins, under_partial_grad_owner
 from .placements import (
     VIEW_OPS, Strategy, chunk_count, groups_of, packed, placement_str, shard_dim, sliced_part, split_parts,
@@ -89,7 +90,11 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
         return [Strategy("folded", tuple("*" for _ in op.inputs), None)]
     if op.output is None:
         if metadata_only(op):  # x.device, x.dtype: the same answer from any shard
-            return [Strategy("", (p,), None) for p in _candidates(_shape(graph, op.inputs[0]), tp)] if len(op.inputs) == 1 else [_all(op, "R", None)]
+            if len(op.inputs) != 1:
+                return [_all(op, "R", None)]
+            folded = [packed(d, k) for k in sorted(folded_values(graph, tp).get(op.inputs[0], ()))
+                      for d, n in enumerate(_shape(graph, op.inputs[0])) if n % (k * tp) == 0]
+            return [Strategy("", (p,), None) for p in _candidates(_shape(graph, op.inputs[0]), tp) + folded]
         # a write into a sharded tensor (t[:, :, i] = v) stays on each rank's shard
         return [_all(op, "R", None)] + [Strategy("", ins, None) for ins in in_place_strategies(op, graph, tp=tp)]
     return _function_strategies(op, graph, tp)
@@ -160,6 +165,12 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
             strategies += _unary(op, graph, tp, out_shape)
         else:  # no hand rule: ask DTensor's sharding propagation (checked on local shapes)
             strategies += [Strategy("", ins, out) for ins, out in dtensor_strategies(op, graph, tp=tp)]
+    if name in VIEWS:  # heads folded into the batch (fairseq's bmm attention) and back
+        strategies += folded_view_strategies(op, graph, tp)
+    elif not op.inputs:
+        strategies += folded_factory_strategies(op, graph, tp, out_shape)
+    elif any(v in folded_values(graph, tp) for v in op.inputs):
+        strategies += folded_variants(op, graph, tp, strategies, lambda v: _shape(graph, v), out_shape)
     if grouped_in:
         strategies += grouped_conversions(op, graph, tp, out_shape)
     if under_partial_grad_owner(op.owner, graph, tp):

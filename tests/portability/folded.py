@@ -1,0 +1,82 @@
+"""Attention that folds the heads into the batch for ``torch.bmm``, as fairseq, OPT's and
+BLOOM's early code and Megatron's legacy core attention write it: ``[b, s, h * d]`` viewed to
+``[b * h, s, d]``, scores by ``bmm`` (or ``baddbmm`` with ``beta=0``), softmax, ``bmm`` with
+the values, and viewed back by the head count. Sizes are integer attributes, as such code
+keeps them; the sequence length is read from the input."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.portability.lm import PreNormBlock, TokenLM
+
+
+class BmmAttention(nn.Module):
+    """fairseq/OPT: ``[b, s, h * d] -> [b, h, s, d] -> [b * h, s, d]``, a causal mask built
+    on the input's device."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.embed_dim = heads, dim // heads, dim
+        self.scaling = self.head_dim ** -0.5
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(dim, dim) for _ in range(3))
+        self.out_proj = nn.Linear(dim, dim)
+
+    def _fold(self, t: torch.Tensor, bsz: int, seq: int) -> torch.Tensor:
+        t = t.view(bsz, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        return t.reshape(bsz * self.num_heads, seq, self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self._fold(self.q_proj(x) * self.scaling, bsz, seq)
+        k, v = self._fold(self.k_proj(x), bsz, seq), self._fold(self.v_proj(x), bsz, seq)
+        scores = torch.bmm(q, k.transpose(1, 2))
+        mask = torch.full((seq, seq), float("-inf"), device=x.device).triu(1)
+        attn = torch.bmm(F.softmax(scores + mask, dim=-1), v)
+        attn = attn.view(bsz, self.num_heads, seq, self.head_dim).transpose(1, 2)
+        return self.out_proj(attn.reshape(bsz, seq, self.embed_dim))
+
+
+class MegatronCoreAttention(nn.Module):
+    """Megatron's legacy layout: sequence first, ``[s, b, np * hn] -> [s, b * np, hn]``,
+    scores by ``baddbmm`` into an empty buffer with ``beta=0``, viewed to ``[b, np, s, s]``
+    for the mask and softmax and back, and the context permuted to ``[s, b, np * hn]``."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.num_attention_heads, self.hidden_size_per_attention_head = heads, dim // heads
+        self.hidden_size = dim
+        self.query_key_value = nn.Linear(dim, 3 * dim)  # grouped per head: [q_i, k_i, v_i] for each head i
+        self.dense = nn.Linear(dim, dim)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.transpose(0, 1)  # [s, b, h]
+        sq, b, _ = x.shape
+        np_, hn = self.num_attention_heads, self.hidden_size_per_attention_head
+        mixed = self.query_key_value(x).view(sq, b, np_, 3 * hn)
+        q, k, v = torch.split(mixed, hn, dim=3)
+        q, k = q.reshape(sq, b * np_, hn), k.reshape(sq, b * np_, hn)
+        buffer = torch.empty(b * np_, sq, sq, dtype=q.dtype, device=q.device)
+        scores = torch.baddbmm(buffer, q.transpose(0, 1), k.transpose(0, 1).transpose(1, 2),
+                               beta=0.0, alpha=1.0 / math.sqrt(hn))
+        scores = scores.view(b, np_, sq, sq)
+        causal = torch.ones(sq, sq, dtype=torch.bool, device=x.device).triu(1)
+        probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
+        context = torch.bmm(probs.view(b * np_, sq, sq), v.reshape(sq, b * np_, hn).transpose(0, 1))
+        context = context.view(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size)
+        return self.dense(context).transpose(0, 1)
+
+
+def _lm(cls) -> TokenLM:
+    torch.manual_seed(0)
+    return TokenLM([PreNormBlock(cls(), 64) for _ in range(2)], dim=64, vocab=128)
+
+
+def bmm_model() -> TokenLM:
+    return _lm(BmmAttention)
+
+
+def megatron_model() -> TokenLM:
+    return _lm(MegatronCoreAttention)

@@ -1,0 +1,65 @@
+"""Heads folded into the batch for ``torch.bmm`` (fairseq, OPT's and BLOOM's early code,
+Megatron's legacy core attention): the folded placement ``S{d}p{k}`` through the view that
+folds, the batched matmuls and softmax, and the view back; plans on meta at tp=2 and 4 (and
+with sequence parallel), numerics on 2 gloo ranks against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardplan
+from shardplan.decide.folded import folded_view
+from shardplan.tools.verify import verify
+from tests.portability import folded
+
+
+def _tokens(seq: int = 16) -> tuple[torch.Tensor]:
+    return (torch.zeros(2, seq, dtype=torch.long, device="meta"),)
+
+
+@pytest.mark.parametrize(("src", "dst", "d", "parts", "want"), [
+    ((2, 8, 5, 4), (16, 5, 4), 1, 1, "S0p2"),  # [b, h, s, d] split by heads -> [b * h, s, d]: b blocks
+    ((16, 5, 4), (2, 8, 5, 4), 0, 2, "S1"),  # and back: the blocks are the batch, the split the heads
+    ((5, 2, 32), (5, 8, 8), 2, 1, "S1p2"),  # fairseq: [t, b, h * d] -> [t, b * h, d]
+    ((2, 8, 5, 4), (2, 8, 20), 1, 1, "S1"),  # heads untouched: a plain view (the view rule's own)
+    ((2, 6, 5, 4), (12, 5, 4), 1, 1, None),  # 6 heads at tp=4: no rank holds whole heads
+    ((16, 5, 4), (4, 4, 5, 4), 0, 2, "S0p2"),  # 2 blocks of 8 rows split in 2 are rows {0, 2} of 4 blocks of 4
+    ((16, 5, 4), (2, 2, 4, 5, 4), 0, 2, "S1"),  # rank 0's rows {0-3, 8-11} are [:, 0] of [2, 2, 4]
+    ((2, 8, 5, 4), (2, 4, 2, 5, 4), 1, 1, "S1"),  # 8 heads as 4 pairs: rank 0 holds pairs 0-1
+])
+def test_folded_view_places_the_blocks(src, dst, d, parts, want) -> None:
+    tp = 4 if src[1] == 6 else 2
+    assert folded_view(src, dst, d, parts, tp) == want
+
+
+LOCAL = {"bmm_model": lambda tp: {"num_heads": 4 // tp, "embed_dim": 64 // tp},
+         "megatron_model": lambda tp: {"num_attention_heads": 4 // tp, "hidden_size": 64 // tp}}
+SPLIT = {"bmm_model": ("q_proj", "k_proj", "v_proj", "out_proj"), "megatron_model": ("query_key_value", "dense")}
+
+
+@pytest.mark.parametrize(("tp", "seq"), [(2, 16), (4, 16), (2, 2048)])
+@pytest.mark.parametrize("name", sorted(LOCAL))
+def test_folded_attention_is_split_by_heads(name: str, tp: int, seq: int) -> None:
+    """Before folds were placed, every Linear of these attentions was gathered; at 2048
+    tokens the plan is sequence parallel, and a fairseq attention, which reads its sequence
+    length from its input, gets that input gathered where it receives it."""
+    with torch.device("meta"):
+        model = getattr(folded, name)()
+    plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=_tokens(seq), explain=False)
+    styles = plan.module_styles()
+    *cols, row = SPLIT[name]
+    assert {styles[f"layers.{i}.attn.{n}"] for i in (0, 1) for n in cols} == {"colwise"}, styles
+    assert {styles[f"layers.{i}.attn.{row}"] for i in (0, 1)} == {"rowwise"}, styles
+    assert [(a.module, a.values) for a in plan.attributes] == [("layers.*.attn", LOCAL[name](tp))]
+    assert not plan.warnings, plan.warnings
+    if seq > 16 and name == "bmm_model":
+        assert styles["layers.0.norm1"] == "sequence_parallel"
+        assert [(r.module, r.input_layouts) for r in plan.regions] == [("layers.*.attn", "Shard(1)")]
+
+
+@pytest.mark.parametrize("name", sorted(LOCAL))
+def test_folded_attention_matches_one_process_on_gloo(name: str) -> None:
+    result = verify(f"tests.portability.folded:{name}", nproc=2, timeout_s=300)
+    assert "rowwise" in result.plan.module_styles().values()
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
