@@ -34,8 +34,10 @@ def test_folded_view_places_the_blocks(src, dst, d, parts, want) -> None:
 
 
 LOCAL = {"bmm_model": lambda tp: {"num_heads": 4 // tp, "embed_dim": 64 // tp},
-         "megatron_model": lambda tp: {"num_attention_heads": 4 // tp, "hidden_size": 64 // tp}}
-SPLIT = {"bmm_model": ("q_proj", "k_proj", "v_proj", "out_proj"), "megatron_model": ("query_key_value", "dense")}
+         "megatron_model": lambda tp: {"num_attention_heads": 4 // tp, "hidden_size": 64 // tp},
+         "expanded_mask_model": lambda tp: {"n_heads": 4 // tp}}
+SPLIT = {"bmm_model": ("q_proj", "k_proj", "v_proj", "out_proj"), "megatron_model": ("query_key_value", "dense"),
+         "expanded_mask_model": ("query_key_value", "dense")}
 
 
 @pytest.mark.parametrize(("tp", "seq"), [(2, 16), (4, 16), (2, 2048)])

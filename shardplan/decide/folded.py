@@ -127,14 +127,22 @@ _FACTORIES = {"empty", "zeros", "ones", "full"}
 
 def folded_factory_strategies(op: Op, graph: OpGraph, tp: int, out_shape: tuple[int, ...]) -> list[Strategy]:
     """``torch.empty(b * heads, s, s)`` beside folded values (Megatron's buffer for
-    ``baddbmm``): a rank's piece of a constant tensor is that constant at the local size, so
-    it may take the folded placements its consumers read. The code must size it locally
-    (``b * self.num_heads`` with the local count), which the local check proves."""
-    if op.target not in _FACTORIES or op.inputs or op.node.op != "call_function":
+    ``baddbmm``), or a whole mask expanded to ``b * heads`` rows: a rank's piece of a constant
+    tensor, or of one repeated along a dim, is that tensor at the local size, so it may take
+    the folded placements its consumers read. The code must size it locally (``b *
+    self.num_heads`` with the local count), which the local check proves."""
+    if op.target in ("expand", "expand_as") and op.inputs:
+        src = graph.values[op.inputs[0]].shape
+        lead = len(out_shape) - len(src)
+        dims = [o for o, n in enumerate(out_shape) if n > 1 and (o < lead or src[o - lead] == 1)]
+        ins = ("R",) * len(op.inputs)  # a whole value expanded along a dim: every block a copy
+    elif op.target in _FACTORIES and not op.inputs and op.node.op == "call_function":
+        dims, ins = list(range(len(out_shape))), ()
+    else:
         return []
     folds = folded_values(graph, tp)
     counts = sorted({k for c in graph.consumers.get(op.output, []) for v in graph.ops[c].inputs for k in folds.get(v, ())})
-    return [Strategy("", (), packed(d, k)) for k in counts for d, n in enumerate(out_shape) if n % (k * tp) == 0]
+    return [Strategy("", ins, packed(d, k)) for k in counts for d in dims if out_shape[d] % (k * tp) == 0]
 
 
 def folded_variants(op: Op, graph: OpGraph, tp: int, strategies: list[Strategy],

@@ -167,7 +167,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
             strategies += [Strategy("", ins, out) for ins, out in dtensor_strategies(op, graph, tp=tp)]
     if name in VIEWS:  # heads folded into the batch (fairseq's bmm attention) and back
         strategies += folded_view_strategies(op, graph, tp)
-    elif not op.inputs:
+    elif not op.inputs or name in ("expand", "expand_as"):
         strategies += folded_factory_strategies(op, graph, tp, out_shape)
     elif any(v in folded_values(graph, tp) for v in op.inputs):
         strategies += folded_variants(op, graph, tp, strategies, lambda v: _shape(graph, v), out_shape)
@@ -496,11 +496,22 @@ def _new_tensor(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
 def _expand(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
     src = _shape(graph, op.inputs[0])
     lead = len(out_shape) - len(src)
+    rest = ("R",) * (len(op.inputs) - 1)
     result = []
     for d, n in enumerate(src):
         if n == out_shape[d + lead] and n % tp == 0 and n >= tp:
-            result.append(Strategy("", (f"S{d}",) + ("R",) * (len(op.inputs) - 1), f"S{d + lead}"))
+            result.append(Strategy("", (f"S{d}",) + rest, f"S{d + lead}"))
+    # a whole value repeated along a new dim (a mask expanded to every head): each rank's rows
+    # are copies, if the code expands to the local size (expand_as, or the local head count)
+    for o in _expanded_dims(src, out_shape):
+        if out_shape[o] % tp == 0:
+            result.append(Strategy("", ("R",) + rest, f"S{o}"))
     return result
+
+
+def _expanded_dims(src: tuple[int, ...], out_shape: tuple[int, ...]) -> list[int]:
+    lead = len(out_shape) - len(src)
+    return [o for o, n in enumerate(out_shape) if n > 1 and (o < lead or src[o - lead] == 1)]
 
 
 

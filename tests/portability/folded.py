@@ -69,6 +69,27 @@ class MegatronCoreAttention(nn.Module):
         return self.dense(context).transpose(0, 1)
 
 
+class ExpandedMaskAttention(nn.Module):
+    """A whole causal mask expanded to every folded row, ``mask.expand(b * self.n_heads, s,
+    s)``, as the ``baddbmm`` input with ``beta=1``; a packed ``[q_i, k_i, v_i]`` per head."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = heads, dim // heads
+        self.query_key_value = nn.Linear(dim, 3 * dim)
+        self.dense = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.query_key_value(x).view(b, s, self.n_heads, 3 * self.head_dim)
+        q, k, v = (t.permute(0, 2, 1, 3).reshape(-1, s, self.head_dim) for t in torch.split(qkv, self.head_dim, dim=-1))
+        mask = torch.full((s, s), float("-inf"), device=x.device).triu(1)
+        scores = torch.baddbmm(mask.expand(b * self.n_heads, s, s), q, k.transpose(1, 2),
+                               beta=1.0, alpha=1.0 / math.sqrt(self.head_dim))
+        ctx = torch.bmm(scores.softmax(-1), v)
+        return self.dense(ctx.view(b, -1, s, self.head_dim).permute(0, 2, 1, 3).reshape(b, s, -1))
+
+
 def _lm(cls) -> TokenLM:
     torch.manual_seed(0)
     return TokenLM([PreNormBlock(cls(), 64) for _ in range(2)], dim=64, vocab=128)
@@ -80,3 +101,7 @@ def bmm_model() -> TokenLM:
 
 def megatron_model() -> TokenLM:
     return _lm(MegatronCoreAttention)
+
+
+def expanded_mask_model() -> TokenLM:
+    return _lm(ExpandedMaskAttention)
