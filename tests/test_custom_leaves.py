@@ -152,3 +152,12 @@ def test_a_module_under_two_names_is_styled_once_and_matches_one_process() -> No
     assert plan.module_styles()["encoder.emb"] != "replicate"
     result = verify("tests.portability.custom_leaves:shared_table", nproc=2, seq_len=16, timeout_s=300)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_weight_norm_linears_train_replicated_as_one_process_on_gloo() -> None:
+    """The parametrization runs on local tensors: on Replicate DTensors, backward failed in
+    DTensor (no sharding rule for ``_weight_norm_interface_backward``)."""
+    result = verify("tests.portability.custom_leaves:weight_norm_mlp", nproc=2, timeout_s=240)
+    styles = result.plan.module_styles()
+    assert styles["up.parametrizations.weight"] == "replicate" and styles["head"].startswith("colwise"), styles
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

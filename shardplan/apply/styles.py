@@ -82,7 +82,10 @@ class ReplicateParallel(ParallelStyle):
         layout = self.output_layouts
         # nn.MultiheadAttention hands its masks as keyword arguments, which would stay plain
         # beside DTensor inputs: it runs on local tensors too
-        if self.local or isinstance(module, nn.MultiheadAttention) or not type(module).forward.__module__.startswith("torch.nn."):
+        # a parametrization (weight_norm's g and v) computes the weight with ops DTensor has
+        # no backward rule for (_weight_norm_interface_backward): it runs on local tensors too
+        if (self.local or isinstance(module, nn.MultiheadAttention) or not type(module).forward.__module__.startswith("torch.nn.")
+                or type(module).__module__ == "torch.nn.utils.parametrize"):
             return self._apply_local(module, device_mesh)
 
         def to_shard(_module, outputs, mesh):  # distribute_module wants exactly 3 arguments

@@ -110,3 +110,27 @@ class SharedTable(nn.Module):
 def shared_table() -> SharedTable:
     torch.manual_seed(0)
     return SharedTable()
+
+
+class WeightNormMLP(nn.Module):
+    """An MLP of ``torch.nn.utils.parametrizations.weight_norm`` Linears (as WaveNet-style
+    and GAN code write them): each weight is computed from ``original0`` (g) and
+    ``original1`` (v) by a ParametrizationList, whose ``_weight_norm`` DTensor has no
+    backward rule for."""
+
+    def __init__(self, dim: int = 64, vocab: int = 128) -> None:
+        super().__init__()
+        from torch.nn.utils.parametrizations import weight_norm
+
+        self.emb = nn.Embedding(vocab, dim)
+        self.up, self.down = weight_norm(nn.Linear(dim, 4 * dim)), weight_norm(nn.Linear(4 * dim, dim))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        return self.head(h + self.down(F.gelu(self.up(h))))
+
+
+def weight_norm_mlp() -> WeightNormMLP:
+    torch.manual_seed(0)
+    return WeightNormMLP()
