@@ -93,3 +93,28 @@ def test_unequal_slices_of_phi3_with_fewer_kv_heads_are_named() -> None:
     plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, example_kwargs=kwargs)
     (warning,) = [w for w in plan.warnings if w.startswith("model.layers.*.self_attn.qkv_proj")]
     assert "modeling_phi3.py" in warning and "slices [0:64], [64:96], [96:128]" in warning, warning
+
+
+def _parallel_plan(seq: int) -> shardplan.Plan:
+    with torch.device("meta"):
+        model = fused.parallel_blocks()
+    return shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.zeros(2, seq, dtype=torch.long, device="meta"),),
+                                explain=False, sequence_parallel=True)
+
+
+def test_a_parallel_block_under_sequence_parallel_makes_its_widths_local() -> None:
+    """The norm's output is gathered at the norm for attention and MLP alike, so the views the
+    attention's widths are proven by run in the whole block: run alone, the attention was
+    handed the sequence shard and no width passed, and the attention was gathered."""
+    plan = _parallel_plan(64)
+    styles = plan.module_styles()
+    assert (styles["layers.0.ln"], styles["layers.0.attn.qkv"], styles["layers.0.attn.proj"]) == (
+        "sequence_parallel", "packed_colwise", "rowwise"), styles
+    assert [(a.module, a.values) for a in plan.attributes] == [("layers.*.attn", {"n_embd": 32, "n_head": 4})]
+    assert not plan.warnings, plan.warnings
+
+
+def test_a_parallel_block_under_sequence_parallel_matches_one_process_on_gloo() -> None:
+    result = verify("tests.portability.fused:parallel_blocks", nproc=2, seq_len=64, sequence_parallel=True, timeout_s=300)
+    assert result.plan.module_styles()["layers.0.ln"] == "sequence_parallel"
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

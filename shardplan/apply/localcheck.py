@@ -405,14 +405,25 @@ def _views_as_planned(graph: OpGraph, plan: Plan, placements: dict[int, str], fq
 _local_shape = local_shape
 
 
-def _record_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> list[tuple[int, ...]]:
-    """The output shapes of the views ``fqn``'s own code makes (not its weight modules'),
-    running its shards under ``plan``."""
-    # the nearest module whose call was recorded: fqn itself, or under the export front end,
-    # which records the root's call only, the whole model, keeping the views made inside fqn
+def _view_target(graph: OpGraph, fqn: str) -> str:
+    """The module to run for ``fqn``'s views, keeping those made inside ``fqn``: the block the
+    check runs that holds it, so its inputs arrive as the plan hands them (gathered by a
+    region at their producer's output: a parallel block's shared norm), else the nearest
+    module whose call was recorded (fqn itself, or, under the export front end, which
+    records the root's call only, the whole model)."""
+    for t in sorted(_targets(graph), key=len, reverse=True):
+        if (not t or fqn == t or fqn.startswith(t + ".")) and t in graph.traced.calls:
+            return t
     target = fqn
     while target not in graph.traced.calls and target:
         target = target.rpartition(".")[0]
+    return target
+
+
+def _record_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> list[tuple[int, ...]]:
+    """The output shapes of the views ``fqn``'s own code makes (not its weight modules'),
+    running its shards under ``plan``."""
+    target = _view_target(graph, fqn)
     call = graph.traced.calls[target][0]
     views: list[tuple[str, tuple[int, ...]]] = []
 

@@ -128,3 +128,24 @@ def phi3_equal_heads() -> nn.Module:
                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
                         pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False)
     return Phi3ForCausalLM(config)
+
+
+class ParallelBlock(nn.Module):
+    """GPT-J/PaLM's parallel residual, ``x + attn(ln(x)) + mlp(ln(x))``: one norm's output
+    feeds the nanoGPT attention and the MLP, so under sequence parallelism it is gathered once,
+    at the norm's output, for both."""
+
+    def __init__(self, dim: int = 64, heads: int = 8) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.attn = SplitByWidth(dim, heads)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return x + self.attn(h) + self.down(F.gelu(self.up(h)))
+
+
+def parallel_blocks() -> TokenLM:
+    torch.manual_seed(0)
+    return TokenLM([ParallelBlock() for _ in range(2)], dim=64, vocab=128)
