@@ -438,3 +438,24 @@ def test_a_router_is_whole_by_design_and_strict_plans_moe() -> None:
     model, inputs, _ = resolve_model("hf:mixtral")
     plan = shardplan.plan_model(model, {"tp": 8}, example_inputs=inputs, explain=False)
     assert not [w for w in plan.warnings if "Router" in w], plan.warnings
+
+
+@pytest.mark.parametrize(("spec", "prefix"), [("hf:t5", "decoder.block."), ("hf:vit", "layers.")])
+def test_cli_specs_give_encoder_decoders_and_vision_models_their_inputs(spec: str, prefix: str) -> None:
+    """``shardplan plan hf:t5`` handed T5 token ids alone (its decoder refused them) and ViT
+    token ids for pixels: both failed to trace. The spec's inputs are now the decoder ids
+    placed by ``forward``'s signature, and pixels."""
+    from shardplan.tools.sources import resolve_model
+
+    model, inputs, _ = resolve_model(spec)
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, explain=False)
+    styles = {m: s for m, s in plan.module_styles().items() if m.startswith(prefix)}
+    assert {"colwise", "rowwise"} <= set(styles.values()), styles
+
+
+def test_hf_tiny_turns_layerdrop_off() -> None:
+    """m2m_100's default LayerDrop (0.05) skips whole layers at random in training, so the
+    block the plan was folded on could be the one skipped (a KeyError)."""
+    from shardplan.cli import main
+
+    assert main(["simulate", "hf-tiny:m2m_100", "--mesh", "tp=2"]) == 0

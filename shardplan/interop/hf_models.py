@@ -14,12 +14,13 @@ Contract
   (``AutoModelForCausalLM``, else ``AutoModel``) with ``use_cache=False``. ``tiny=True``
   shrinks the config to hidden 64, 2 layers, 4 heads (2 KV heads), intermediate 128, vocab
   512, head_dim 16, 128 positions, 4 experts (2 per token), 32x32 images of 8x8 patches,
-  dropout 0, token ids inside the vocabulary, per-layer lists resized. Inputs: token ids
+  dropout and LayerDrop 0, token ids inside the vocabulary, per-layer lists resized. Inputs: token ids
   ``(batch_size, seq_len)`` (default 2 x 16), ``pixel_values`` for vision models,
   ``decoder_input_ids`` as a keyword for encoder-decoders. With a ``seed`` (which seeds
   torch's global RNG before the build) the weights and inputs are deterministic; off the meta
   device the model is float32.
-* ``positional(model, inputs, kwargs)``: the inputs placed by ``forward``'s signature.
+* ``positional(model, inputs, kwargs)``: the inputs placed by ``forward``'s signature;
+  ``example_args(model, config, ...)`` the positional example inputs of a built model.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TINY", "shrink_config", "build_hf_model", "positional", "hf_config", "hf_build", "transformers_module",
+__all__ = ["TINY", "shrink_config", "build_hf_model", "positional", "example_args", "hf_config", "hf_build", "transformers_module",
            "config_dtype", "max_positions"]
 
 
@@ -215,7 +216,8 @@ def shrink_config(config: Any, sizes: Mapping[str, int] = TINY) -> Any:
             _set(config, name, min(value, layers))
     _shrink_mla(config, sizes)
     for name, value in list(config.to_dict().items()):
-        if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+        # dropout, and LayerDrop (m2m_100 skips whole layers at random in training)
+        if any(word in name for word in ("dropout", "pdrop", "layerdrop")) and isinstance(value, float):
             _set(config, name, 0.0)
     vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int):
@@ -230,6 +232,13 @@ def shrink_config(config: Any, sizes: Mapping[str, int] = TINY) -> Any:
         if sub is not None and hasattr(sub, "to_dict"):
             shrink_config(sub, sizes)
     return config
+
+
+def example_args(model: nn.Module, config: Any, *, device: Any, batch_size: int, seq_len: int) -> tuple:
+    """Positional example inputs for ``model``'s forward: token ids (and an encoder-decoder's
+    ``decoder_input_ids``, placed by the signature), or pixels for a vision model."""
+    inputs, kwargs = _example_inputs(model, config, device=device, batch_size=batch_size, seq_len=seq_len, seed=None)
+    return positional(model, inputs, kwargs)
 
 
 def _example_inputs(model: nn.Module, config: Any, *, device: Any, batch_size: int, seq_len: int,

@@ -41,7 +41,9 @@ import torch
 from torch import nn
 
 from ..analyze.trace import portable_path, user_frame
-from ..interop.hf_models import config_dtype, hf_build, hf_config, max_positions, shrink_config, transformers_module
+from ..interop.hf_models import (
+    config_dtype, example_args, hf_build, hf_config, max_positions, shrink_config, transformers_module,
+)
 
 __all__ = ["resolve_model", "SPEC_HELP"]
 
@@ -205,5 +207,6 @@ def _hf_model(
     dtype = config_dtype(cfg) if torch.device(device).type == "meta" and not tiny else None
     model = hf_build(tf, cfg, spec, device=device, dtype=dtype)
     max_pos = max_positions(cfg) or _HF_SEQ_LEN
-    shape = (batch_size or 2, seq_len or min(_HF_SEQ_LEN, max_pos))  # batch 2, as presets and plan_model
-    return model, (torch.zeros(shape, dtype=torch.long, device=device),), spec
+    # batch 2, as presets and plan_model; an encoder-decoder's decoder ids, a ViT's pixels
+    inputs = example_args(model, cfg, device=device, batch_size=batch_size or 2, seq_len=seq_len or min(_HF_SEQ_LEN, max_pos))
+    return model, inputs, spec

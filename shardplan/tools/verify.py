@@ -265,7 +265,7 @@ def verify(
                               details=exc.traceback_text + _log_tail(logs, exc.rank), rank=exc.rank) from exc
     result = _merge(ranks, name=name, plan=plan, nproc=nproc)
     result.seconds = time.perf_counter() - t0
-    result.inputs = [tuple(t.shape) for t in inputs]
+    result.inputs = [tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor)]
     return result
 
 
