@@ -161,3 +161,14 @@ def test_weight_norm_linears_train_replicated_as_one_process_on_gloo() -> None:
     styles = result.plan.module_styles()
     assert styles["up.parametrizations.weight"] == "replicate" and styles["head"].startswith("colwise"), styles
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_a_module_that_keeps_its_forward_state_is_checked() -> None:
+    """The local check copies each block; a tensor a forward left on it (a recurrent state)
+    failed that copy with an internal error."""
+    from tests.portability.custom_leaves import StatefulLM
+
+    with torch.device("meta"):
+        model = StatefulLM()
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=TOKENS, explain=False)
+    assert {plan.rule_for("up").style, plan.rule_for("down").style} == {"colwise", "rowwise"}

@@ -85,8 +85,21 @@ def _sub_plan(plan: Plan, prefix: str) -> Plan:
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
-    clone = copy.deepcopy(module) if all(p.is_meta for p in module.parameters()) else copy.deepcopy(module).to("meta")
+    clone = copy.deepcopy(module, _state_memo(module)) if all(p.is_meta for p in module.parameters()) else \
+        copy.deepcopy(module, _state_memo(module)).to("meta")
     return clone
+
+
+def _state_memo(module: nn.Module) -> dict[int, Any]:
+    """A deepcopy memo that hands over, detached, the tensors a forward left on its modules as
+    plain attributes (RecurrentGemma's ``self.recurrent_states``): a tensor autograd made
+    refuses to be deep-copied, and no later forward reads the old one."""
+    memo: dict[int, Any] = {}
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.grad_fn is not None:
+                memo[id(value)] = value.detach()
+    return memo
 
 
 def _user_frame(exc: BaseException) -> str:

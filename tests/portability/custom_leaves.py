@@ -134,3 +134,33 @@ class WeightNormMLP(nn.Module):
 def weight_norm_mlp() -> WeightNormMLP:
     torch.manual_seed(0)
     return WeightNormMLP()
+
+
+class StatefulMixer(nn.Module):
+    """A gate with a parameter of its own that keeps its last output as a plain attribute, as
+    recurrent layers keep their state (RecurrentGemma's ``self.recurrent_states``): the
+    tracer runs it for its shapes, and it is left holding a tensor autograd made, which
+    ``copy.deepcopy`` refuses."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.decay = nn.Parameter(torch.full((dim,), 0.5))
+        self.state = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state = x * torch.sigmoid(self.decay)
+        return self.state
+
+
+class StatefulLM(nn.Module):
+    def __init__(self, dim: int = 64, vocab: int = 128) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.mixer = StatefulMixer(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        x = x + self.down(F.gelu(self.up(self.mixer(x))))
+        return self.head(x)
