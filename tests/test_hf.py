@@ -459,3 +459,13 @@ def test_hf_tiny_turns_layerdrop_off() -> None:
     from shardplan.cli import main
 
     assert main(["simulate", "hf-tiny:m2m_100", "--mesh", "tp=2"]) == 0
+
+
+def test_a_container_parameter_read_by_a_helper_method_matches_one_process_on_gloo() -> None:
+    """JetMoE's attention calls ``self.experts.reduce(...)``, which adds the container's own
+    ``self.bias``: outside the container's forward its hooks did not make the replicated bias
+    local, and the add mixed a plain tensor with a DTensor."""
+    from shardplan.tools.verify import verify
+
+    result = verify("hf-tiny:jetmoe", nproc=2, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

@@ -40,7 +40,7 @@ from .head_styles import ColwiseKVGathered, ColwiseKVReplicated, ColwisePartialI
 from .styles import (
     AsLinear, Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, LocalVocabParallel, MoEExpertsParallel, PackedColwise,
     ReplicateParallel,
-    combine, local_during_forward, placement,
+    combine, local_during_forward, placement, runs_on_local_tensors,
 )
 
 __all__ = [
@@ -286,6 +286,13 @@ def set_local_attributes(model: nn.Module, plan: Plan) -> None:
                 set_int_attribute(module, name, value)
 
 
+def _local_replica(rule, module: nn.Module) -> bool:
+    """A replicated module that runs on local tensors: its helper methods read its parameters
+    too, called from elsewhere (JetMoE's ``experts.reduce`` adds ``self.bias``), not only its
+    forward, whose hooks make them local."""
+    return rule.style == "replicate" and not rule.partial_grads and not rule.param_layouts and runs_on_local_tensors(module)
+
+
 def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
     """The thin loop itself: ``parallelize_module`` with the plan's styles, output regions,
     re-tied weights, gradient hooks. No checks and no exchange between ranks; on a meta
@@ -296,8 +303,9 @@ def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
     tied = _tied_groups(model)
     parallelize_module(model, mesh, to_parallelize_plan(plan, model))
     set_local_attributes(model, plan)
-    read_outside = [f"{fqn}.{n}" if fqn else n for rule in plan.rules if rule.read_outside
+    read_outside = [f"{fqn}.{n}" if fqn else n for rule in plan.rules
                     for fqn in expand_pattern(rule.module, plan.model.repeats)
+                    if rule.read_outside or _local_replica(rule, model.get_submodule(fqn))
                     for n, _ in model.get_submodule(fqn).named_parameters(recurse=False)]
     if read_outside:  # the code that reads them runs in the root's forward, outside any style
         local_during_forward(model, read_outside)

@@ -59,6 +59,16 @@ def placement(text: str | None, default: Any = None) -> Any:
     return Shard(int(m.group(1)))
 
 
+def runs_on_local_tensors(module: nn.Module) -> bool:
+    """Replicated, ``module`` runs on plain inputs and its parameters' local tensors: a class
+    with a forward of its own may not run on DTensors; nn.MultiheadAttention takes its masks
+    as keyword arguments, which would stay plain beside DTensor inputs; a parametrization
+    (weight_norm's g and v) computes its weight with ops DTensor has no backward rule for
+    (``_weight_norm_interface_backward``)."""
+    return (isinstance(module, nn.MultiheadAttention) or not type(module).forward.__module__.startswith("torch.nn.")
+            or type(module).__module__ == "torch.nn.utils.parametrize")
+
+
 class ReplicateParallel(ParallelStyle):
     """Parameters become Replicate DTensors; inputs and outputs stay plain tensors.
 
@@ -80,12 +90,7 @@ class ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         layout = self.output_layouts
-        # nn.MultiheadAttention hands its masks as keyword arguments, which would stay plain
-        # beside DTensor inputs: it runs on local tensors too
-        # a parametrization (weight_norm's g and v) computes the weight with ops DTensor has
-        # no backward rule for (_weight_norm_interface_backward): it runs on local tensors too
-        if (self.local or isinstance(module, nn.MultiheadAttention) or not type(module).forward.__module__.startswith("torch.nn.")
-                or type(module).__module__ == "torch.nn.utils.parametrize"):
+        if self.local or runs_on_local_tensors(module):
             return self._apply_local(module, device_mesh)
 
         def to_shard(_module, outputs, mesh):  # distribute_module wants exactly 3 arguments
