@@ -29,7 +29,7 @@ import re
 from collections.abc import Callable
 
 from ..analyze.graph import Op, OpGraph
-from .placements import VIEW_OPS, Strategy, packed, shard_dim, view_groups
+from .placements import VIEW_OPS, Strategy, expanded_dims, packed, shard_dim, view_groups
 
 __all__ = ["folded_values", "folded_view", "folded_view_strategies", "folded_variants", "folded_factory_strategies",
            "parts_of"]
@@ -131,18 +131,15 @@ def folded_factory_strategies(op: Op, graph: OpGraph, tp: int, out_shape: tuple[
     tensor, or of one repeated along a dim, is that tensor at the local size, so it may take
     the folded placements its consumers read. The code must size it locally (``b *
     self.num_heads`` with the local count), which the local check proves."""
-    if op.target in ("expand", "expand_as") and op.inputs:
-        src = graph.values[op.inputs[0]].shape
-        lead = len(out_shape) - len(src)
-        dims = [o for o, n in enumerate(out_shape) if n > 1 and (o < lead or src[o - lead] == 1)]
-        ins = ("R",) * len(op.inputs)  # a whole value expanded along a dim: every block a copy
+    if op.target == "expand" and len(op.inputs) == 1:  # a whole value expanded along a dim: every block a copy
+        dims = expanded_dims(graph.values[op.inputs[0]].shape, out_shape)
     elif op.target in _FACTORIES and not op.inputs and op.node.op == "call_function":
-        dims, ins = list(range(len(out_shape))), ()
+        dims = list(range(len(out_shape)))
     else:
         return []
     folds = folded_values(graph, tp)
     counts = sorted({k for c in graph.consumers.get(op.output, []) for v in graph.ops[c].inputs for k in folds.get(v, ())})
-    return [Strategy("", ins, packed(d, k)) for k in counts for d in dims if out_shape[d] % (k * tp) == 0]
+    return [Strategy("", ("R",) * len(op.inputs), packed(d, k)) for k in counts for d in dims if out_shape[d] % (k * tp) == 0]
 
 
 def folded_variants(op: Op, graph: OpGraph, tp: int, strategies: list[Strategy],

@@ -91,6 +91,13 @@ def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[i
 
 
 
+def expanded_dims(src: tuple[int, ...], out_shape: tuple[int, ...]) -> list[int]:
+    """The dims of an ``expand`` of ``src`` to ``out_shape`` that the expand makes (new, or
+    of size 1 before), larger than 1."""
+    lead = len(out_shape) - len(src)
+    return [o for o, n in enumerate(out_shape) if n > 1 and (o < lead or src[o - lead] == 1)]
+
+
 def shard_dim(p: str) -> int | None:
     return int(re.match(r"S(\d+)", p).group(1)) if p.startswith("S") else None
 

@@ -38,8 +38,8 @@ from ..analyze.graph import Op, OpGraph
 from .folded import folded_factory_strategies, folded_values, folded_variants, folded_view_strategies
 from .heads import grouped_conversions, grouped_values, grouped_variants, partial_grad_twins, under_partial_grad_owner
 from .placements import (
-    VIEW_OPS, Strategy, chunk_count, groups_of, packed, placement_str, shard_dim, sliced_part, split_parts,
-    view_groups, view_parts,
+    VIEW_OPS, Strategy, chunk_count, expanded_dims, groups_of, packed, placement_str, shard_dim, sliced_part,
+    split_parts, view_groups, view_parts,
 )
 from .propagation import dtensor_strategies, in_place_strategies, metadata_only
 from .weights import module_strategies
@@ -167,7 +167,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
             strategies += [Strategy("", ins, out) for ins, out in dtensor_strategies(op, graph, tp=tp)]
     if name in VIEWS:  # heads folded into the batch (fairseq's bmm attention) and back
         strategies += folded_view_strategies(op, graph, tp)
-    elif not op.inputs or name in ("expand", "expand_as"):
+    elif not op.inputs or name == "expand":
         strategies += folded_factory_strategies(op, graph, tp, out_shape)
     elif any(v in folded_values(graph, tp) for v in op.inputs):
         strategies += folded_variants(op, graph, tp, strategies, lambda v: _shape(graph, v), out_shape)
@@ -502,16 +502,13 @@ def _expand(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
         if n == out_shape[d + lead] and n % tp == 0 and n >= tp:
             result.append(Strategy("", (f"S{d}",) + rest, f"S{d + lead}"))
     # a whole value repeated along a new dim (a mask expanded to every head): each rank's rows
-    # are copies, if the code expands to the local size (expand_as, or the local head count)
-    for o in _expanded_dims(src, out_shape):
+    # are copies, if the code expands to the local size (the local head count, or expand_as
+    # of a tensor split the same way, whose local shape it then reads)
+    for o in expanded_dims(src, out_shape):
         if out_shape[o] % tp == 0:
-            result.append(Strategy("", ("R",) + rest, f"S{o}"))
+            like = (f"S{o}",) if op.target == "expand_as" and len(op.inputs) == 2 else rest
+            result.append(Strategy("", ("R",) + like, f"S{o}"))
     return result
-
-
-def _expanded_dims(src: tuple[int, ...], out_shape: tuple[int, ...]) -> list[int]:
-    lead = len(out_shape) - len(src)
-    return [o for o, n in enumerate(out_shape) if n > 1 and (o < lead or src[o - lead] == 1)]
 
 
 
