@@ -384,7 +384,8 @@ def _meta_failure_message(kind: str, target: Any, node: torch.fx.Node, exc: Exce
     return (
         f"could not compute the shape of {kind} {fqn!s} {where}: {type(exc).__name__}: {str(exc)[:200]}; "
         "the op may depend on tensor values (e.g. MoE routing) or be unsupported on the meta device. "
-        "check that example_inputs match forward(), or plan a model whose forward depends only on shapes."
+        "check that example_inputs match forward() (a sequence longer than the model's position table: a smaller "
+        "seq_len, --seq), or plan a model whose forward depends only on shapes."
     )
 
 
