@@ -83,9 +83,17 @@ def _folds(op: Op, graph: OpGraph, tp: int, parts_in: frozenset[int]) -> list[tu
     for d, n in enumerate(src):
         for parts in sorted({1} | parts_in):
             out = folded_view(src, dst, d, parts, tp) if n % (parts * tp) == 0 else None
-            if out is not None and (parts > 1 or parts_of(out) > 1):
-                found.append((f"S{d}" if parts == 1 else packed(d, parts), out))
+            if out is None or (parts == 1 and not _folds_into_a_batch(out, dst)):
+                continue
+            found.append((f"S{d}" if parts == 1 else packed(d, parts), out))
     return found
+
+
+def _folds_into_a_batch(out: str, dst: tuple[int, ...]) -> bool:
+    """A fold into a dim that is not the last: heads into the batch (``[b * h, s, d]``), not
+    ``[b, s, h * d]`` with ``d`` split (the features of heads cut within each head, which no
+    plan wants and every op after it would be offered)."""
+    return parts_of(out) > 1 and shard_dim(out) != len(dst) - 1
 
 
 def folded_values(graph: OpGraph, tp: int) -> dict[int, frozenset[int]]:

@@ -111,9 +111,24 @@ def in_place_strategies(op: Op, graph: OpGraph, *, tp: int) -> list[tuple[str, .
     key = _signature(op, graph, tp)
     if key is None:
         return []
+    key = _any_int_index(key)
     if key not in _cache:
         _cache[key] = tuple((combo, "") for combo in _in_place_all(op, graph, tp))
     return [combo for combo, _ in _cache[key]]
+
+
+def _any_int_index(key: tuple) -> tuple:
+    """The signature with the integers of the index spelled alike: which dims an index picks
+    one entry of decides where the write is local, not which entry (a chunk loop writes
+    ``out[:, :, i]`` for every ``i``; each would be probed again)."""
+    node_op, target, (args, kwargs), tp = key
+
+    def norm(a):
+        if isinstance(a, tuple) and a[:1] == ("C",) and len(a) == 2 and a[1].lstrip("-").isdigit():
+            return ("C", "int")
+        return tuple(norm(x) for x in a) if isinstance(a, tuple) else a
+
+    return (node_op, target, (args[:1] + (norm(args[1]),) + args[2:], kwargs), tp)
 
 
 def is_in_place(op: Op) -> bool:
@@ -125,24 +140,23 @@ def is_in_place(op: Op) -> bool:
 def _in_place_all(op: Op, graph: OpGraph, tp: int) -> list[tuple[str, ...]]:
     choices = [_candidates(graph.values[v].shape, tp) for v in op.inputs]
     combos = [c for c in itertools.product(*choices) if c[0] != "R"][:_MAX_COMBOS]
-    return [c for c in combos if _probe_in_place(op, graph, tp, dict(zip(op.inputs, c)))]
+    with quiet_probes():  # once for all the combinations: entering it costs more than a probe
+        return [c for c in combos if _probe_in_place(op, graph, tp, dict(zip(op.inputs, c)))]
 
 
 def _probe_in_place(op: Op, graph: OpGraph, tp: int, placement: dict[int, str]) -> bool:
     from torch.distributed.tensor.debug import CommDebugMode
 
     try:
-        with quiet_probes(), torch.no_grad(), CommDebugMode() as comm:
+        with torch.no_grad():  # the plain write first: it is cheap, and refuses most
+            _call(op, graph, _args(op, placement, tp, distributed=False))
+        with torch.no_grad(), CommDebugMode() as comm:
             args, kwargs = _args(op, placement, tp, distributed=True)
             before = args[0].placements
             _call(op, graph, (args, kwargs))
-        if comm.get_total_counts() or args[0].placements != before:
-            return False
-        with quiet_probes(), torch.no_grad():
-            _call(op, graph, _args(op, placement, tp, distributed=False))
     except Exception:  # noqa: BLE001 - DTensor refusing (or the local write failing) is the answer "no"
         return False
-    return True
+    return not comm.get_total_counts() and args[0].placements == before
 
 
 def _signature(op: Op, graph: OpGraph, tp: int) -> tuple | None:
@@ -197,10 +211,11 @@ def _probe_all(op: Op, graph: OpGraph, tp: int) -> list[tuple[tuple[str, ...], s
     choices = [_candidates(graph.values[v].shape, tp) for v in op.inputs]
     combos = [c for c in itertools.product(*choices) if any(p != "R" for p in c)][:_MAX_COMBOS]
     found = []
-    for combo in combos:
-        out = _probe(op, graph, tp, dict(zip(op.inputs, combo)))
-        if out is not None:
-            found.append((combo, out))
+    with quiet_probes():  # once for all the combinations: entering it costs more than a probe
+        for combo in combos:
+            out = _probe(op, graph, tp, dict(zip(op.inputs, combo)))
+            if out is not None:
+                found.append((combo, out))
     return found
 
 
@@ -213,14 +228,14 @@ def _probe(op: Op, graph: OpGraph, tp: int, placement: dict[int, str]) -> str | 
     from torch.distributed.tensor.debug import CommDebugMode
 
     try:
-        with quiet_probes(), torch.no_grad(), CommDebugMode() as comm:
+        with torch.no_grad(), CommDebugMode() as comm:
             result = _call(op, graph, _args(op, placement, tp, distributed=True))
         if comm.get_total_counts():
             return None
         out = _result_placement(result)
         if out is None:
             return None
-        with quiet_probes(), torch.no_grad():
+        with torch.no_grad():
             local = _call(op, graph, _args(op, placement, tp, distributed=False))
     except Exception:  # noqa: BLE001 - DTensor refusing (or needing a collective) is the answer "no"
         return None
