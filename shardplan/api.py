@@ -255,13 +255,16 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
     )
     whole: dict[str, str] = {}  # module -> why it runs on whole activations
     attributes: list = []  # modules whose size attributes take their local value (a head count)
-    squeezed, pending = 0, None
+    squeezed, pending, assembled = 0, None, None
     while True:
         solution, pending = pending or _solve_explained(graph, ctx), None
-        entries, blocks = find_regions(graph, solution), find_partial_blocks(graph, solution)
-        plan = _assemble(model, graph, solution, ctx, entries, blocks, opts=_record_shapes(opts, example_inputs),
-                         axes=axes, tp_axis=tp_axis, strict=extra.get("strict", False), whole=whole)
-        plan = plan.model_copy(update={"attributes": list(attributes)})
+        if assembled is None or assembled[0] is not solution:  # local attributes found: same solution, same plan
+            entries, blocks = find_regions(graph, solution), find_partial_blocks(graph, solution)
+            assembled = (solution, entries, blocks, _assemble(
+                model, graph, solution, ctx, entries, blocks, opts=_record_shapes(opts, example_inputs), axes=axes,
+                tp_axis=tp_axis, strict=extra.get("strict", False), whole=whole))
+        _, entries, blocks, base = assembled
+        plan = base.model_copy(update={"attributes": list(attributes), "warnings": list(base.warnings)})
         over = plan.estimate.peak_memory_bytes - opts.memory_budget if opts.memory_budget else 0
         if over > 0 and squeezed < 3:
             # the program prices activations per op, the estimate per transformer block

@@ -234,9 +234,21 @@ def _custom_leaves(graph: OpGraph) -> list[str]:
 def _run_blocks(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any) -> None:
     if "" not in _targets(graph):  # the whole model's run covers every module already
         for fqn in _custom_leaves(graph):
-            _run_one(graph, plan, placements, mesh, fqn)
+            _run_once(graph, plan, placements, mesh, fqn)
     for target in _targets(graph):
+        _run_once(graph, plan, placements, mesh, target)
+
+
+def _run_once(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, target: str) -> None:
+    """``_run_one``, skipped when this graph's run of ``target`` already passed with the same
+    rules and placements: a plan found to need a local head count is checked with it while
+    the attributes are searched, then again as the plan, and blocks before the failing one
+    pass each time."""
+    passed = graph.strategy_cache.setdefault("local check passed", set())
+    key = (target, _sub_plan(plan, target).model_dump_json(), tuple(sorted(placements.items())))
+    if key not in passed:
         _run_one(graph, plan, placements, mesh, target)
+        passed.add(key)
 
 
 def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, target: str) -> None:

@@ -9,6 +9,13 @@ excludes the column. ``view.minimize(c, extra)`` returns the optimal ``x`` (zero
 those bounds and ``extra`` dense rows ``(vector, upper bound)``, or None when none exists.
 The HiGHS instance is made once per model (costs, bounds and the extra rows change per
 solve) and starts each solve from no basis, so no result depends on the solves before it.
+
+Before HiGHS sees it, the program is made smaller once, by reductions that hold for every
+``upper`` a view can give (bounds only ever fall from 1 to 0): a row ``x_a - x_b = 0``
+makes ``a`` and ``b`` one column (its cost and extra-row weights the sum, its bound the
+smaller), and a row ``= 0`` whose columns all carry one sign holds only at zero. A
+placement program is mostly such rows (a value's producer and consumers agree), so the
+solve sees about a sixth of the columns and HiGHS's presolve, most of each solve, shrinks.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ class MilpModel:
     num_vars: int
     integer: frozenset[int]
     _solver: Any = field(default=None, repr=False)
+    _reduced: "_Reduced | None" = field(default=None, repr=False)
 
     @classmethod
     def from_rows(cls, rows: list[dict[int, float]], lo: list[float], hi: list[float], *, num_vars: int,
@@ -57,6 +65,18 @@ class MilpModel:
 
     def view(self, upper: np.ndarray) -> "MilpView":
         return MilpView(self, upper)
+
+    def rows(self) -> list[dict[int, float]]:
+        rows: list[dict[int, float]] = [{} for _ in range(self.num_rows)]
+        for j in range(self.num_vars):
+            for k in range(self.start[j], self.start[j + 1]):
+                rows[self.index[k]][j] = float(self.value[k])
+        return rows
+
+    def reduced(self) -> "_Reduced":
+        if self._reduced is None:
+            self._reduced = _reduce(self)
+        return self._reduced
 
     def solver(self) -> Any:
         """highspy's own ``Highs`` class prints a banner to the process's stdout when made (a
@@ -92,6 +112,13 @@ class MilpView:
         return v / top * 1e3 if top > 0 else v
 
     def minimize(self, c: np.ndarray, extra: tuple[tuple[np.ndarray, float], ...] = ()) -> np.ndarray | None:
+        r = self.model.reduced()
+        if r.infeasible:
+            return None
+        x = r.model.view(r.lift_upper(self.upper))._run(r.lift(c), tuple((r.lift(v), b) for v, b in extra))
+        return None if x is None else r.expand(x)
+
+    def _run(self, c: np.ndarray, extra: tuple[tuple[np.ndarray, float], ...]) -> np.ndarray | None:
         from highspy import HighsModelStatus
 
         h, n = self.model.solver(), self.model.num_vars
@@ -110,3 +137,87 @@ class MilpView:
             if extra:
                 first = self.model.num_rows
                 h.deleteRows(len(extra), np.arange(first, first + len(extra), dtype=np.int32))
+
+
+@dataclass
+class _Reduced:
+    """A model's reduced program: ``group[j]`` is column ``j``'s column in ``model``, or -1
+    where every solution has ``x_j = 0``; ``infeasible`` when no bounds admit a solution."""
+    group: np.ndarray
+    model: MilpModel
+    infeasible: bool
+
+    def lift(self, v: np.ndarray) -> np.ndarray:
+        """A per-column vector summed per reduced column (in column order: no BLAS)."""
+        keep = self.group >= 0
+        return np.bincount(self.group[keep], weights=v[keep], minlength=self.model.num_vars)
+
+    def lift_upper(self, upper: np.ndarray) -> np.ndarray:
+        out = np.ones(self.model.num_vars)
+        keep = self.group >= 0
+        np.minimum.at(out, self.group[keep], upper[keep])
+        return out
+
+    def expand(self, x: np.ndarray) -> np.ndarray:
+        return np.where(self.group >= 0, x[np.maximum(self.group, 0)], 0.0)
+
+
+def _reduce(model: MilpModel) -> _Reduced:
+    rows, n = model.rows(), model.num_vars
+    parent, zero = list(range(n)), set()
+
+    def find(a: int) -> int:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    changed = True
+    while changed:  # merging can make another row a pair, or one sign
+        changed = False
+        for r, row in enumerate(rows):
+            if model.lo[r] != 0.0 or model.hi[r] != 0.0:
+                continue
+            terms = _grouped(row, find, zero)
+            if terms and (all(v > 0 for v in terms.values()) or all(v < 0 for v in terms.values())):
+                zero.update(terms)
+                changed = True
+            elif len(terms) == 2 and sorted(terms.values()) == [-1.0, 1.0]:
+                a, b = terms
+                parent[a] = b
+                changed = True
+    return _rebuild(model, rows, [find(j) for j in range(n)], zero)
+
+
+def _grouped(row: dict[int, float], find, zero: set[int]) -> dict[int, float]:
+    """``row``'s terms by merged column, without columns fixed at zero or terms that cancel."""
+    terms: dict[int, float] = {}
+    for j, v in row.items():
+        g = find(j)
+        if g not in zero:
+            terms[g] = terms.get(g, 0.0) + v
+    return {g: v for g, v in terms.items() if v != 0.0}
+
+
+def _rebuild(model: MilpModel, rows: list[dict[int, float]], root: list[int], zero: set[int]) -> _Reduced:
+    ids: dict[int, int] = {}
+    group = np.array([-1 if g in zero else ids.setdefault(g, len(ids)) for g in root], dtype=np.int64)
+    new_rows, lo, hi, seen, infeasible = [], [], [], set(), False
+    for r, row in enumerate(rows):
+        terms: dict[int, float] = {}
+        for j, v in row.items():
+            if group[j] >= 0:
+                terms[int(group[j])] = terms.get(int(group[j]), 0.0) + v
+        terms = {g: v for g, v in terms.items() if v != 0.0}
+        if not terms:
+            infeasible |= not (model.lo[r] <= 0.0 <= model.hi[r])
+            continue
+        key = (tuple(sorted(terms.items())), float(model.lo[r]), float(model.hi[r]))
+        if key not in seen:
+            seen.add(key)
+            new_rows.append(terms)
+            lo.append(model.lo[r])
+            hi.append(model.hi[r])
+    integer = frozenset(int(group[j]) for j in model.integer if group[j] >= 0)  # a merged column is integer if any is
+    small = MilpModel.from_rows(new_rows, lo, hi, num_vars=len(ids), integer=integer)
+    return _Reduced(group, small, infeasible)

@@ -82,6 +82,10 @@ class _Program:
     # latency is paid once per step, the bandwidth per strategy: comm_time)
     bucket_of: dict[int, int] = field(default_factory=dict)
     num_vars: int = 0
+    # per column: (op, strategy index), None for entries and buckets; strategy i's base rank
+    col_key: list[tuple[int, int] | None] = field(default_factory=list)
+    base_tie: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    order: dict[int, int] = field(default_factory=dict)  # op index -> its position in the program
 
 
 def strategy_time(s: Strategy, ctx: SolveContext) -> float:
@@ -178,6 +182,7 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
         for i in range(len(options)):
             prog.var_of[(op_index, i)] = prog.num_vars
             prog.num_vars += 1
+    prog.order = {op_index: k for k, op_index in enumerate(strategies)}
     for op in graph.ops:
         for slot, value in enumerate(op.inputs):
             for s in strategies[op.index]:
@@ -193,6 +198,10 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
             if group not in prog.bucket_of:
                 prog.bucket_of[group] = prog.num_vars
                 prog.num_vars += 1
+    prog.col_key = [None] * prog.num_vars
+    prog.base_tie = np.zeros(prog.num_vars)
+    for key, col in prog.var_of.items():
+        prog.col_key[col], prog.base_tie[col] = key, key[1]
     return prog
 
 
@@ -224,20 +233,21 @@ def _matrices(graph: OpGraph, ctx: SolveContext) -> _Matrices:
 
 def _allowed(prog: _Program, forced: dict) -> tuple[np.ndarray, np.ndarray, list[Op]]:
     """Upper bounds (0 on the columns a forced style excludes), each column's rank among its
-    op's allowed strategies (the tie-break), and the ops left with none."""
-    upper, tie, empty = np.ones(prog.num_vars), np.zeros(prog.num_vars), []
-    for op_index, options in prog.strategies.items():
-        want = forced.get(op_index)
+    op's allowed strategies (the tie-break), and the ops left with none. Unforced ops allow
+    every strategy, ranked in order; only the forced ops' columns are looked at."""
+    upper, tie = np.ones(prog.num_vars), prog.base_tie.copy()
+    empty = [op_index for op_index, options in prog.strategies.items() if not options]
+    for op_index, want in forced.items():
         rank = 0
-        for i, s in enumerate(options):
+        for i, s in enumerate(prog.strategies.get(op_index, ())):
             col = prog.var_of[(op_index, i)]
-            if want is not None and not _forced_match(s, want):
-                upper[col] = 0.0
+            if not _forced_match(s, want):
+                upper[col], tie[col] = 0.0, 0.0
                 continue
             tie[col], rank = rank, rank + 1
-        if not rank:
-            empty.append(prog.graph.ops[op_index])
-    return upper, tie, empty
+        if not rank and op_index in prog.strategies:
+            empty.append(op_index)
+    return upper, tie, [prog.graph.ops[i] for i in sorted(set(empty), key=prog.order.__getitem__)]
 
 
 def _buckets(s: Strategy, ctx: SolveContext) -> set[int]:
@@ -458,9 +468,11 @@ def _model_dtype_bytes(graph: OpGraph) -> int:
 def _solution(prog: _Program, x: np.ndarray, time, params, memory) -> Solution:
     x = np.round(x)
     chosen: dict[int, Strategy] = {}
-    for (op_index, i), col in prog.var_of.items():
-        if x[col] > 0.5:
-            chosen[op_index] = prog.strategies[op_index][i]
+    for col in np.flatnonzero(x > 0.5):
+        key = prog.col_key[col]
+        if key is not None:
+            chosen[key[0]] = prog.strategies[key[0]][key[1]]
+    chosen = {op_index: chosen[op_index] for op_index in prog.strategies if op_index in chosen}  # program order
     placements = {op.output: chosen[op.index].output for op in prog.graph.ops if op.output is not None and chosen[op.index].output}
     entries = {key: bool(x[col] > 0.5) for key, col in prog.entry_of.items()}
     return Solution(chosen, placements, entries, _total(time, x), _total(params, x), _total(memory, x))
