@@ -499,3 +499,18 @@ def test_sequence_parallel_auto_is_never_slower_than_forcing_it(axes):
     times = {sp: shardplan.plan_model(model, axes, batch_size=4, explain=False, sequence_parallel=sp).estimate.step_time_s
              for sp in (None, True, False)}
     assert times[None] <= min(times[True], times[False]) * (1 + 1e-6), times
+
+
+def test_weight_graph_links_each_weight_module_to_the_ones_its_output_reaches():
+    from shardplan.analyze.graph import build_graph, weight_graph
+    from shardplan.analyze.trace import trace_model
+
+    model = build_preset("llama3-debug", device="meta")
+    traced = trace_model(model, get_preset("llama3-debug").example_inputs(device="meta"))
+    wg = weight_graph(build_graph(traced))
+    layer = ["attention_norm", "attention.wq", "attention.wk", "attention.wv", "attention.wo", "ffn_norm",
+             "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+    assert set(wg.nodes) == {"tok_embeddings", "norm", "output", *traced.folded, *(f"layers.0.{n}" for n in layer)}
+    assert sorted(wg.successors("layers.0.attention_norm")) == [f"layers.0.attention.w{x}" for x in "kqv"]
+    assert sorted(wg.successors("layers.0.feed_forward.w1")) == ["layers.0.feed_forward.w2"]
+    assert "layers.0.attention_norm" in wg.successors("tok_embeddings")  # the residual stream

@@ -21,14 +21,16 @@ import inspect
 import operator
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
 import torch
 import torch.fx
 from torch import nn
 
 from .trace import Traced, is_weight_leaf
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 __all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like", "router_like"]
 
@@ -383,6 +385,8 @@ def _inside(fqn: str, prefix: str) -> bool:
 
 def weight_graph(graph: OpGraph) -> nx.DiGraph:
     """Weight-bearing modules and which feed which through weight-free ops."""
+    import networkx as nx  # only this view needs it: its import is a fifth of a second of every command
+
     g = nx.DiGraph()
     weight_ops = [op for op in graph.ops if op.kind in ("module", "folded")]
     for op in weight_ops:
