@@ -264,8 +264,11 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
     except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
         leaf = _failing_leaf(block, stack, target)  # a weight module's own forward: it can be kept whole
         calls = graph.traced.calls.get(leaf, []) if leaf is not None else []
-        if calls and _fails_unsharded(graph.model.get_submodule(leaf), calls[0]):
-            leaf = None  # it fails whole too (experts routing on meta): not its style's doing
+        # it fails whole too (experts routing on meta): not its style's doing. A leaf with no
+        # call of its own recorded (export records the root's only) is judged by its block's
+        if leaf is not None and (_fails_unsharded(graph.model.get_submodule(leaf), calls[0]) if calls
+                                 else _fails_unsharded(graph.model.get_submodule(target), call)):
+            leaf = None
         if leaf is None and _fails_unsharded(graph.model.get_submodule(target), call):
             raise LocalShapeError(
                 f"{target or type(graph.model).__name__}: its code fails on the meta device even unsharded, at "

@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import logging
 import operator
+import sys
 import warnings
 from typing import Any, Iterator
 
@@ -54,7 +55,7 @@ def quiet_probes() -> Iterator[None]:
     the meta device, where ``torch.autocast`` is taken as cpu's)."""
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     levels = [lg.level for lg in loggers]
-    with warnings.catch_warnings(), _autocast_on_meta():
+    with warnings.catch_warnings(), _autocast_on_meta(), _meta_is_traced():
         warnings.simplefilter("ignore")
         for lg in loggers:
             lg.setLevel(logging.CRITICAL)
@@ -63,6 +64,29 @@ def quiet_probes() -> Iterator[None]:
         finally:
             for lg, level in zip(loggers, levels):
                 lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def _meta_is_traced() -> Iterator[None]:
+    """Hugging Face's mask code takes value-dependent shortcuts (``if not is_tracing(mask) and
+    (mask[:, -1] == 0).all()``) unless it is traced; a meta tensor has no values, so it counts
+    as traced, as the tracer's proxies and export's fake tensors do (the shortcut is an
+    optimization: the mask it builds otherwise is the same). Only a loaded transformers is
+    patched; nothing is imported."""
+    module = sys.modules.get("transformers.masking_utils")
+    original = getattr(module, "is_tracing", None)
+    if original is None:
+        yield
+        return
+
+    def is_tracing(tensor: Any = None) -> bool:
+        return original(tensor) or (isinstance(tensor, torch.Tensor) and tensor.is_meta)
+
+    module.is_tracing = is_tracing
+    try:
+        yield
+    finally:
+        module.is_tracing = original
 
 
 @contextlib.contextmanager
