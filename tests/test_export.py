@@ -160,3 +160,19 @@ def test_sizes_taken_at_their_bound_are_said_and_simulate_as_a_ceiling() -> None
     plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=(torch.zeros(2, 16, dtype=torch.long, device="meta"),))
     assert UPPER_BOUND_NOTE in plan.warnings
     assert cli.main(["simulate", "tests.portability.routed_experts:moe_lm", "--mesh", "tp=4", "--seq", "16"]) == 0
+
+
+def test_a_data_dependent_size_without_an_upper_bound_is_a_trace_error_not_a_crash() -> None:
+    """torch's integer infinity calls itself finite (``int_oo.is_finite``), so an unbounded
+    size reached ``int()`` and crashed inside sympy (full-size jetmoe under export)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from shardplan.analyze.export import _concrete
+    from shardplan.analyze.trace import TraceError
+
+    env = ShapeEnv()
+    unbounded = env.create_unbacked_symint()
+    with pytest.raises(TraceError, match="no upper bound"):
+        _concrete(unbounded)
+    torch._check(unbounded <= 7)  # a bound export's shape environment knows: taken as the size
+    assert _concrete(unbounded) == 7

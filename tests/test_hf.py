@@ -481,3 +481,24 @@ def test_the_whole_model_check_runs_past_hugging_faces_mask_shortcuts() -> None:
     result = verify("hf-tiny:gpt_neox_japanese", nproc=2, timeout_s=300)
     assert not [w for w in result.plan.warnings if "check skipped" in w], result.plan.warnings
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_a_default_config_transformers_refuses_is_a_user_error_naming_the_type(monkeypatch) -> None:
+    """gemma4_assistant's default config fails its own validator with an exception that is
+    not a ValueError (huggingface_hub's StrictDataclassClassValidationError): it was an
+    internal error; now it is a ValueError that says what to give instead."""
+    import transformers
+
+    from shardplan.interop.hf_models import hf_config
+
+    class Refused(Exception):
+        pass
+
+    def refuse(model_type, *args, **kwargs):
+        raise Refused("hidden_size_per_layer_input must be 0, got 256")
+
+    monkeypatch.setattr(transformers.AutoConfig, "for_model", refuse)
+    with pytest.raises(ValueError, match=r"hf:llama: transformers cannot make this type's default config \(Refused"):
+        hf_config(transformers, "llama", None)
+    with pytest.raises(ValueError, match="unknown Hugging Face model type 'lamma'.*hf:llama"):
+        hf_config(transformers, "lamma", None)

@@ -174,8 +174,11 @@ def _concrete(n: Any) -> Any:
     node = n.node
     if not node.expr.free_symbols or node.has_hint():
         return int(node.require_hint()) if node.expr.free_symbols else int(node.expr)
+    from torch.utils._sympy.numbers import int_oo
+
     upper = node.shape_env.bound_sympy(node.expr).upper
-    if not upper.is_finite:
+    # torch's integer infinity says it is finite (int_oo.is_finite is True); sympy's does not
+    if upper == int_oo or not upper.is_finite or not upper.is_number:
         raise TraceError(f"torch.export graph: a data-dependent size ({node.expr}) has no upper bound; "
                          "plan a model whose sizes follow from its inputs' shapes")
     return int(upper)

@@ -56,13 +56,18 @@ def hf_config(tf: Any, model_type: str | None, path: Path | None) -> Any:
             return tf.AutoConfig.from_pretrained(str(path))
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot load Hugging Face config {str(path)!r}: {str(exc).splitlines()[0]}") from None
-    try:
-        return tf.AutoConfig.for_model(model_type)
-    except ValueError:
-        known = list(tf.CONFIG_MAPPING.keys())
+    known = list(tf.CONFIG_MAPPING.keys())
+    if model_type not in known:
         close = difflib.get_close_matches(model_type or "", known, n=3)
         hint = f"; did you mean {', '.join('hf:' + c for c in close)}?" if close else "; e.g. hf:llama, hf:gpt2, hf:mistral"
-        raise ValueError(f"unknown Hugging Face model type {model_type!r}: expected a transformers model_type{hint}") from None
+        raise ValueError(f"unknown Hugging Face model type {model_type!r}: expected a transformers model_type{hint}")
+    try:
+        return tf.AutoConfig.for_model(model_type)
+    except Exception as exc:  # noqa: BLE001 - a default config its own validators refuse (gemma4_assistant)
+        raise ValueError(
+            f"hf:{model_type}: transformers cannot make this type's default config ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:200]}); give a path to a config.json of it (or its folder) instead"
+        ) from None
 
 
 def _check_sizes(cfg: Any, spec: str) -> None:
