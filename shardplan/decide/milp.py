@@ -14,8 +14,9 @@ Before HiGHS sees it, the program is made smaller once, by reductions that hold 
 ``upper`` a view can give (bounds only ever fall from 1 to 0): a row ``x_a - x_b = 0``
 makes ``a`` and ``b`` one column (its cost and extra-row weights the sum, its bound the
 smaller), and a row ``= 0`` whose columns all carry one sign holds only at zero. A
-placement program is mostly such rows (a value's producer and consumers agree), so the
-solve sees about a sixth of the columns and HiGHS's presolve, most of each solve, shrinks.
+placement program is mostly such rows (a value's producer and consumers agree), so a
+solve sees a fifth of the columns or fewer (qwen3_next: 140 of 3,104), and HiGHS's
+presolve, most of each solve, has little left to do.
 """
 
 from __future__ import annotations
