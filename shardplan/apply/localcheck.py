@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -264,12 +265,12 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
     except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
         leaf = _failing_leaf(block, stack, target)  # a weight module's own forward: it can be kept whole
         calls = graph.traced.calls.get(leaf, []) if leaf is not None else []
+        block_fails = functools.cache(lambda: _fails_unsharded(graph.model.get_submodule(target), call))
         # it fails whole too (experts routing on meta): not its style's doing. A leaf with no
         # call of its own recorded (export records the root's only) is judged by its block's
-        if leaf is not None and (_fails_unsharded(graph.model.get_submodule(leaf), calls[0]) if calls
-                                 else _fails_unsharded(graph.model.get_submodule(target), call)):
+        if leaf is not None and (_fails_unsharded(graph.model.get_submodule(leaf), calls[0]) if calls else block_fails()):
             leaf = None
-        if leaf is None and _fails_unsharded(graph.model.get_submodule(target), call):
+        if leaf is None and block_fails():
             raise LocalShapeError(
                 f"{target or type(graph.model).__name__}: its code fails on the meta device even unsharded, at "
                 f"{_user_frame(exc)}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}; the check cannot "

@@ -205,11 +205,7 @@ def _rebuild(model: MilpModel, rows: list[dict[int, float]], root: list[int], ze
     group = np.array([-1 if g in zero else ids.setdefault(g, len(ids)) for g in root], dtype=np.int64)
     new_rows, lo, hi, seen, infeasible = [], [], [], set(), False
     for r, row in enumerate(rows):
-        terms: dict[int, float] = {}
-        for j, v in row.items():
-            if group[j] >= 0:
-                terms[int(group[j])] = terms.get(int(group[j]), 0.0) + v
-        terms = {g: v for g, v in terms.items() if v != 0.0}
+        terms = {ids[g]: v for g, v in _grouped(row, root.__getitem__, zero).items()}
         if not terms:
             infeasible |= not (model.lo[r] <= 0.0 <= model.hi[r])
             continue

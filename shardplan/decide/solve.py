@@ -85,7 +85,6 @@ class _Program:
     # per column: (op, strategy index), None for entries and buckets; strategy i's base rank
     col_key: list[tuple[int, int] | None] = field(default_factory=list)
     base_tie: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    order: dict[int, int] = field(default_factory=dict)  # op index -> its position in the program
 
 
 def strategy_time(s: Strategy, ctx: SolveContext) -> float:
@@ -182,7 +181,6 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
         for i in range(len(options)):
             prog.var_of[(op_index, i)] = prog.num_vars
             prog.num_vars += 1
-    prog.order = {op_index: k for k, op_index in enumerate(strategies)}
     for op in graph.ops:
         for slot, value in enumerate(op.inputs):
             for s in strategies[op.index]:
@@ -247,7 +245,7 @@ def _allowed(prog: _Program, forced: dict) -> tuple[np.ndarray, np.ndarray, list
             tie[col], rank = rank, rank + 1
         if not rank and op_index in prog.strategies:
             empty.append(op_index)
-    return upper, tie, [prog.graph.ops[i] for i in sorted(set(empty), key=prog.order.__getitem__)]
+    return upper, tie, [prog.graph.ops[i] for i in sorted(set(empty))]  # op indices run in program order
 
 
 def _buckets(s: Strategy, ctx: SolveContext) -> set[int]:
@@ -468,11 +466,10 @@ def _model_dtype_bytes(graph: OpGraph) -> int:
 def _solution(prog: _Program, x: np.ndarray, time, params, memory) -> Solution:
     x = np.round(x)
     chosen: dict[int, Strategy] = {}
-    for col in np.flatnonzero(x > 0.5):
+    for col in np.flatnonzero(x > 0.5):  # columns ascend in program order, so chosen does too
         key = prog.col_key[col]
         if key is not None:
             chosen[key[0]] = prog.strategies[key[0]][key[1]]
-    chosen = {op_index: chosen[op_index] for op_index in prog.strategies if op_index in chosen}  # program order
     placements = {op.output: chosen[op.index].output for op in prog.graph.ops if op.output is not None and chosen[op.index].output}
     entries = {key: bool(x[col] > 0.5) for key, col in prog.entry_of.items()}
     return Solution(chosen, placements, entries, _total(time, x), _total(params, x), _total(memory, x))
