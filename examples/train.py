@@ -136,7 +136,11 @@ def main() -> int:
     ref_losses, _ = train(reference, data, dp_rank=0, dp=1, sharded=False)
     ok = report("losses, 3 steps vs one process", max(abs(float(a) / 2 - float(b)) for a, b in zip(losses, ref_losses)), 1e-5)
     trained = shardplan.full_state_dict(model)
-    ok &= report("weights after 3 steps vs one process", max_diff(trained, reference.state_dict()), 1e-4)
+    # AdamW divides each gradient element by its own running size, so an element whose
+    # gradient is a near-cancelling sum (float32 noise of a few percent, moving with the
+    # BLAS kernel) moves by a slightly different fraction of LR; a wrong gradient moves a
+    # weight by about LR per step, far past LR / 10
+    ok &= report("weights after 3 steps vs one process", max_diff(trained, reference.state_dict()), LR / 10)
 
     saved = {**{f"model.{k}": v for k, v in trained.items()},
              **{f"optim.{k}": v for k, v in flat(get_optimizer_state_dict(model, optimizer, options=FULL)).items()}}

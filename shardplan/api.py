@@ -15,6 +15,10 @@ candidate) plans each ``{"dp": N // tp, "tp": tp}`` split, tracing once, and pic
 with the most samples per second (``dp * batch / step_time_s``) whose predicted peak memory
 fits the budget (``memory_budget``, else the hardware's device memory). The chosen plan is
 byte-identical to ``plan_model(model, that_split)`` with the same options.
+
+``explain`` (default ``True``) prices each module's rejected styles by re-solving;
+``False`` skips that, and a module name (``explain="layers.0.attention.wq"``) prices only
+the rule covering it.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from .analyze.frontend import op_graph
 from .analyze.graph import OpGraph
 from .decide import assemble
 from .apply.localcheck import LocalShapeError, check_local_shapes, find_local_attributes
-from .plan.model import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint
+from .plan.model import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint, matches
 from .decide.regions import find_partial_blocks, find_regions
 from .decide.solve import PlanningError, SolveContext, solve
 from .decide.splits import MeshCandidate, MeshComparison, choose, dp_tp_splits
@@ -304,7 +308,8 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
             whole[exc.module] = str(exc).split(": ", 1)[1]
             ctx.forced = {**ctx.forced, **_run_whole(graph, exc.module, ctx)}
     if extra.get("explain", True):
-        decisions = explain_decisions(graph, solution, ctx)
+        decisions = explain_decisions(
+            graph, solution, ctx, modules=_explained(plan, model, graph, extra.get("explain", True)))
         plan = plan.model_copy(update={"decisions": decisions, "rules": assemble.rules(
             graph, solution, decisions, entries, blocks)})
     if graph.traced.front_end == "export":  # traced without folding: one rule per kind of block
@@ -359,6 +364,16 @@ def _candidate(model, graph, axes, opts, extra, example_inputs, limit) -> MeshCa
     except PlanningError as exc:  # no plan at this tp (strict, sequence parallel, ...); others may have one
         return MeshCandidate(axes=axes, plan=None, error=str(exc))
     return MeshCandidate(axes=axes, plan=plan, fits=plan.estimate.peak_memory_bytes <= limit)
+
+
+def _explained(plan: Plan, model: nn.Module, graph: OpGraph, explain: Any = True):
+    """Which rule names explain prices: the one module asked for (``explain="layers.0.wq"``),
+    or on an unfolded export graph the block each merged rule keeps; ``None``: every one."""
+    if isinstance(explain, str):
+        return lambda name: matches(name, explain) or matches(explain, name)
+    if graph.traced.front_end == "export":
+        return assemble.merged_representatives(plan.rules, model).__contains__
+    return None
 
 
 def _solve_explained(graph: OpGraph, ctx: SolveContext):

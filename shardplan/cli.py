@@ -248,7 +248,7 @@ def _progress(message: str) -> Iterator[None]:
         yield
 
 
-def _plan_options(args: argparse.Namespace, *, explain: bool) -> dict[str, Any]:
+def _plan_options(args: argparse.Namespace, *, explain: bool | str) -> dict[str, Any]:
     given = {
         "batch_size": args.batch, "seq_len": args.seq, "dtype": args.dtype, "hardware": args.hardware,
         "memory_budget": args.memory_budget, "loss_parallel": args.loss_parallel,
@@ -266,7 +266,7 @@ def _resolve(args: argparse.Namespace, *, device: str = "meta") -> tuple[Any, tu
     return resolve_model(args.model, device=device, batch_size=args.batch, seq_len=args.seq)
 
 
-def _make_plan(args: argparse.Namespace, *, explain: bool) -> tuple[Any, Any, str]:
+def _make_plan(args: argparse.Namespace, *, explain: bool | str) -> tuple[Any, Any, str]:
     """(plan, model, display name) for the model and options on the command line."""
     import shardplan
 
@@ -355,7 +355,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from .plan.model import matches
     from .tools.report import decision_table, make_console
 
-    plan, model, name = _make_plan(args, explain=True)
+    plan, model, name = _make_plan(args, explain=args.fqn)
     names = [fqn for fqn, _ in model.named_modules() if fqn]
     if not any(matches(args.fqn, fqn) for fqn in names):
         raise ValueError(f"{name} has no module {args.fqn!r}; weight modules look like {_examples(plan)}")

@@ -31,7 +31,9 @@ times, collective counts and bytes, fingerprints must match exactly):
     * trailing whitespace on every line, trailing blank lines of each output, ``\\r\\n``;
     * the block's temporary directory in the real output is written ``<tmp>``, and the
       repository root ``<repo>``;
-    * wall-clock timings: ``<N.N> s on the ranks`` (``shardplan verify``) on both sides.
+    * wall-clock timings: ``<N.N> s on the ranks`` (``shardplan verify``) on both sides;
+    * measured float differences written ``d.dde-dd`` (verify's ``max |tp - ref|``): they
+      move in the last bits with the machine's BLAS kernel (``OPENBLAS_CORETYPE``).
 
 How a block runs.
     Each block gets a fresh temporary directory as its working directory; its commands run
@@ -130,6 +132,9 @@ _EXAMPLE_FILE_RE = re.compile(r"^#\s+([A-Za-z_][A-Za-z0-9_]*\.py)\s*$")
 # wall-clock timings that legitimately differ between runs: (pattern, replacement)
 _TIMINGS = (
     (re.compile(r"\b\d+(?:\.\d+)? s on the ranks\b"), "<seconds> s on the ranks"),
+    # a measured difference between float runs (verify's |tp - ref|) moves in its last
+    # bits with the machine's BLAS kernel; its tolerance (1e-05, no mantissa dot) does not
+    (re.compile(r"\b\d\.\d+e[-+]\d\d\b"), "<float>"),
 )
 # environment variables that would change widths, colours or tracebacks
 _DROP_ENV = ("COLUMNS", "LINES", "JUPYTER_COLUMNS", "JUPYTER_LINES", "FORCE_COLOR", "CLICOLOR_FORCE",

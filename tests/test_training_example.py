@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "examples" / "llama3-debug.dp2-tp2.yaml"
 CHECKS = (
     "losses, 3 steps vs one process: equal (max |diff| <= 1e-05)",
-    "weights after 3 steps vs one process: equal (max |diff| <= 0.0001)",
+    "weights after 3 steps vs one process: equal (max |diff| <= 0.001)",
     "DCP tp=2 x dp=2 -> tp=4, every model and optimizer tensor: equal (max |diff| <= 0)",
     "DCP tp=2 x dp=2 -> unsharded, every tensor: equal (max |diff| <= 0)",
 )

@@ -25,7 +25,8 @@ from .placements import one_slice, shard_dim
 from .strategies import placement_str
 from .weights import read_elsewhere
 
-__all__ = ["pattern_map", "patterned", "rules", "regions", "block_regions", "plan_warnings", "repeats", "merge_repeated"]
+__all__ = ["pattern_map", "patterned", "rules", "regions", "block_regions", "plan_warnings", "repeats", "merge_repeated",
+           "merged_representatives"]
 
 
 def pattern_map(graph: OpGraph) -> dict[str, str]:
@@ -480,15 +481,10 @@ def merge_repeated(plan_rules: list[Rule], decisions: list, model: nn.Module) ->
     set, ``layers.{0-2,5}...``, where the blocks chose differently). The meta tracer's
     folding writes rules this way already; a graph traced without folding (torch.export)
     has one rule per block until this pass. Decisions follow their rules (the first kept)."""
-    containers = {fqn: [n for n, _ in m.named_children()] for fqn, m in model.named_modules()
-                  if fqn and isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict))}
-    groups: dict[tuple, list[tuple[int, Rule]]] = {}
-    for rule in plan_rules:
-        key = _index_key(rule, containers)
-        groups.setdefault(key[:3] if key else (id(rule),), []).append((int(key[3]) if key else -1, rule))
+    containers = _containers_of(model)
     renamed: dict[str, str] = {}
     merged: list[Rule] = []
-    for key, members in groups.items():
+    for key, members in _repeat_groups(plan_rules, containers).items():
         if len(key) == 1:
             merged.append(members[0][1])
             continue
@@ -502,6 +498,28 @@ def merge_repeated(plan_rules: list[Rule], decisions: list, model: nn.Module) ->
     for d in decisions:
         kept.setdefault(renamed.get(d.module, d.module), d.model_copy(update={"module": renamed.get(d.module, d.module)}))
     return merged, list(kept.values())
+
+
+def merged_representatives(plan_rules: list[Rule], model: nn.Module) -> set[str]:
+    """The module of each rule :func:`merge_repeated` keeps (the first of its group): the
+    only ones whose decisions survive the merge, so the only ones worth explaining."""
+    groups = _repeat_groups(plan_rules, _containers_of(model))
+    return {members[0][1].module for members in groups.values()}
+
+
+def _containers_of(model: nn.Module) -> dict[str, list[str]]:
+    return {fqn: [n for n, _ in m.named_children()] for fqn, m in model.named_modules()
+            if fqn and isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict))}
+
+
+def _repeat_groups(plan_rules: list[Rule], containers: dict[str, list[str]]) -> dict[tuple, list[tuple[int, Rule]]]:
+    """(container, rest of the name, settings) -> [(index, rule)] in plan order; a rule
+    outside any indexed container is a group of its own."""
+    groups: dict[tuple, list[tuple[int, Rule]]] = {}
+    for rule in plan_rules:
+        key = _index_key(rule, containers)
+        groups.setdefault(key[:3] if key else (id(rule),), []).append((int(key[3]) if key else -1, rule))
+    return groups
 
 
 def _index_key(rule: Rule, containers: dict[str, list[str]]) -> tuple | None:
