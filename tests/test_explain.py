@@ -94,3 +94,4 @@ def test_explain_stops_at_a_count_of_re_solves_and_says_so(monkeypatch: pytest.M
         assert [a.style for a in d.alternatives] == [a.style for a in unbounded[cut.index(d)].alternatives]
         assert all(a.step_time_s is None and "shardplan explain MODULE" in a.reason for a in d.alternatives)
     assert cut == explain.explain_decisions(graph, solution, ctx, max_resolves=bound)
+

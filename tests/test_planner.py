@@ -514,3 +514,22 @@ def test_weight_graph_links_each_weight_module_to_the_ones_its_output_reaches():
     assert sorted(wg.successors("layers.0.attention_norm")) == [f"layers.0.attention.w{x}" for x in "kqv"]
     assert sorted(wg.successors("layers.0.feed_forward.w1")) == ["layers.0.feed_forward.w2"]
     assert "layers.0.attention_norm" in wg.successors("tok_embeddings")  # the residual stream
+
+
+def test_a_distribution_in_forward_traces_and_validation_comes_back() -> None:
+    class Patcher(nn.Module):  # BLT's entropy patcher builds a Categorical from logits
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.out = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            logits = self.proj(x)
+            entropy = torch.distributions.Categorical(logits=logits).entropy()
+            return self.out(torch.relu(logits)) * entropy.unsqueeze(-1)
+
+    with torch.device("meta"):
+        model = Patcher()
+    before = torch.distributions.Distribution._validate_args
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.empty(2, 8, 32, device="meta"),), explain=False)
+    assert plan.module_styles()["proj"] != "replicate"
+    assert torch.distributions.Distribution._validate_args is before

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
+import torch
 from torch import nn
 
 from .graph import OpGraph, build_graph
@@ -32,9 +33,14 @@ def _training_trace(model: nn.Module) -> Iterator[None]:
     saved = getattr(config, "use_cache", None)
     if saved:
         config.use_cache = False
+    # torch.distributions checks its arguments' values (logits finite, probs in [0, 1]):
+    # a bool of a meta or traced tensor, which stops the trace (BLT's entropy patcher)
+    validate = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
     try:
         yield
     finally:
+        torch.distributions.Distribution.set_default_validate_args(validate)
         if saved:
             config.use_cache = saved
 
