@@ -113,9 +113,18 @@ def test_compare_within_and_past_tolerance() -> None:
     ok = compare([("a", ref + torch.tensor([1e-6, 0.0, 5e-4]), ref)], atol=1e-5, rtol=1e-5)
     assert ok["passed"] and ok["where"] == "a" and ok["max_abs"] == pytest.approx(5e-4, rel=2e-2)
     assert ok["ratio"] < 1.0  # 5e-4 <= 1e-5 + 1e-5 * 100: the relative part
-    bad = compare([("a", ref, ref), ("b", ref + 1e-3, ref)], atol=1e-5, rtol=1e-5)
+    bad = compare([("a", ref, ref), ("b", ref + 2e-3, ref)], atol=1e-5, rtol=1e-5)
     assert not bad["passed"] and bad["where"] == "b" and bad["ratio"] > 1.0
     assert bad["per"]["a"] == (0.0, 0.0)
+
+
+def test_compare_scales_the_relative_part_by_the_tensors_largest_value() -> None:
+    """A summed gradient's small elements round at the size of its large ones: 5e-4 off
+    an element of 1 passes beside an element of 100 (1e-5 + 1e-5 * 100), fails alone."""
+    beside = torch.tensor([1.0, 100.0])
+    assert compare([("g", beside + torch.tensor([5e-4, 0.0]), beside)], atol=1e-5, rtol=1e-5)["passed"]
+    alone = torch.tensor([1.0, 1.0])
+    assert not compare([("g", alone + torch.tensor([5e-4, 0.0]), alone)], atol=1e-5, rtol=1e-5)["passed"]
 
 
 def test_compare_exact_shape_and_nonfinite() -> None:
