@@ -56,6 +56,8 @@ class ModuleCall:
     outputs: list[torch.fx.Node]
     # the call's arguments with tensors as meta tensors, to re-run the module alone
     example: tuple[tuple, dict] = ((), {})
+    # a tuple or list output: index -> the node there (``out[i]`` of a folded copy is this)
+    items: dict[int, torch.fx.Node] = field(default_factory=dict)
 
 
 @dataclass
@@ -195,7 +197,8 @@ class _ShardTracer(MetaTracer):
         arg_nodes = [a.node if isinstance(a, torch.fx.Proxy) else None for a in args]
         kw_nodes = {k: v.node for k, v in kwargs.items() if isinstance(v, torch.fx.Proxy)}
         example = torch.fx.node.map_aggregate((tuple(args), dict(kwargs)), _proxy_meta_or_value)
-        self.calls.setdefault(fqn, []).append(ModuleCall(fqn, arg_nodes, kw_nodes, _flat_nodes(out), example))
+        items = {i: v.node for i, v in enumerate(out) if isinstance(v, torch.fx.Proxy)} if isinstance(out, (tuple, list)) else {}
+        self.calls.setdefault(fqn, []).append(ModuleCall(fqn, arg_nodes, kw_nodes, _flat_nodes(out), example, items))
 
     @staticmethod
     def _meta_key(args, kwargs) -> tuple:
@@ -470,18 +473,39 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
-def _root_wrapper(model: nn.Module, num_args: int, kwarg_names: list[str]) -> nn.Module:
+def _root_wrapper(model: nn.Module, inputs: tuple, kwargs: dict[str, Any]) -> nn.Module:
     """A module whose forward has explicit parameters: fx cannot read ``*args`` signatures
-    (transformers 5 wraps ``forward`` in decorators that hide the real one)."""
-    params = [f"x{i}" for i in range(num_args)] + kwarg_names
-    call = ", ".join([f"x{i}" for i in range(num_args)] + [f"{k}={k}" for k in kwarg_names])
+    (transformers 5 wraps ``forward`` in decorators that hide the real one).
+
+    Only inputs holding a tensor become parameters (``x{i}`` or the keyword's name); the rest
+    (a ``None`` that fills a positional slot, a flag) are passed as the constants they are,
+    since a placeholder has no value: ``if attention_mask is None`` would see a proxy."""
+    consts: list[Any] = []
+
+    def arg(name: str, value: Any) -> tuple[list[str], str]:
+        if _holds_tensor(value):
+            return [name], name
+        consts.append(value)
+        return [], f"self.shardplan_consts[{len(consts) - 1}]"
+
+    pos = [arg(f"x{i}", v) for i, v in enumerate(inputs)]
+    kw = [(k, arg(k, kwargs[k])) for k in sorted(kwargs)]
+    params = [n for names, _ in pos for n in names] + [n for _, (names, _) in kw for n in names]
+    call = ", ".join([expr for _, expr in pos] + [f"{k}={expr}" for k, (_, expr) in kw])
     src = f"def forward(self, {', '.join(params)}):\n    return self.m({call})\n"
     scope: dict[str, Any] = {}
     exec(compile(src, "<shardplan-root>", "exec"), scope)
     wrapper_cls = type("ShardplanRoot", (nn.Module,), {"forward": scope["forward"]})
     root = wrapper_cls()
     root.m = model
+    root.shardplan_consts = consts
     return root
+
+
+def _holds_tensor(value: Any) -> bool:
+    found: list[bool] = []
+    torch.utils._pytree.tree_map(lambda v: found.append(isinstance(v, torch.Tensor)), value)
+    return any(found)
 
 
 def trace_model(
@@ -493,11 +517,11 @@ def trace_model(
 ) -> Traced:
     """Trace ``model`` on meta tensors shaped like ``example_inputs``; see the module doc."""
     kwargs = dict(example_kwargs or {})
-    root = _root_wrapper(model, len(example_inputs), sorted(kwargs))
+    root = _root_wrapper(model, tuple(example_inputs), kwargs)
     folded = {f"m.{k}": f"m.{v}" for k, v in _repeated_groups(model).items()} if fold_repeated else {}
     tracer = _ShardTracer(root, folded)
-    meta_args = {f"x{i}": _to_meta(a) for i, a in enumerate(example_inputs)}
-    meta_args.update({k: _to_meta(v) for k, v in kwargs.items()})
+    meta_args = {f"x{i}": _to_meta(a) for i, a in enumerate(example_inputs) if _holds_tensor(a)}
+    meta_args.update({k: _to_meta(v) for k, v in kwargs.items() if _holds_tensor(v)})
     try:
         with _mask_checks_take_proxies():
             graph = tracer.trace(root, meta_args)
@@ -542,7 +566,7 @@ def _strip_root(graph: torch.fx.Graph, model: nn.Module, tracer: _ShardTracer) -
         return "" if fqn == "m" else fqn[2:]
 
     calls = {
-        user_fqn(k): [ModuleCall(user_fqn(c.fqn), c.args, c.kwargs, c.outputs, c.example) for c in v]
+        user_fqn(k): [ModuleCall(user_fqn(c.fqn), c.args, c.kwargs, c.outputs, c.example, c.items) for c in v]
         for k, v in tracer.calls.items()
         if k == "m" or k.startswith("m.")
     }

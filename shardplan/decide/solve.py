@@ -151,13 +151,22 @@ def entry_time(entry: str, nbytes: int, ctx: SolveContext, *, needs_grad: bool =
 
 
 def _aliases(graph: OpGraph) -> dict[int, int]:
-    """Folded block outputs stand for their representative's outputs."""
+    """Folded block outputs stand for their representative's outputs: the block's own value
+    for its first, ``out[i]`` of a block returning a tuple for the representative's ``i``-th
+    (T5's blocks hand the next one its position bias, split by heads beside the hidden state)."""
     alias: dict[int, int] = {}
+    reps: dict[int, Any] = {}
     for op in graph.ops:
         if op.kind == "folded" and op.output is not None:
             rep = graph.traced.calls[graph.traced.folded[op.target]][0]
+            reps[op.output] = rep
             if rep.outputs:
                 alias[op.output] = rep.outputs[0].meta["shardplan_op"]
+        elif op.kind == "function" and op.target == "getitem" and op.output is not None and op.inputs[:1]:
+            rep = reps.get(op.inputs[0])
+            index = op.node.args[1] if len(op.node.args) > 1 else None
+            if rep is not None and isinstance(index, int) and index in rep.items:
+                alias[op.output] = rep.items[index].meta["shardplan_op"]
     return alias
 
 

@@ -355,7 +355,7 @@ def verify_lines(result: Any) -> list[str]:
         row = result.row("grad")
         lines.append(f"worst parameter: {result.worst_param} (|diff| {result.worst_param_diff:.2e}; "
                      f"tolerance {row.tolerance})")
-    shapes = ", ".join("x".join(str(n) for n in s) for s in result.inputs)
+    shapes = ", ".join(_shape_str(s) for s in result.inputs)
     lines.append(f"{result.sharded_params} of {result.num_params} parameters sharded; inputs {shapes or '-'}; "
                  f"{result.seconds:.1f} s on the ranks")
     if result.problems:

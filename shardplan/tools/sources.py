@@ -121,9 +121,10 @@ def _from_callable(spec: str, *, device: str | torch.device) -> tuple[nn.Module,
     if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module):
         model, inputs = model  # (model, example_inputs): a model that does not take token ids
         inputs = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
-        if not isinstance(inputs, tuple) or not all(isinstance(t, torch.Tensor) for t in inputs):
+        if not isinstance(inputs, tuple) or not all(t is None or isinstance(t, torch.Tensor) for t in inputs):
             raise ValueError(f"{spec}: {attr}() returned (model, {type(inputs).__name__}); the second item must be "
-                             "the example inputs, a tensor or a tuple of tensors passed to forward() positionally")
+                             "the example inputs, a tensor or a tuple of tensors passed to forward() positionally "
+                             "(None where an optional argument before a tensor is left out)")
     if not isinstance(model, nn.Module):
         raise ValueError(f"{spec}: {attr}() returned a {type(model).__name__} object; expected a torch.nn.Module "
                          "or (model, example_inputs)")
