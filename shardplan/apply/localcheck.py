@@ -56,8 +56,23 @@ def _targets(graph: OpGraph) -> list[str]:
     cached = graph.strategy_cache.get("check_targets")
     if cached is None:
         reps = sorted(r for r in set(graph.traced.folded.values()) if r in graph.traced.calls)  # ran in forward
+        reps += _unfolded_siblings(graph, reps)
         cached = graph.strategy_cache["check_targets"] = [t for r in reps or [""] for t in _around_assumed(graph, r)]
     return cached
+
+
+def _unfolded_siblings(graph: OpGraph, reps: list[str]) -> list[str]:
+    """The blocks beside the folded ones that are of a kind of their own (T5's first block,
+    which alone computes the position bias): they run once and no representative covers
+    them."""
+    folded = set(graph.traced.folded) | set(graph.traced.folded.values())
+    out: set[str] = set()
+    for container in {r.rpartition(".")[0] for r in reps if "." in r}:
+        for name, _ in graph.model.get_submodule(container).named_children():
+            fqn = f"{container}.{name}"
+            if fqn not in folded and fqn in graph.traced.calls:
+                out.add(fqn)
+    return sorted(out)
 
 
 def _around_assumed(graph: OpGraph, fqn: str) -> list[str]:
@@ -340,7 +355,7 @@ def _view_ops(graph: OpGraph, placements: dict[int, str], target: str) -> list:
     repeat altogether: HF's repeat_kv returns at n_rep == 1)."""
     return [op for op in graph.ops if op.kind == "function" and op.target in _VIEW_OPS
             and (not target or op.owner == target or op.owner.startswith(target + "."))
-            and (groups_of(placements.get(op.inputs[0], "R")) or ("",))[0] != "e"]
+            and (not op.inputs or (groups_of(placements.get(op.inputs[0], "R")) or ("",))[0] != "e")]
 
 
 _MAX_ATTRIBUTE_CANDIDATES = 12
@@ -412,7 +427,11 @@ def _attribute_why(ints: dict[str, int], values: dict[str, int], split: dict[int
     return f"its code sizes tensors by them: {changes} on {shard}"
 
 
-_VIEW_OPS = {"view", "reshape"}
+# ops whose output shape the code spells out: views, and constants made from sizes alone
+# (T5's ``torch.zeros(1, self.n_heads, q, k)`` split by heads). Broadcasting hides a global
+# size in either (an attention mask of every head beside one rank's heads runs on meta), so
+# their shapes are compared with the plan's, not only run.
+_VIEW_OPS = {"view", "reshape", "zeros", "ones", "full", "empty"}
 
 
 def _views_as_planned(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> bool:

@@ -138,16 +138,24 @@ def folded_factory_strategies(op: Op, graph: OpGraph, tp: int, out_shape: tuple[
     ``baddbmm``), or a whole mask expanded to ``b * heads`` rows: a rank's piece of a constant
     tensor, or of one repeated along a dim, is that tensor at the local size, so it may take
     the folded placements its consumers read. The code must size it locally (``b *
-    self.num_heads`` with the local count), which the local check proves."""
+    self.num_heads`` with the local count), which the local check proves.
+
+    A constant made from sizes alone may also be split as a plain ``Shard(d)``: T5's
+    cross-attention adds ``torch.zeros(1, self.n_heads, q, k)`` to scores split by heads
+    (the local check then finds ``n_heads`` its local value), and a recurrent state starts
+    as ``torch.zeros(b, heads, dk, dv)``."""
+    plain = op.target in _FACTORIES and not op.inputs and op.node.op == "call_function"
     if op.target == "expand" and len(op.inputs) == 1:  # a whole value expanded along a dim: every block a copy
         dims = expanded_dims(graph.values[op.inputs[0]].shape, out_shape)
-    elif op.target in _FACTORIES and not op.inputs and op.node.op == "call_function":
+    elif plain:
         dims = list(range(len(out_shape)))
     else:
         return []
     folds = folded_values(graph, tp)
     counts = sorted({k for c in graph.consumers.get(op.output, []) for v in graph.ops[c].inputs for k in folds.get(v, ())})
-    return [Strategy("", ("R",) * len(op.inputs), packed(d, k)) for k in counts for d in dims if out_shape[d] % (k * tp) == 0]
+    split = [Strategy("", (), f"S{d}") for d in dims if plain and out_shape[d] % tp == 0 and out_shape[d] >= tp]
+    return split + [Strategy("", ("R",) * len(op.inputs), packed(d, k)) for k in counts for d in dims
+                    if out_shape[d] % (k * tp) == 0]
 
 
 def folded_variants(op: Op, graph: OpGraph, tp: int, strategies: list[Strategy],
