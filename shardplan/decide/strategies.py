@@ -136,6 +136,8 @@ def _output_strategies(op: Op, graph: OpGraph, tp: int, opts: Any) -> list[Strat
 
 def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
     name = op.target
+    if name in ("max", "min") and len(op.inputs) == 2:  # torch.max(a, b): elementwise, not a reduction
+        name = {"max": "maximum", "min": "minimum"}[name]
     out_shape = _shape(graph, op.output)
     mem = graph.values[op.output].nbytes + sum(graph.values[v].nbytes for v in op.inputs)
     rules = [
