@@ -427,6 +427,20 @@ def test_torch_max_of_two_tensors_is_elementwise_and_keeps_xglm_split_by_heads()
     assert result.passed, result.summary()
 
 
+def test_a_warning_follows_the_split_to_the_op_that_needs_it_whole() -> None:
+    """qwen3_next views in_proj_qkvz's output by key heads, splits it and merges the heads
+    back (``[b, s, 16, 128] -> [b, s, 2048]``, a split of the heads kept), then concatenates
+    q, k and v of unequal widths: the cat is what needs it whole. The warning used to read the
+    merge as cutting 128 features into 2048 groups."""
+    from shardplan.tools.sources import resolve_model
+
+    model, inputs, _ = resolve_model("hf-tiny:qwen3_next")
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, explain=False)
+    (warning,) = {w.split(": ", 1)[1] for w in plan.warnings if ".linear_attn.in_proj_qkvz: output all-gathered" in w}
+    assert warning.startswith("output all-gathered: `cat` (transformers/models/qwen3_next/"), warning
+    assert "groups (heads)" not in warning, warning
+
+
 def test_a_norm_over_all_heads_is_whole_and_its_output_sliced_back() -> None:
     """OLMo 2 normalizes q and k over all heads together ([b, s, heads * hd]): q and k are
     gathered for their norms, which hand each rank its heads' slice, so v stays colwise, the

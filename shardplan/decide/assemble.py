@@ -357,28 +357,35 @@ def _parameter_reader(graph: OpGraph, fqn: str) -> str | None:
 
 def _blocking_reshape(graph: OpGraph, op, tp: int) -> str:
     """The reshape downstream of ``op`` that splits its features into groups tp does not
-    divide (7 heads at tp=2), named with the numbers and the source line; "" if none."""
+    divide (7 heads at tp=2), named with the numbers and the source line; "" if none. The
+    split dim is followed through the views that keep it (``[.., 2048] -> [.., 16, 128]``
+    moves it to the heads) and through ops that keep the rank; a view that merges the
+    heads back (``[.., 16, 128] -> [.., 2048]``) keeps a split of the heads, so it is not
+    the one to blame."""
     from .strategies import VIEWS, _map_view_dim
     from ..analyze.trace import _user_line
 
-    frontier, seen = [op.output], set()
+    frontier, seen = [(op.output, len(graph.values[op.output].shape) - 1)], set()
     for _ in range(4):  # a few ops deep: activation, view, transpose
         nxt = []
-        for value in frontier:
+        for value, d in frontier:
             for c in graph.consumers.get(value, []):
                 user = graph.ops[c]
-                if user.kind != "function" or user.output is None or c in seen:
+                if user.kind != "function" or user.output is None or c in seen or d < 0:
                     continue
                 seen.add(c)
                 src, dst = graph.values[value].shape, graph.values[user.output].shape
-                last = len(src) - 1
-                if user.target in VIEWS and src and src[last] % tp == 0 and _map_view_dim(src, dst, last, tp) is None:
-                    groups = _outer_group(src, dst, last)
-                    where = _user_line(user.node)
-                    return (f"reshape {list(src)} -> {list(dst)} makes {groups} groups (heads) of its {src[last]} features, "
-                            f"which tp={tp} does not divide" + (f" ({where})" if where else "") +
-                            f"; use a tp that divides {groups}")
-                nxt.append(user.output)
+                if user.target in VIEWS and src and src[d] % tp == 0:
+                    moved = _map_view_dim(src, dst, d, tp)
+                    if moved is None:
+                        groups = _outer_group(src, dst, d)
+                        where = _user_line(user.node)
+                        return (f"reshape {list(src)} -> {list(dst)} makes {groups} groups (heads) of its {src[d]} "
+                                f"features, which tp={tp} does not divide" + (f" ({where})" if where else "") +
+                                f"; use a tp that divides {groups}")
+                    nxt.append((user.output, moved))
+                elif user.target not in VIEWS:  # a split or slice of the last dim keeps the heads' dim
+                    nxt.append((user.output, d if len(dst) == len(src) else len(dst) - 1))
         frontier = nxt
     return ""
 
