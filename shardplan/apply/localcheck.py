@@ -315,7 +315,7 @@ class _ViewRecorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inside = self.stack[-1] if self.stack else ""
-        if getattr(func, "__name__", "") in _VIEW_OPS and isinstance(out, torch.Tensor) and inside not in self.leaves:
+        if getattr(func, "__name__", "") in _SIZED_OPS and isinstance(out, torch.Tensor) and inside not in self.leaves:
             self.views.append((inside, tuple(out.shape)))
         return out
 
@@ -353,7 +353,7 @@ def _view_ops(graph: OpGraph, placements: dict[int, str], target: str) -> list:
     """The views and reshapes the code inside ``target`` makes, in trace order, less those of
     a value whose kv heads were expanded (with one copy per rank the code may skip that
     repeat altogether: HF's repeat_kv returns at n_rep == 1)."""
-    return [op for op in graph.ops if op.kind == "function" and op.target in _VIEW_OPS
+    return [op for op in graph.ops if op.kind == "function" and op.target in _SIZED_OPS
             and (not target or op.owner == target or op.owner.startswith(target + "."))
             and (not op.inputs or (groups_of(placements.get(op.inputs[0], "R")) or ("",))[0] != "e")]
 
@@ -431,7 +431,7 @@ def _attribute_why(ints: dict[str, int], values: dict[str, int], split: dict[int
 # (T5's ``torch.zeros(1, self.n_heads, q, k)`` split by heads). Broadcasting hides a global
 # size in either (an attention mask of every head beside one rank's heads runs on meta), so
 # their shapes are compared with the plan's, not only run.
-_VIEW_OPS = {"view", "reshape", "zeros", "ones", "full", "empty"}
+_SIZED_OPS = {"view", "reshape", "zeros", "ones", "full", "empty"}
 
 
 def _views_as_planned(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> bool:
