@@ -503,9 +503,7 @@ def _root_wrapper(model: nn.Module, inputs: tuple, kwargs: dict[str, Any]) -> nn
 
 
 def _holds_tensor(value: Any) -> bool:
-    found: list[bool] = []
-    torch.utils._pytree.tree_map(lambda v: found.append(isinstance(v, torch.Tensor)), value)
-    return any(found)
+    return torch.utils._pytree.tree_any(lambda v: isinstance(v, torch.Tensor), value)
 
 
 def trace_model(

@@ -56,8 +56,8 @@ def _targets(graph: OpGraph) -> list[str]:
     cached = graph.strategy_cache.get("check_targets")
     if cached is None:
         reps = sorted(r for r in set(graph.traced.folded.values()) if r in graph.traced.calls)  # ran in forward
-        reps += _unfolded_siblings(graph, reps)
-        cached = graph.strategy_cache["check_targets"] = [t for r in reps or [""] for t in _around_assumed(graph, r)]
+        blocks = reps + _unfolded_siblings(graph, reps)
+        cached = graph.strategy_cache["check_targets"] = [t for b in blocks or [""] for t in _around_assumed(graph, b)]
     return cached
 
 
