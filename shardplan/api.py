@@ -139,7 +139,11 @@ def infer_example_inputs(model: nn.Module, *, batch_size: int, seq_len: int) -> 
             "(model, example_inputs) from the callable)"
         )
     if isinstance(first, nn.Embedding):
-        return (torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta"),)
+        # real token ids (CPU, fixed seed), which the tracer reads where forward branches on
+        # them; for a meta model only their shapes go meta
+        gen = torch.Generator().manual_seed(0)
+        high = min(m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding))  # valid in every table
+        return (torch.randint(0, high, (batch_size, seq_len), generator=gen),)
     if isinstance(first, nn.Linear):
         return (torch.zeros(batch_size, first.in_features, device="meta"),)
     raise ValueError(

@@ -148,6 +148,9 @@ class _ShardTracer(MetaTracer):
         self._constants: dict[int, str] = {}
         self._keep: list[torch.Tensor] = []
         self._module_paths = {id(m): n for n, m in model.named_modules()}
+        # node -> its value on the example inputs, where they are real (see ``concrete``)
+        self.values: dict[torch.fx.Node, Any] = {}
+        self.real_args: dict[str, Any] = {}
 
     def _fqn(self, m: nn.Module) -> str:
         return self._module_paths.get(id(m), "")
@@ -214,6 +217,8 @@ class _ShardTracer(MetaTracer):
         rv = torch.fx.Tracer.create_proxy(self, kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         rv.node.meta["shardplan_frames"] = frames
         if kind == "placeholder":
+            if target in self.real_args:
+                self.values[rv.node] = self.real_args[target]
             if target in self.meta_args:
                 rv.install_tensor_meta(self.meta_args[target])
                 rv.node.meta["val"] = self.meta_args[target]
@@ -224,8 +229,8 @@ class _ShardTracer(MetaTracer):
             meta = self._compute_meta(kind, target, args, kwargs)
         except TraceError:
             raise
-        except Exception as exc:  # noqa: BLE001 - re-raised with the op and module
-            raise TraceError(_meta_failure_message(kind, target, rv.node, exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - computed from the example values, else re-raised
+            meta = self._meta_from_values(rv.node, exc)
         rv.install_tensor_meta(meta)
         rv.node.meta["val"] = meta
         return rv
@@ -242,16 +247,80 @@ class _ShardTracer(MetaTracer):
             return getattr(args_m[0], target)(*args_m[1:], **kwargs_m)
         if kind == "call_module":
             return self._leaf_meta(str(target), args_m, kwargs_m)
-        if kind == "get_attr":  # read the real attribute, not the tracer's proxy of it
-            self._disable_module_getattr = True
-            try:
-                value = self.root
-                for atom in str(target).split("."):
-                    value = getattr(value, atom)
-            finally:
-                self._disable_module_getattr = False
-            return _to_meta(value)
+        if kind == "get_attr":
+            return _to_meta(self._attribute(str(target)))
         return None
+
+    def _meta_from_values(self, node: torch.fx.Node, exc: Exception) -> Any:
+        """An op the meta device cannot run (``.item()``, ``nonzero``, a boolean-mask index):
+        its shape depends on values, so it is computed from the example inputs' values, and
+        the graph holds the shape those values give."""
+        try:
+            value = self.concrete(node)
+        except _NotConcrete as why:
+            raise TraceError(f"{_meta_failure_message(node.op, node.target, node, exc)} ({why})") from exc
+        self.notes.append(f"{_op_name(node)} {_where(node)}: computed from the example inputs' values "
+                          "(its result depends on them); the plan holds for inputs like them")
+        return _to_meta(value)
+
+    def concrete(self, node: torch.fx.Node) -> Any:
+        """``node``'s value on the example inputs, computed on CPU and remembered. Only values
+        that depend on real inputs and on non-meta tensors can be computed: a mask built from
+        token ids, yes; MoE routing through meta weights, no (:class:`_NotConcrete`)."""
+        if node not in self.values:
+            self.values[node] = self._evaluate(node)
+        return self.values[node]
+
+    def _evaluate(self, node: torch.fx.Node) -> Any:
+        known = node.meta.get("val")
+        if "val" in node.meta and not _holds_tensor(known):
+            # sizes, dtypes and flags hold for any values; values are computed on CPU
+            return torch.device("cpu") if isinstance(known, torch.device) else known
+        if node.op == "placeholder":
+            raise _NotConcrete(f"input {node.target!r} was given on the meta device; pass real example inputs")
+        if node.op == "get_attr":
+            return _real(self._attribute(str(node.target)), node)
+        try:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), self.concrete)
+        except _NotConcrete:
+            if _op_name(node) not in _NONZERO_OPS:
+                raise
+            return self._all_nonzero(node)
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        if node.op == "call_module":
+            mod = self.root.get_submodule(str(node.target))
+            for name, t in list(mod.named_parameters()) + list(mod.named_buffers()):
+                _real(t, node, f"{node.target}.{name}")
+            return self._module_meta(mod, args, kwargs, real=True)
+        raise _NotConcrete(f"{node.op} {node.target} has no value")
+
+    def _all_nonzero(self, node: torch.fx.Node) -> Any:
+        """``nonzero`` of a value that depends on meta weights (which experts a router picked):
+        taken at its upper bound, every element nonzero, as torch's meta kernel does under
+        ``meta_nonzero_assume_all_nonzero``; the rows are then every index, in order, so a loop
+        over them (``for expert_idx in expert_hit``) visits every expert once."""
+        source = node.args[0]
+        shape = source.meta["val"].shape
+        self.notes.append(f"{_op_name(node)} {_where(node)}: every element taken as nonzero (its input depends on "
+                          "weights): the upper bound, every expert receives every token")
+        rows = torch.ones(shape, dtype=torch.bool).nonzero()
+        if _op_name(node) == "where" or node.kwargs.get("as_tuple") or node.args[1:2] == (True,):
+            return tuple(rows.unbind(1))  # torch.where(cond) and nonzero(as_tuple=True): one index tensor per dim
+        return rows
+
+    def _attribute(self, target: str) -> Any:
+        """The real attribute behind a ``get_attr``, not the tracer's proxy of it."""
+        self._disable_module_getattr = True
+        try:
+            value = self.root
+            for atom in target.split("."):
+                value = getattr(value, atom)
+        finally:
+            self._disable_module_getattr = False
+        return value
 
     def _leaf_meta(self, target: str, args: tuple, kwargs: dict) -> Any:
         """A weight module's output shape. Experts that route tokens by value (MoE) cannot run
@@ -271,8 +340,8 @@ class _ShardTracer(MetaTracer):
             )
             return torch.empty_like(first)
 
-    def _module_meta(self, mod: nn.Module, args: tuple, kwargs: dict) -> Any:
-        state = {n: _to_meta(t) for n, t in list(mod.named_parameters()) + list(mod.named_buffers())}
+    def _module_meta(self, mod: nn.Module, args: tuple, kwargs: dict, *, real: bool = False) -> Any:
+        state = {n: t if real else _to_meta(t) for n, t in list(mod.named_parameters()) + list(mod.named_buffers())}
         self._disable_module_getattr = True
         self._computing_meta = True
         try:
@@ -340,15 +409,60 @@ class _IterableMetaProxy(MetaProxy):
             raise TraceError("len() of a traced value without a known shape")
         return len(meta)
 
+    def _python_value(self, why: str) -> Any:
+        """The traced 0-d value as a Python number (an index the code formats or slices with)."""
+        try:
+            value = self.tracer.concrete(self.node)
+        except _NotConcrete as exc:
+            raise TraceError(f"{why} of traced value {self.node.name} {_where(self.node)}: {exc}") from None
+        return value.item() if isinstance(value, torch.Tensor) else value
+
+    def __index__(self) -> int:
+        return operator.index(self._python_value("an index"))
+
+    def __int__(self) -> int:
+        return int(self._python_value("int()"))
+
+    def __format__(self, spec: str) -> str:
+        # ``self[f"expert_{expert_idx[0]}"]``: the module the example values name
+        meta = getattr(self, "_tensor_meta", None)
+        if isinstance(meta, torch.Tensor) and meta.dim() == 0:
+            return format(self._python_value("formatting"), spec)
+        return super().__format__(spec)
+
     def __bool__(self) -> bool:
         meta = getattr(self, "_tensor_meta", None)
-        if isinstance(meta, torch.Tensor):
+        if not isinstance(meta, torch.Tensor):
+            return bool(meta)
+        # ``if not padding_mask.any():``: the branch the example inputs' values take is traced
+        try:
+            taken = bool(self.tracer.concrete(self.node))
+        except _NotConcrete as why:
             line = _user_line(self.node)
             raise TraceError(
                 f"control flow depends on tensor values at {self.node.name}{f' ({line})' if line else ''} "
-                "(data-dependent branch); tracing on the meta device cannot follow it"
-            )
-        return bool(meta)
+                f"(data-dependent branch); tracing on the meta device cannot follow it: {why}"
+            ) from None
+        self.tracer.notes.append(f"branch {_where(self.node)} traced as the example inputs take it ({taken})")
+        return taken
+
+
+_NONZERO_OPS = frozenset({"nonzero", "where", "argwhere"})
+
+
+class _NotConcrete(Exception):
+    """A traced value cannot be computed from the example inputs; the message says why."""
+
+
+def _real(value: Any, node: torch.fx.Node, name: str | None = None) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_meta:
+        raise _NotConcrete(f"{name or node.target} is on the meta device (the value depends on weights or "
+                           "buffers; build the model on CPU to trace it)")
+    return value
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
 def _proxy_meta_or_value(v: Any) -> Any:
@@ -376,7 +490,9 @@ def _meta_of(v: Any) -> Any:
         if meta is None:
             raise TraceError(f"no shape is known for {v.node.name}; the tracer lost track of it")
         return meta
-    if isinstance(v, torch.Tensor) and not v.is_meta:
+    if isinstance(v, torch.Tensor) and not v.is_meta and v.dim() > 0:
+        # a 0-d CPU tensor is a value (``torch.div(n, 2, rounding_mode="trunc")`` as a view's
+        # size) and mixes with tensors on any device; larger ones go meta
         return _to_meta(v)
     return v
 
@@ -506,6 +622,10 @@ def _holds_tensor(value: Any) -> bool:
     return torch.utils._pytree.tree_any(lambda v: isinstance(v, torch.Tensor), value)
 
 
+def _holds_meta(value: Any) -> bool:
+    return torch.utils._pytree.tree_any(lambda v: isinstance(v, torch.Tensor) and v.is_meta, value)
+
+
 def trace_model(
     model: nn.Module,
     example_inputs: tuple,
@@ -520,8 +640,10 @@ def trace_model(
     tracer = _ShardTracer(root, folded)
     meta_args = {f"x{i}": _to_meta(a) for i, a in enumerate(example_inputs) if _holds_tensor(a)}
     meta_args.update({k: _to_meta(v) for k, v in kwargs.items() if _holds_tensor(v)})
+    named = {**{f"x{i}": a for i, a in enumerate(example_inputs)}, **kwargs}
+    tracer.real_args = {k: v for k, v in named.items() if k in meta_args and not _holds_meta(v)}
     try:
-        with _mask_checks_take_proxies():
+        with _mask_checks_take_proxies(), _nonzero_at_upper_bound():
             graph = tracer.trace(root, meta_args)
     except TraceError:
         raise
@@ -531,6 +653,20 @@ def trace_model(
             "Check that example_inputs match forward(), or make the failing module a leaf."
         ) from exc
     return _strip_root(graph, model, tracer)
+
+
+@contextlib.contextmanager
+def _nonzero_at_upper_bound() -> Iterator[None]:
+    """torch's meta ``nonzero`` (and what calls it: ``torch.where(cond)``, boolean indexing)
+    returns every element, the upper bound, instead of raising."""
+    from torch.fx.experimental import _config
+
+    saved = _config.meta_nonzero_assume_all_nonzero
+    _config.meta_nonzero_assume_all_nonzero = True
+    try:
+        yield
+    finally:
+        _config.meta_nonzero_assume_all_nonzero = saved
 
 
 @contextlib.contextmanager

@@ -288,17 +288,23 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
         if leaf is None and block_fails():
             raise LocalShapeError(
                 f"{target or type(graph.model).__name__}: its code fails on the meta device even unsharded, at "
-                f"{_user_frame(exc)}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}; the check cannot "
+                f"{_user_frame(exc)}: {_said(exc)}; the check cannot "
                 "judge its shards (run `shardplan verify` on a small configuration)", None) from None
         culprit = _culprit(block, stack, target)
         raise LocalShapeError(
             f"{culprit or type(graph.model).__name__}: running its shards at tp={plan.tp} fails at "
-            f"{_user_frame(exc)}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}. The code uses a "
+            f"{_user_frame(exc)}: {_said(exc)}. The code uses a "
             "global size (a head count or width) where a shard holds 1/tp of it: compute it from the "
             "tensor (view(b, s, -1, head_dim)), or let that module run whole (the default without strict)",
             culprit, leaf,
         ) from None
     _check_views(graph, plan, placements, target, views)
+
+
+def _said(exc: Exception) -> str:
+    """The exception's type and first line (a bare ``assert`` has no message)."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0][:160]}" if lines else type(exc).__name__
 
 
 class _ViewRecorder(TorchFunctionMode):

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
@@ -410,27 +412,58 @@ class LocalVocabParallel(ParallelStyle):
 
 
 def _vocab_enter(module, args, *, mesh):
-    ids = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
     table = module._parameters["weight"]
     rows = -(-table.shape[0] // mesh.size())
-    offset, local = mesh.get_local_rank() * rows, table.to_local()
-    mine = (ids >= offset) & (ids < offset + local.shape[0])
-    padding = getattr(module, "padding_idx", None)
-    module._shardplan_vocab = (table, mine, padding)
+    local = table.to_local()
+    lookup = _LocalLookup(local, offset=mesh.get_local_rank() * rows)
+    # the lookup is found inside forward, not at its arguments: a subclass may derive the ids
+    # it looks up from its input (FSMT's sinusoidal positions count non-padding tokens) or
+    # scale the rows it got (Gemma's, BART's scaled embeddings)
+    lookup.__enter__()
+    module._shardplan_vocab = (table, lookup)
     module._parameters["weight"] = local
-    if padding is not None:  # the padding row's index among this rank's rows, if it holds it
-        module.padding_idx = padding - offset if offset <= padding < offset + local.shape[0] else None
-    return (torch.where(mine, ids - offset, torch.zeros_like(ids)), *args[1:])
+    return args
 
 
 def _vocab_leave(module, args, output, *, mesh, layout):
-    table, mine, padding = module._shardplan_vocab
+    table, lookup = module._shardplan_vocab
+    lookup.__exit__(None, None, None)
     del module._shardplan_vocab
     module._parameters["weight"] = table
-    if padding is not None:
-        module.padding_idx = padding
-    partial_sum = output * mine.unsqueeze(-1).to(output.dtype)
-    return DTensor.from_local(partial_sum, mesh, [Partial()], run_check=False).redistribute(mesh, [layout]).to_local()
+    if lookup.mine is None:
+        raise RuntimeError(f"{type(module).__name__}: its forward never looked up its weight with F.embedding; "
+                           "vocab-parallel cannot shard it (plan it replicated)")
+    return DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(mesh, [layout]).to_local()
+
+
+class _LocalLookup(TorchFunctionMode):
+    """``F.embedding`` on this rank's rows: ids in [offset, offset + n) are shifted to local
+    rows, the others read row 0 and are zeroed, so the sum over ranks is the lookup. What the
+    forward does to the rows after (a scale) is linear, so its output is a Partial sum too."""
+
+    def __init__(self, local: torch.Tensor, *, offset: int) -> None:
+        super().__init__()
+        self.local, self.offset, self.mine = local, offset, None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        if func is not F.embedding or weight is not self.local:
+            return func(*args, **kwargs)
+        ids = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+        rows = self.local.shape[0]
+        mine = (ids >= self.offset) & (ids < self.offset + rows)
+        padding = args[2] if len(args) > 2 else kwargs.get("padding_idx")
+        rest = {k: v for k, v in kwargs.items() if k not in ("input", "weight", "padding_idx")}
+        # the padding row's index among this rank's rows, if it holds it (no gradient there)
+        out = F.embedding(torch.where(mine, ids - self.offset, torch.zeros_like(ids)), self.local,
+                          _local_padding(padding, self.offset, rows), *args[3:], **rest)
+        self.mine = mine
+        return out * mine.unsqueeze(-1).to(out.dtype)
+
+
+def _local_padding(padding: int | None, offset: int, rows: int) -> int | None:
+    return padding - offset if padding is not None and offset <= padding < offset + rows else None
 
 
 class CopyOutput(ParallelStyle):

@@ -44,17 +44,27 @@ def pattern_map(graph: OpGraph) -> dict[str, str]:
 
 
 def patterned(fqn: str, graph: OpGraph, pmap: dict[str, str]) -> list[str]:
-    for rep, pattern in pmap.items():
-        if fqn == rep or fqn.startswith(rep + "."):
-            if pattern:
-                return [pattern + fqn[len(rep):]]
-            insts = [i for i, r in graph.traced.folded.items() if r == rep]
-            container, _, first = rep.rpartition(".")
-            names = [first] + [i.rpartition(".")[2] for i in insts]
-            if container and all(n.isdigit() for n in names):  # one rule per kind of block
-                return [f"{container}.{brace_ranges([int(n) for n in names])}{fqn[len(rep):]}"]
-            return [fqn] + [i + fqn[len(rep):] for i in insts]
-    return [fqn]
+    """The rule names for ``fqn``: its innermost representative block becomes the pattern
+    for all of its copies, then each block around that one does the same (experts folded
+    inside a representative layer: ``block.{1,5,9}.experts.*.wi``)."""
+    rep = max((r for r in pmap if fqn == r or fqn.startswith(r + ".")), key=len, default=None)
+    if rep is None:
+        return [fqn]
+    outer = {r: p for r, p in pmap.items() if rep.startswith(r + ".")}
+    return [name + fqn[len(rep):] for head in _copies(rep, graph, pmap[rep]) for name in patterned(head, graph, outer)]
+
+
+def _copies(rep: str, graph: OpGraph, pattern: str) -> list[str]:
+    """Names for a representative block and its folded copies: ``container.*`` when they
+    are every child, an index range, else each name."""
+    if pattern:
+        return [pattern]
+    insts = [i for i, r in graph.traced.folded.items() if r == rep]
+    container, _, first = rep.rpartition(".")
+    names = [first] + [i.rpartition(".")[2] for i in insts]
+    if container and all(n.isdigit() for n in names):  # one rule per kind of block
+        return [f"{container}.{brace_ranges([int(n) for n in names])}"]
+    return [rep] + insts
 
 
 def rules(
@@ -378,16 +388,31 @@ def _blocking_reshape(graph: OpGraph, op, tp: int) -> str:
                 if user.target in VIEWS and src and src[d] % tp == 0:
                     moved = _map_view_dim(src, dst, d, tp)
                     if moved is None:
-                        groups = _outer_group(src, dst, d)
-                        where = _user_line(user.node)
-                        return (f"reshape {list(src)} -> {list(dst)} makes {groups} groups (heads) of its {src[d]} "
-                                f"features, which tp={tp} does not divide" + (f" ({where})" if where else "") +
-                                f"; use a tp that divides {groups}")
+                        return _reshape_message(src, dst, d, tp, _user_line(user.node))
                     nxt.append((user.output, moved))
                 elif user.target not in VIEWS:  # a split or slice of the last dim keeps the heads' dim
                     nxt.append((user.output, d if len(dst) == len(src) else len(dst) - 1))
         frontier = nxt
     return ""
+
+
+def _reshape_message(src: tuple[int, ...], dst: tuple[int, ...], d: int, tp: int, where: str) -> str:
+    """Why a reshape cannot keep a split of src dim ``d``: its groups (heads) are not a
+    multiple of tp, or the heads merge with a dim before them (fairseq's ``bsz * num_heads``,
+    [s, b, h*d] -> [s, b*h, d]), where a shard of the merged dim would be a shard of the
+    batch, not of the heads."""
+    from .placements import view_groups
+
+    at = f" ({where})" if where else ""
+    merged = next((gi for gi, _ in view_groups(tuple(src), tuple(dst)) if d in gi), [d])
+    before = [k for k in merged if k < d and src[k] != 1]
+    if before:
+        return (f"reshape {list(src)} -> {list(dst)} merges its {src[d]} features with dim {before[0]} (size "
+                f"{src[before[0]]}) before them{at}: a split of the merged dim would split dim {before[0]}, not the "
+                "heads; keep the heads a dim of their own (view(s, b, num_heads, head_dim))")
+    groups = _outer_group(src, dst, d)
+    return (f"reshape {list(src)} -> {list(dst)} makes {groups} groups (heads) of its {src[d]} features, which "
+            f"tp={tp} does not divide{at}; use a tp that divides {groups}")
 
 
 def _outer_group(src: tuple[int, ...], dst: tuple[int, ...], d: int) -> int:

@@ -333,6 +333,8 @@ def _folded_rows(prog: _Program, alias: dict[int, int], rows, lo, hi) -> None:
         for mine, theirs in pairs:
             if mine is None or theirs is None or not hasattr(mine, "meta") or "shardplan_op" not in mine.meta:
                 continue
+            if not {mine.meta["shardplan_op"], theirs.meta["shardplan_op"]} <= graph.values.keys():
+                continue  # a Python value (a flag computed from the inputs' values): no placement
             a = _producer(graph, mine.meta["shardplan_op"], alias)
             b = _producer(graph, theirs.meta["shardplan_op"], alias)
             if a == b:

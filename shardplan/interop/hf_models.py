@@ -248,14 +248,15 @@ def example_args(model: nn.Module, config: Any, *, device: Any, batch_size: int,
 
 def _example_inputs(model: nn.Module, config: Any, *, device: Any, batch_size: int, seq_len: int,
                     seed: int | None) -> tuple[tuple, dict]:
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    # real values from a fixed seed even for a meta model: the tracer follows branches on
+    # them (``if not padding_mask.any():``) and the plan must not depend on the run
+    gen = torch.Generator().manual_seed(0 if seed is None else seed)
     meta = torch.device(device).type == "meta"
     forward_params = _forward_params(model)
 
     def ids(shape: tuple[int, ...], high: int) -> torch.Tensor:
-        if meta:
-            return torch.zeros(shape, dtype=torch.long, device="meta")
-        return torch.randint(0, high, shape, generator=gen).to(device)
+        tokens = torch.randint(0, high, shape, generator=gen)
+        return tokens if meta else tokens.to(device)
 
     image = getattr(config, "image_size", None)
     if "pixel_values" in forward_params and "input_ids" not in forward_params and image is not None:
@@ -264,12 +265,16 @@ def _example_inputs(model: nn.Module, config: Any, *, device: Any, batch_size: i
         shape = (batch_size, channels, image, image)
         x = torch.zeros(shape, device="meta") if meta else torch.randn(shape, generator=gen).to(device)
         return (x,), {}
-    vocab = getattr(config, "vocab_size", None) or 2
+    # ids every token table takes (FSMT's source and target vocabularies differ)
+    vocab = min((v for k in _VOCAB_KEYS if isinstance(v := getattr(config, k, None), int) and v > 0), default=2)
     inputs = (ids((batch_size, seq_len), vocab),)
     kwargs = {}
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in forward_params:
         kwargs["decoder_input_ids"] = ids((batch_size, seq_len), vocab)
     return inputs, kwargs
+
+
+_VOCAB_KEYS = ("vocab_size", "src_vocab_size", "tgt_vocab_size", "decoder_vocab_size")
 
 
 def _forward_params(model: nn.Module) -> list[str]:

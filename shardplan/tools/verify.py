@@ -290,8 +290,9 @@ def _plan(model: nn.Module, inputs: tuple, name: str, *, nproc: int, mesh: Mappi
 
 def _real_inputs(preset: str | None, model: nn.Module, meta_inputs: tuple, *, batch_size: int,
                  seq_len: int | None) -> tuple:
-    """CPU inputs, identical on every rank: the preset's fixed batch, else seeded random
-    tensors shaped as the meta inputs (token ids below the first Embedding's vocabulary)."""
+    """CPU inputs, identical on every rank: the preset's fixed batch, the example inputs
+    where they are real, else seeded random tensors shaped as the meta inputs (token ids
+    below the first Embedding's vocabulary)."""
     if preset is not None:
         from ..models import PRESETS
 
@@ -302,8 +303,8 @@ def _real_inputs(preset: str | None, model: nn.Module, meta_inputs: tuple, *, ba
     vocab = vocab or getattr(getattr(model, "config", None), "vocab_size", None) or 2
     out = []
     for t in meta_inputs:
-        if not isinstance(t, torch.Tensor):
-            out.append(t)
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            out.append(t)  # real example values (the ones the plan was traced on) are used as given
         elif t.is_floating_point():
             out.append(torch.randn(tuple(t.shape), generator=gen, dtype=t.dtype))
         elif t.dtype == torch.bool:
