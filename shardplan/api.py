@@ -143,7 +143,7 @@ def infer_example_inputs(model: nn.Module, *, batch_size: int, seq_len: int) -> 
         # them; for a meta model only their shapes go meta
         gen = torch.Generator().manual_seed(0)
         high = min(m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding))  # valid in every table
-        return (torch.randint(0, high, (batch_size, seq_len), generator=gen),)
+        return (torch.randint(0, high, (batch_size, seq_len), generator=gen, device="cpu"),)
     if isinstance(first, nn.Linear):
         return (torch.zeros(batch_size, first.in_features, device="meta"),)
     raise ValueError(

@@ -252,8 +252,13 @@ class _DataDependent(nn.Module):
 
 
 def test_data_dependent_control_flow_names_the_problem():
-    with pytest.raises(shardplan.TraceError, match="control flow depends on tensor values"):
-        shardplan.plan_model(_DataDependent(), {"tp": 2}, example_inputs=(torch.zeros(2, 4),))
+    with torch.device("meta"):
+        model = _DataDependent()
+    with pytest.raises(shardplan.TraceError, match="control flow depends on tensor values.*lin.weight is on the meta"):
+        shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.zeros(2, 4),))
+    # with real weights the branch is computed, and the plan says which way it went
+    plan = shardplan.plan_model(_DataDependent(), {"tp": 2}, example_inputs=(torch.zeros(2, 4),))
+    assert any("(y > 0).any()" in w and "example inputs take it" in w for w in plan.warnings)
 
 
 def test_405b_plans_on_meta_quickly():

@@ -41,7 +41,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map_only
 
-from .trace import ModuleCall, Traced, TraceError, is_weight_leaf
+from .trace import UPPER_BOUND_NOTE, ModuleCall, Traced, TraceError, is_weight_leaf
 
 __all__ = ["export_trace", "UPPER_BOUND_NOTE"]
 
@@ -65,11 +65,6 @@ def export_trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict |
     call = ModuleCall("", args, kw, outputs, _meta_example(example_inputs, kwargs))
     notes = [UPPER_BOUND_NOTE] if _data_dependent(flat) else []
     return Traced(graph=graph, model=model, calls={"": [call]}, folded={}, notes=notes, front_end="export")
-
-
-UPPER_BOUND_NOTE = ("sizes that depend on tensor values (the rows `nonzero`, `torch.where` or a boolean index select, "
-                    "as MoE dispatch does) are taken at their upper bound, every row selected: the estimate's "
-                    "communication and compute for them are upper bounds")
 
 
 def _data_dependent(graph: torch.fx.Graph) -> bool:

@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.fx.experimental.meta_tracer import MetaDeviceAttribute, MetaProxy, MetaTracer
 
-__all__ = ["TraceError", "ModuleCall", "Traced", "trace_model", "module_signature", "owns_params"]
+__all__ = ["UPPER_BOUND_NOTE", "TraceError", "ModuleCall", "Traced", "trace_model", "module_signature", "owns_params"]
 
 
 class TraceError(ValueError):
@@ -68,7 +68,9 @@ class Traced:
     # folded instance FQN -> FQN of the representative that was traced through
     folded: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # assumptions the tracer had to make
-    assumed: list[str] = field(default_factory=list)  # modules whose output shape a note assumed
+    # modules the local check cannot run on meta tensors: their output shape was assumed, or
+    # their code reads values (a loop over the experts ``nonzero`` found)
+    assumed: list[str] = field(default_factory=list)
     front_end: str = "fx"  # "export": shardplan.analyze.export built it, unfolded
 
     def module(self, fqn: str) -> nn.Module:
@@ -231,6 +233,8 @@ class _ShardTracer(MetaTracer):
             raise
         except Exception as exc:  # noqa: BLE001 - computed from the example values, else re-raised
             meta = self._meta_from_values(rv.node, exc)
+        if _bounded(target, args) and UPPER_BOUND_NOTE not in self.notes:
+            self.notes.append(UPPER_BOUND_NOTE)
         rv.install_tensor_meta(meta)
         rv.node.meta["val"] = meta
         return rv
@@ -268,7 +272,8 @@ class _ShardTracer(MetaTracer):
         that depend on real inputs and on non-meta tensors can be computed: a mask built from
         token ids, yes; MoE routing through meta weights, no (:class:`_NotConcrete`)."""
         if node not in self.values:
-            self.values[node] = self._evaluate(node)
+            with torch.device("cpu"):  # a model built and planned under ``torch.device("meta")``
+                self.values[node] = self._evaluate(node)
         return self.values[node]
 
     def _evaluate(self, node: torch.fx.Node) -> Any:
@@ -279,7 +284,11 @@ class _ShardTracer(MetaTracer):
         if node.op == "placeholder":
             raise _NotConcrete(f"input {node.target!r} was given on the meta device; pass real example inputs")
         if node.op == "get_attr":
-            return _real(self._attribute(str(node.target)), node)
+            return _real(self._attribute(str(node.target)), node, str(node.target).removeprefix("m."))
+        if node.op == "call_module":  # its weights first: real inputs would not help meta weights
+            mod = self.root.get_submodule(str(node.target))
+            for name, t in list(mod.named_parameters()) + list(mod.named_buffers()):
+                _real(t, node, f"{str(node.target).removeprefix('m.')}.{name}")
         try:
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), self.concrete)
         except _NotConcrete:
@@ -291,10 +300,7 @@ class _ShardTracer(MetaTracer):
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         if node.op == "call_module":
-            mod = self.root.get_submodule(str(node.target))
-            for name, t in list(mod.named_parameters()) + list(mod.named_buffers()):
-                _real(t, node, f"{node.target}.{name}")
-            return self._module_meta(mod, args, kwargs, real=True)
+            return self._module_meta(self.root.get_submodule(str(node.target)), args, kwargs, real=True)
         raise _NotConcrete(f"{node.op} {node.target} has no value")
 
     def _all_nonzero(self, node: torch.fx.Node) -> Any:
@@ -304,6 +310,10 @@ class _ShardTracer(MetaTracer):
         over them (``for expert_idx in expert_hit``) visits every expert once."""
         source = node.args[0]
         shape = source.meta["val"].shape
+        stack = node.meta.get("nn_module_stack") or {}
+        module = next(reversed(stack.values()))[0].removeprefix("m.") if stack else ""
+        if module and module != "m" and module not in self.assumed:
+            self.assumed.append(module)  # its code needs values meta tensors lack: the local check runs around it
         self.notes.append(f"{_op_name(node)} {_where(node)}: every element taken as nonzero (its input depends on "
                           "weights): the upper bound, every expert receives every token")
         rows = torch.ones(shape, dtype=torch.bool).nonzero()
@@ -448,6 +458,22 @@ class _IterableMetaProxy(MetaProxy):
 
 
 _NONZERO_OPS = frozenset({"nonzero", "where", "argwhere"})
+
+UPPER_BOUND_NOTE = ("sizes that depend on tensor values (the rows `nonzero`, `torch.where` or a boolean index select, "
+                    "as MoE dispatch does) are taken at their upper bound, every row selected: the estimate's "
+                    "communication and compute for them are upper bounds")
+
+
+def _bounded(target: Any, args: tuple) -> bool:
+    """Whether an op's output size depends on values: torch's meta kernels (under
+    ``meta_nonzero_assume_all_nonzero``) then give its upper bound."""
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if name in ("nonzero", "argwhere", "masked_select") or (name == "where" and len(args) == 1):
+        return True
+    if target is operator.getitem and len(args) > 1:  # x[mask]: a boolean index selects rows
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        return any(isinstance(m := _proxy_meta_or_value(i), torch.Tensor) and m.dtype == torch.bool for i in index)
+    return False
 
 
 class _NotConcrete(Exception):
@@ -643,7 +669,7 @@ def trace_model(
     named = {**{f"x{i}": a for i, a in enumerate(example_inputs)}, **kwargs}
     tracer.real_args = {k: v for k, v in named.items() if k in meta_args and not _holds_meta(v)}
     try:
-        with _mask_checks_take_proxies(), _nonzero_at_upper_bound():
+        with _mask_checks_take_proxies(), nonzero_at_upper_bound():
             graph = tracer.trace(root, meta_args)
     except TraceError:
         raise
@@ -656,7 +682,7 @@ def trace_model(
 
 
 @contextlib.contextmanager
-def _nonzero_at_upper_bound() -> Iterator[None]:
+def nonzero_at_upper_bound() -> Iterator[None]:
     """torch's meta ``nonzero`` (and what calls it: ``torch.where(cond)``, boolean indexing)
     returns every element, the upper bound, instead of raising."""
     from torch.fx.experimental import _config

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
 from ..analyze.graph import OpGraph
-from ..analyze.trace import portable_path, user_frame
+from ..analyze.trace import nonzero_at_upper_bound, portable_path, user_frame
 from ..plan.model import LocalAttributes, Plan, expand_pattern, int_attributes
 from ..decide.placements import groups_of, local_shape, shard_dim
 from ..decide.propagation import quiet_probes
@@ -57,8 +57,31 @@ def _targets(graph: OpGraph) -> list[str]:
     if cached is None:
         reps = sorted(r for r in set(graph.traced.folded.values()) if r in graph.traced.calls)  # ran in forward
         blocks = reps + _unfolded_siblings(graph, reps)
+        if _outside_blocks(graph, blocks):
+            blocks = []  # the folds are inside layers that are not (experts of a short stack): the whole model
         cached = graph.strategy_cache["check_targets"] = [t for b in blocks or [""] for t in _around_assumed(graph, b)]
     return cached
+
+
+def _outside_blocks(graph: OpGraph, blocks: list[str]) -> bool:
+    """Whether a weight module inside a container of layers (a ``ModuleList``, ...) runs in
+    none of ``blocks``: its layer is not a block the check runs, so only the whole model
+    covers it (the embedding and the head beside a stack are not in a container)."""
+    containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+    listed = {f"{fqn}.{name}" for fqn, m in graph.model.named_modules() if isinstance(m, containers)
+              for name, _ in m.named_children()}
+    for fqn in graph.traced.calls:
+        parts = fqn.split(".")
+        in_layer = any(".".join(parts[:k]) in listed for k in range(1, len(parts)))
+        if in_layer and not any(fqn == b or fqn.startswith(b + ".") for b in blocks) \
+                and not _under_folded(fqn, graph.traced.folded):
+            return True
+    return False
+
+
+def _under_folded(fqn: str, folded: dict[str, str]) -> bool:
+    parts = fqn.split(".")
+    return any(".".join(parts[:k]) in folded for k in range(1, len(parts) + 1))
 
 
 def _unfolded_siblings(graph: OpGraph, reps: list[str]) -> list[str]:
@@ -211,7 +234,7 @@ def _fails_unsharded(module: nn.Module, call) -> bool:
     dtype, ``autocast("meta")``)? Then a failure of its shards says nothing about the plan."""
     args, kwargs = tree_map_only(torch.Tensor, _on_meta, call.example)
     try:
-        with torch.no_grad(), quiet_probes():
+        with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound():
             _meta_copy(module)(*args, **kwargs)
     except Exception:  # noqa: BLE001 - any failure: the code cannot run on meta here
         return True
@@ -275,7 +298,7 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
     stack = _track_modules(block)
     views: list[tuple[str, tuple[int, ...]]] = []
     try:
-        with torch.no_grad(), quiet_probes(), _ViewRecorder(block, stack, views):
+        with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), _ViewRecorder(block, stack, views):
             block(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
         leaf = _failing_leaf(block, stack, target)  # a weight module's own forward: it can be kept whole
@@ -484,7 +507,7 @@ def _record_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: s
     def run(block: nn.Module) -> None:
         stack = _track_modules(block, prepend=True)
         args, kwargs = _local_args(call, placements, plan.tp)
-        with torch.no_grad(), quiet_probes(), _ViewRecorder(block, stack, views):
+        with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), _ViewRecorder(block, stack, views):
             block(*args, **kwargs)
 
     with _check_mesh(plan, mesh) as tp_mesh:

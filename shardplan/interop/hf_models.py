@@ -255,7 +255,7 @@ def _example_inputs(model: nn.Module, config: Any, *, device: Any, batch_size: i
     forward_params = _forward_params(model)
 
     def ids(shape: tuple[int, ...], high: int) -> torch.Tensor:
-        tokens = torch.randint(0, high, shape, generator=gen)
+        tokens = torch.randint(0, high, shape, generator=gen, device="cpu")
         return tokens if meta else tokens.to(device)
 
     image = getattr(config, "image_size", None)
