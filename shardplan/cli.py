@@ -454,7 +454,7 @@ def _bytes_cell(n: float | None, other: float | None) -> str:
     return format_bytes(n) if _bytes_match(n, other) else f"{n:,.0f} B"  # exact when they differ
 
 
-_UPPER_BOUND_START = "sizes that depend on tensor values"  # analyze.trace.UPPER_BOUND_NOTE (no torch import here)
+_UPPER_BOUND_START = "sizes that depend on tensor values"  # analyze.values.UPPER_BOUND_NOTE (no torch import here)
 
 
 def _simulation_table(result: Any, plan: Any) -> tuple[Any, bool]:

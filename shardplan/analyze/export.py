@@ -41,7 +41,8 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map_only
 
-from .trace import UPPER_BOUND_NOTE, ModuleCall, Traced, TraceError, is_weight_leaf
+from .trace import ModuleCall, Traced, TraceError, is_weight_leaf
+from .values import UPPER_BOUND_NOTE
 
 __all__ = ["export_trace", "UPPER_BOUND_NOTE"]
 

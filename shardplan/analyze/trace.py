@@ -7,11 +7,13 @@ whose every tensor-valued node carries ``node.meta["val"]``, a meta tensor with 
 node's global shape and dtype. Modules that own parameters directly (Linear, Embedding,
 norms, ...) are leaves: one ``call_module`` node each. Everything else is traced through,
 so the graph shows the ops between weights. Parameters may live on the meta device or on
-CPU; nothing is computed on real data and nothing is allocated beyond meta tensors.
+CPU; nothing is allocated beyond meta tensors, except the values :mod:`.values` computes.
 
 Shapes resolve to Python ints during tracing (the tracer runs meta tensors alongside the
-proxies), so control flow on shapes works; control flow on *values* (MoE routing, masks
-built from data) raises :class:`TraceError` naming the module being traced.
+proxies), so control flow on shapes works. Control flow on *values* (a mask built from the
+ids, a count read with ``.item()``, experts picked by ``nonzero``) follows the example
+inputs' values where they are real tensors (:mod:`.values`), with a note naming the line;
+a value that depends on meta weights raises :class:`TraceError` naming the module.
 
 Repeated blocks: children of a ``ModuleList``/``ModuleDict``/``Sequential`` with the same
 structure (class, parameter names, shapes and dtypes) are *folded*: the first is traced
@@ -31,6 +33,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Iterator
 
 import torch
@@ -39,7 +42,9 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.fx.experimental.meta_tracer import MetaDeviceAttribute, MetaProxy, MetaTracer
 
-__all__ = ["UPPER_BOUND_NOTE", "TraceError", "ModuleCall", "Traced", "trace_model", "module_signature", "owns_params"]
+from .values import UPPER_BOUND_NOTE, ExampleValues, NotConcrete, bounded, nonzero_at_upper_bound, op_name
+
+__all__ = ["TraceError", "ModuleCall", "Traced", "trace_model", "module_signature", "owns_params"]
 
 
 class TraceError(ValueError):
@@ -150,8 +155,10 @@ class _ShardTracer(MetaTracer):
         self._constants: dict[int, str] = {}
         self._keep: list[torch.Tensor] = []
         self._module_paths = {id(m): n for n, m in model.named_modules()}
-        # node -> its value on the example inputs, where they are real (see ``concrete``)
-        self.values: dict[torch.fx.Node, Any] = {}
+        # node -> its value on the example inputs, where code reads one (see .values)
+        self.examples = ExampleValues(model, run_module=partial(self._module_meta, real=True),
+                                      attribute=self._attribute, where=_where, notes=self.notes,
+                                      assumed=self.assumed)
         self.real_args: dict[str, Any] = {}
 
     def _fqn(self, m: nn.Module) -> str:
@@ -220,7 +227,7 @@ class _ShardTracer(MetaTracer):
         rv.node.meta["shardplan_frames"] = frames
         if kind == "placeholder":
             if target in self.real_args:
-                self.values[rv.node] = self.real_args[target]
+                self.examples.values[rv.node] = self.real_args[target]
             if target in self.meta_args:
                 rv.install_tensor_meta(self.meta_args[target])
                 rv.node.meta["val"] = self.meta_args[target]
@@ -233,7 +240,7 @@ class _ShardTracer(MetaTracer):
             raise
         except Exception as exc:  # noqa: BLE001 - computed from the example values, else re-raised
             meta = self._meta_from_values(rv.node, exc)
-        if _bounded(target, args) and UPPER_BOUND_NOTE not in self.notes:
+        if bounded(target, args, _proxy_meta_or_value) and UPPER_BOUND_NOTE not in self.notes:
             self.notes.append(UPPER_BOUND_NOTE)
         rv.install_tensor_meta(meta)
         rv.node.meta["val"] = meta
@@ -260,66 +267,12 @@ class _ShardTracer(MetaTracer):
         its shape depends on values, so it is computed from the example inputs' values, and
         the graph holds the shape those values give."""
         try:
-            value = self.concrete(node)
-        except _NotConcrete as why:
+            value = self.examples.concrete(node)
+        except NotConcrete as why:
             raise TraceError(f"{_meta_failure_message(node.op, node.target, node, exc)} ({why})") from exc
-        self.notes.append(f"{_op_name(node)} {_where(node)}: computed from the example inputs' values "
+        self.notes.append(f"{op_name(node)} {_where(node)}: computed from the example inputs' values "
                           "(its result depends on them); the plan holds for inputs like them")
         return _to_meta(value)
-
-    def concrete(self, node: torch.fx.Node) -> Any:
-        """``node``'s value on the example inputs, computed on CPU and remembered. Only values
-        that depend on real inputs and on non-meta tensors can be computed: a mask built from
-        token ids, yes; MoE routing through meta weights, no (:class:`_NotConcrete`)."""
-        if node not in self.values:
-            with torch.device("cpu"):  # a model built and planned under ``torch.device("meta")``
-                self.values[node] = self._evaluate(node)
-        return self.values[node]
-
-    def _evaluate(self, node: torch.fx.Node) -> Any:
-        known = node.meta.get("val")
-        if "val" in node.meta and not _holds_tensor(known):
-            # sizes, dtypes and flags hold for any values; values are computed on CPU
-            return torch.device("cpu") if isinstance(known, torch.device) else known
-        if node.op == "placeholder":
-            raise _NotConcrete(f"input {node.target!r} was given on the meta device; pass real example inputs")
-        if node.op == "get_attr":
-            return _real(self._attribute(str(node.target)), node, str(node.target).removeprefix("m."))
-        if node.op == "call_module":  # its weights first: real inputs would not help meta weights
-            mod = self.root.get_submodule(str(node.target))
-            for name, t in list(mod.named_parameters()) + list(mod.named_buffers()):
-                _real(t, node, f"{str(node.target).removeprefix('m.')}.{name}")
-        try:
-            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), self.concrete)
-        except _NotConcrete:
-            if _op_name(node) not in _NONZERO_OPS:
-                raise
-            return self._all_nonzero(node)
-        if node.op == "call_function":
-            return node.target(*args, **kwargs)
-        if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        if node.op == "call_module":
-            return self._module_meta(self.root.get_submodule(str(node.target)), args, kwargs, real=True)
-        raise _NotConcrete(f"{node.op} {node.target} has no value")
-
-    def _all_nonzero(self, node: torch.fx.Node) -> Any:
-        """``nonzero`` of a value that depends on meta weights (which experts a router picked):
-        taken at its upper bound, every element nonzero, as torch's meta kernel does under
-        ``meta_nonzero_assume_all_nonzero``; the rows are then every index, in order, so a loop
-        over them (``for expert_idx in expert_hit``) visits every expert once."""
-        source = node.args[0]
-        shape = source.meta["val"].shape
-        stack = node.meta.get("nn_module_stack") or {}
-        module = next(reversed(stack.values()))[0].removeprefix("m.") if stack else ""
-        if module and module != "m" and module not in self.assumed:
-            self.assumed.append(module)  # its code needs values meta tensors lack: the local check runs around it
-        self.notes.append(f"{_op_name(node)} {_where(node)}: every element taken as nonzero (its input depends on "
-                          "weights): the upper bound, every expert receives every token")
-        rows = torch.ones(shape, dtype=torch.bool).nonzero()
-        if _op_name(node) == "where" or node.kwargs.get("as_tuple") or node.args[1:2] == (True,):
-            return tuple(rows.unbind(1))  # torch.where(cond) and nonzero(as_tuple=True): one index tensor per dim
-        return rows
 
     def _attribute(self, target: str) -> Any:
         """The real attribute behind a ``get_attr``, not the tracer's proxy of it."""
@@ -422,8 +375,8 @@ class _IterableMetaProxy(MetaProxy):
     def _python_value(self, why: str) -> Any:
         """The traced 0-d value as a Python number (an index the code formats or slices with)."""
         try:
-            value = self.tracer.concrete(self.node)
-        except _NotConcrete as exc:
+            value = self.tracer.examples.concrete(self.node)
+        except NotConcrete as exc:
             raise TraceError(f"{why} of traced value {self.node.name} {_where(self.node)}: {exc}") from None
         return value.item() if isinstance(value, torch.Tensor) else value
 
@@ -446,8 +399,8 @@ class _IterableMetaProxy(MetaProxy):
             return bool(meta)
         # ``if not padding_mask.any():``: the branch the example inputs' values take is traced
         try:
-            taken = bool(self.tracer.concrete(self.node))
-        except _NotConcrete as why:
+            taken = bool(self.tracer.examples.concrete(self.node))
+        except NotConcrete as why:
             line = _user_line(self.node)
             raise TraceError(
                 f"control flow depends on tensor values at {self.node.name}{f' ({line})' if line else ''} "
@@ -455,40 +408,6 @@ class _IterableMetaProxy(MetaProxy):
             ) from None
         self.tracer.notes.append(f"branch {_where(self.node)} traced as the example inputs take it ({taken})")
         return taken
-
-
-_NONZERO_OPS = frozenset({"nonzero", "where", "argwhere"})
-
-UPPER_BOUND_NOTE = ("sizes that depend on tensor values (the rows `nonzero`, `torch.where` or a boolean index select, "
-                    "as MoE dispatch does) are taken at their upper bound, every row selected: the estimate's "
-                    "communication and compute for them are upper bounds")
-
-
-def _bounded(target: Any, args: tuple) -> bool:
-    """Whether an op's output size depends on values: torch's meta kernels (under
-    ``meta_nonzero_assume_all_nonzero``) then give its upper bound."""
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    if name in ("nonzero", "argwhere", "masked_select") or (name == "where" and len(args) == 1):
-        return True
-    if target is operator.getitem and len(args) > 1:  # x[mask]: a boolean index selects rows
-        index = args[1] if isinstance(args[1], tuple) else (args[1],)
-        return any(isinstance(m := _proxy_meta_or_value(i), torch.Tensor) and m.dtype == torch.bool for i in index)
-    return False
-
-
-class _NotConcrete(Exception):
-    """A traced value cannot be computed from the example inputs; the message says why."""
-
-
-def _real(value: Any, node: torch.fx.Node, name: str | None = None) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_meta:
-        raise _NotConcrete(f"{name or node.target} is on the meta device (the value depends on weights or "
-                           "buffers; build the model on CPU to trace it)")
-    return value
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
 def _proxy_meta_or_value(v: Any) -> Any:
@@ -679,20 +598,6 @@ def trace_model(
             "Check that example_inputs match forward(), or make the failing module a leaf."
         ) from exc
     return _strip_root(graph, model, tracer)
-
-
-@contextlib.contextmanager
-def nonzero_at_upper_bound() -> Iterator[None]:
-    """torch's meta ``nonzero`` (and what calls it: ``torch.where(cond)``, boolean indexing)
-    returns every element, the upper bound, instead of raising."""
-    from torch.fx.experimental import _config
-
-    saved = _config.meta_nonzero_assume_all_nonzero
-    _config.meta_nonzero_assume_all_nonzero = True
-    try:
-        yield
-    finally:
-        _config.meta_nonzero_assume_all_nonzero = saved
 
 
 @contextlib.contextmanager

@@ -27,7 +27,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
 from ..analyze.graph import OpGraph
-from ..analyze.trace import nonzero_at_upper_bound, portable_path, user_frame
+from ..analyze.trace import portable_path, user_frame
+from ..analyze.values import nonzero_at_upper_bound
 from ..plan.model import LocalAttributes, Plan, expand_pattern, int_attributes
 from ..decide.placements import groups_of, local_shape, shard_dim
 from ..decide.propagation import quiet_probes
