@@ -295,7 +295,10 @@ def test_tiny_simulated_collectives_match_prediction(family: Family) -> None:
 # sinusoidal position table that derives positions from the ids; LED on `.item()` of its
 # global-attention mask; Switch Transformers loops over `nonzero()` of its router's choice
 VALUE_FLOW = [Family("fsmt", False), Family("led", False), Family("switch_transformers", False)]
-NUMERIC_FAMILIES = [f for f in FAMILIES + VALUE_FLOW if f.model_type not in PLAN_DEFECTS]
+# an Embedding subclass whose forward takes a shape and looks up positions it makes (Marian's
+# sinusoidal table): vocab-parallel finds the lookup inside forward
+CUSTOM_LOOKUP = [Family("marian", False)]
+NUMERIC_FAMILIES = [f for f in FAMILIES + VALUE_FLOW + CUSTOM_LOOKUP if f.model_type not in PLAN_DEFECTS]
 
 
 @pytest.fixture(scope="module")

@@ -58,26 +58,27 @@ def _targets(graph: OpGraph) -> list[str]:
     if cached is None:
         reps = sorted(r for r in set(graph.traced.folded.values()) if r in graph.traced.calls)  # ran in forward
         blocks = reps + _unfolded_siblings(graph, reps)
-        if _outside_blocks(graph, blocks):
-            blocks = []  # the folds are inside layers that are not (experts of a short stack): the whole model
+        blocks += _layers_outside(graph, blocks)
         cached = graph.strategy_cache["check_targets"] = [t for b in blocks or [""] for t in _around_assumed(graph, b)]
     return cached
 
 
-def _outside_blocks(graph: OpGraph, blocks: list[str]) -> bool:
-    """Whether a weight module inside a container of layers (a ``ModuleList``, ...) runs in
-    none of ``blocks``: its layer is not a block the check runs, so only the whole model
-    covers it (the embedding and the head beside a stack are not in a container)."""
+def _layers_outside(graph: OpGraph, blocks: list[str]) -> list[str]:
+    """The layers (children of a ``ModuleList``, ...) whose modules run in none of ``blocks``
+    nor in a folded copy: where folds are only inside layers (the experts of a stack too short
+    to fold), each such layer is checked on its own, outermost first. The embedding and the
+    head beside a stack are in no container and need no block."""
     containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-    listed = {f"{fqn}.{name}" for fqn, m in graph.model.named_modules() if isinstance(m, containers)
+    listed = {f"{fqn}.{name}" if fqn else name for fqn, m in graph.model.named_modules() if isinstance(m, containers)
               for name, _ in m.named_children()}
+    out: set[str] = set()
     for fqn in graph.traced.calls:
         parts = fqn.split(".")
-        in_layer = any(".".join(parts[:k]) in listed for k in range(1, len(parts)))
-        if in_layer and not any(fqn == b or fqn.startswith(b + ".") for b in blocks) \
-                and not _under_folded(fqn, graph.traced.folded):
-            return True
-    return False
+        layer = next((".".join(parts[:k]) for k in range(1, len(parts) + 1) if ".".join(parts[:k]) in listed), None)
+        if layer is not None and layer in graph.traced.calls and not _under_folded(fqn, graph.traced.folded) \
+                and not any(fqn == b or fqn.startswith(b + ".") for b in blocks):
+            out.add(layer)
+    return sorted(out)
 
 
 def _under_folded(fqn: str, folded: dict[str, str]) -> bool:
