@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -15,8 +17,21 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
     return sorted(g for g in owners.values() if len(g) > 1)
 
 
-def parameter_checks(ref: nn.Module, tp: nn.Module, tp_size: int) -> dict[str, Any]:
-    """Same names, every parameter a DTensor, sharded ones really 1/tp, ties kept."""
+def _chunk_numel(p: DTensor, ref: nn.Parameter) -> int:
+    """What this rank should hold of ``ref``: 1/n of each dim a mesh axis of n shards, or,
+    where n does not divide it (a vocabulary of 513), torch.chunk's piece for this rank."""
+    shape = list(ref.shape)
+    for axis, placement in enumerate(p.placements):
+        if placement.is_shard():
+            pieces = [len(c) for c in torch.arange(shape[placement.dim]).chunk(p.device_mesh.size(axis))]
+            rank = p.device_mesh.get_local_rank(axis)
+            shape[placement.dim] = pieces[rank] if rank < len(pieces) else 0
+    return math.prod(shape)
+
+
+def parameter_checks(ref: nn.Module, tp: nn.Module) -> dict[str, Any]:
+    """Same names, every parameter a DTensor, sharded ones really 1/tp (torch.chunk's piece
+    where tp does not divide), ties kept."""
     ref_params = dict(ref.named_parameters())  # remove_duplicate=True: a tied weight once
     tp_params = dict(tp.named_parameters())
     sharded = sorted(n for n, p in tp_params.items() if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))
@@ -27,7 +42,7 @@ def parameter_checks(ref: nn.Module, tp: nn.Module, tp_size: int) -> dict[str, A
         "non_dtensor_params": sorted(n for n, p in tp_params.items() if not isinstance(p, DTensor)),
         "sharded_params": sharded,
         "bad_local_shapes": sorted(
-            n for n in sharded if tp_params[n].to_local().numel() * tp_size != ref_params[n].numel()
+            n for n in sharded if tp_params[n].to_local().numel() != _chunk_numel(tp_params[n], ref_params[n])
         ),
         "tied_ref": tied_groups(ref),
         "tied_tp": tied_groups(tp),

@@ -85,7 +85,7 @@ def _run_case(case: dict[str, Any], mesh, tols: dict[str, tuple[float, float]]) 
     tp.eval()
     shardplan.apply_plan(tp, mesh, plan)
 
-    checks: dict[str, Any] = parameter_checks(ref, tp, mesh.size())
+    checks: dict[str, Any] = parameter_checks(ref, tp)
     ref_params = dict(ref.named_parameters())
     tp_params = dict(tp.named_parameters())
 

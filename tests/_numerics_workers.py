@@ -92,7 +92,7 @@ def _run_case(case: dict[str, Any], mesh, tols: dict[str, tuple[float, float]]) 
             raise AssertionError(f"{n}: the two builds differ before apply_plan (seeded build is not deterministic)")
     shardplan.apply_plan(tp, mesh, plan)
 
-    checks.update(parameter_checks(ref, tp, mesh.size()))
+    checks.update(parameter_checks(ref, tp))
     ref_params = dict(ref.named_parameters())  # remove_duplicate=True: a tied weight once
     tp_params = dict(tp.named_parameters())
 
