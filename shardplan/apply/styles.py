@@ -394,9 +394,10 @@ class LocalVocabParallel(ParallelStyle):
     Embedding a DTensor input beside a DTensor weight; a subclass whose forward takes the
     weight's local tensor (``self.weight.to_local()``, torchtitan's) or passes its weight to
     ``F.embedding`` with the plain ids then mixes the two. Here rank r holds rows
-    [r*c, r*c + n_r) of the table (``Shard(0)``, c = ceil(V / tp)); each id is shifted into that
-    range (ids of other ranks point at row 0), the module's own forward runs on the local rows
-    with plain tensors, and the rows this rank does not hold are zeroed. The sum over ranks is
+    [r*c, r*c + n_r) of the table (``Shard(0)``, c = ceil(V / tp)); the module's own forward runs
+    on the local rows with plain tensors, and in the ``F.embedding`` call it makes on them each
+    id is shifted into that range (ids of other ranks point at row 0) and the rows this rank
+    does not hold are zeroed. The sum over ranks is
     the lookup (Partial): to Replicate is an all-reduce, to Shard(1) (sequence parallel) a
     reduce-scatter, the same collectives as torch's style."""
 
