@@ -16,9 +16,11 @@ Contract
   512, head_dim 16, 128 positions, 4 experts (2 per token), 32x32 images of 8x8 patches,
   dropout and LayerDrop 0, token ids inside the vocabulary, per-layer lists resized. Inputs: token ids
   ``(batch_size, seq_len)`` (default 2 x 16), ``pixel_values`` for vision models,
-  ``decoder_input_ids`` as a keyword for encoder-decoders. With a ``seed`` (which seeds
-  torch's global RNG before the build) the weights and inputs are deterministic; off the meta
-  device the model is float32.
+  ``decoder_input_ids`` as a keyword for encoder-decoders. Token ids are real CPU tensors
+  from a fixed seed (``seed``, else 0) below every vocabulary size, on any device: the tracer
+  reads them where forward branches on values. With a ``seed`` (which also seeds torch's
+  global RNG before the build) the weights are deterministic too; off the meta device the
+  model is float32.
 * ``positional(model, inputs, kwargs)``: the inputs placed by ``forward``'s signature;
   ``example_args(model, config, ...)`` the positional example inputs of a built model.
 """
