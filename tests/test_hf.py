@@ -542,3 +542,11 @@ def test_a_default_config_transformers_refuses_is_a_user_error_naming_the_type(m
         hf_config(transformers, "llama", None)
     with pytest.raises(ValueError, match="unknown Hugging Face model type 'lamma'.*hf:llama"):
         hf_config(transformers, "lamma", None)
+
+
+def test_a_position_table_looked_up_from_a_shape_is_vocab_parallel() -> None:
+    """LED's learned positions take ``input_ids_shape`` (no tensor goes in) and make their
+    own ids: the table is still split by rows (numerics: LED in the gloo families)."""
+    plan = tiny_plan("led")
+    tables = {k: v for k, v in plan.module_styles().items() if k.endswith("embed_positions")}
+    assert len(tables) == 2 and set(tables.values()) == {"embedding_rowwise"}, tables

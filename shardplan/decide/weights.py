@@ -103,7 +103,7 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
         kind = "read elsewhere"  # its weight is also read as a plain tensor outside it: kept whole
     if kind in ("linear", "conv1d") and len(op.inputs) == 1:
         found = _linear(op, graph, module, tp, sp)
-    elif kind == "embedding" and len(op.inputs) == 1:
+    elif kind == "embedding" and len(op.inputs) <= 1:  # none: a table that makes its positions from a shape
         found = _embedding(op, graph, module, tp, sp)
     elif kind == "norm" and len(op.inputs) == 1 and _acts_like_norm(op, graph, module):
         found = _norm(op, graph, module, tp, sp)
@@ -336,20 +336,24 @@ def _embedding(op: Op, graph: OpGraph, module: nn.Embedding, tp: int, sp: bool) 
     pbytes = _param_bytes(module)
     last = len(y.shape) - 1
     out: list[Strategy] = [_replicate(op, graph, module)]
+    # a table whose forward makes its own positions from a shape (LED's, BART's learned
+    # positions: ``forward(input_ids_shape)``) has no tensor input; vocab-parallel finds the
+    # lookup inside forward, while torch's colwise style needs a tensor to wrap
+    ins = tuple("R" for _ in op.inputs)
     vocab_shard = _ceil_div_bytes(pbytes, module.num_embeddings, tp)  # uneven vocabularies split too
     if module.num_embeddings >= tp:  # not fewer rows than ranks (roberta's 2 token types)
         out.append(Strategy(
-            "embedding_rowwise", ("R",), "R", fwd=(("all_reduce", y.nbytes),),
+            "embedding_rowwise", ins, "R", fwd=(("all_reduce", y.nbytes),),
             param_bytes=vocab_shard, act_bytes=y.nbytes, layouts={"weight": "S0"},
         ))
     if module.num_embeddings % tp == 0:
         for d in _seq_dims(y.shape, tp) if sp else []:
             out.append(Strategy(
-                "embedding_rowwise", ("R",), f"S{d}", fwd=(("reduce_scatter", y.nbytes),), bwd=(("all_gather", y.nbytes),),
+                "embedding_rowwise", ins, f"S{d}", fwd=(("reduce_scatter", y.nbytes),), bwd=(("all_gather", y.nbytes),),
                 param_bytes=vocab_shard, act_bytes=y.nbytes / tp, layouts={"weight": "S0", "output": f"S{d}"},
             ))
-    if module.embedding_dim % tp == 0:
-        out.append(Strategy("colwise", ("R",), f"S{last}", param_bytes=pbytes / tp, act_bytes=y.nbytes / tp, layouts={"weight": "S1"}))
+    if module.embedding_dim % tp == 0 and ins:
+        out.append(Strategy("colwise", ins, f"S{last}", param_bytes=pbytes / tp, act_bytes=y.nbytes / tp, layouts={"weight": "S1"}))
     out += _sliced_replicate(op, graph, module, tp) if sp else []
     return out
 
