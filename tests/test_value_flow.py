@@ -173,3 +173,22 @@ def test_experts_chosen_through_nonzero_are_each_split_and_named_by_pattern() ->
     assert len({m for r in expert_rules for m in expand_pattern(r, repeats)}) == 3 * 4 * 2
     num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert plan.estimate.param_bytes_per_device <= num_bytes / 4 * 1.01  # every weight split 4 ways
+
+
+def test_formatting_a_value_of_meta_weights_keeps_tracing() -> None:
+    """A log line's f-string of a loss-like scalar has no value on meta weights: it is not an
+    error (only code that needs the number, a branch or an index, is)."""
+    class Logs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            self.last = f"mean {y.mean()}"
+            return y
+
+    with torch.device("meta"):
+        model = Logs()
+    traced = trace_model(model, (torch.ones(2, 8),))
+    assert any(n.op == "call_module" and n.target == "lin" for n in traced.graph.nodes)

@@ -388,9 +388,14 @@ class _IterableMetaProxy(MetaProxy):
 
     def __format__(self, spec: str) -> str:
         # ``self[f"expert_{expert_idx[0]}"]``: the module the example values name
+        # (a value with none computable, a log line's loss, keeps fx's own text)
         meta = getattr(self, "_tensor_meta", None)
         if isinstance(meta, torch.Tensor) and meta.dim() == 0:
-            return format(self._python_value("formatting"), spec)
+            try:
+                value = self.tracer.examples.concrete(self.node)
+            except NotConcrete:
+                return super().__format__(spec)
+            return format(value.item() if isinstance(value, torch.Tensor) else value, spec)
         return super().__format__(spec)
 
     def __bool__(self) -> bool:
