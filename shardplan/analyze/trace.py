@@ -42,7 +42,8 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.fx.experimental.meta_tracer import MetaDeviceAttribute, MetaProxy, MetaTracer
 
-from .values import UPPER_BOUND_NOTE, ExampleValues, NotConcrete, bounded, nonzero_at_upper_bound, op_name
+from .values import (UPPER_BOUND_NOTE, ExampleValues, NotConcrete, bounded, holds_tensor, nonzero_at_upper_bound,
+                     op_name)
 
 __all__ = ["TraceError", "ModuleCall", "Traced", "trace_model", "module_signature", "owns_params"]
 
@@ -159,7 +160,6 @@ class _ShardTracer(MetaTracer):
         self.examples = ExampleValues(model, run_module=partial(self._module_meta, real=True),
                                       attribute=self._attribute, where=_where, notes=self.notes,
                                       assumed=self.assumed)
-        self.real_args: dict[str, Any] = {}
 
     def _fqn(self, m: nn.Module) -> str:
         return self._module_paths.get(id(m), "")
@@ -226,8 +226,6 @@ class _ShardTracer(MetaTracer):
         rv = torch.fx.Tracer.create_proxy(self, kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         rv.node.meta["shardplan_frames"] = frames
         if kind == "placeholder":
-            if target in self.real_args:
-                self.examples.values[rv.node] = self.real_args[target]
             if target in self.meta_args:
                 rv.install_tensor_meta(self.meta_args[target])
                 rv.node.meta["val"] = self.meta_args[target]
@@ -372,13 +370,17 @@ class _IterableMetaProxy(MetaProxy):
             raise TraceError("len() of a traced value without a known shape")
         return len(meta)
 
+    def _number(self) -> Any:
+        """The traced 0-d value as a Python number; :class:`NotConcrete` if it has none."""
+        value = self.tracer.examples.concrete(self.node)
+        return value.item() if isinstance(value, torch.Tensor) else value
+
     def _python_value(self, why: str) -> Any:
-        """The traced 0-d value as a Python number (an index the code formats or slices with)."""
+        """:meth:`_number`, where the code cannot go on without it (an index, ``int()``)."""
         try:
-            value = self.tracer.examples.concrete(self.node)
+            return self._number()
         except NotConcrete as exc:
             raise TraceError(f"{why} of traced value {self.node.name} {_where(self.node)}: {exc}") from None
-        return value.item() if isinstance(value, torch.Tensor) else value
 
     def __index__(self) -> int:
         return operator.index(self._python_value("an index"))
@@ -392,10 +394,9 @@ class _IterableMetaProxy(MetaProxy):
         meta = getattr(self, "_tensor_meta", None)
         if isinstance(meta, torch.Tensor) and meta.dim() == 0:
             try:
-                value = self.tracer.examples.concrete(self.node)
+                return format(self._number(), spec)
             except NotConcrete:
                 return super().__format__(spec)
-            return format(value.item() if isinstance(value, torch.Tensor) else value, spec)
         return super().__format__(spec)
 
     def __bool__(self) -> bool:
@@ -549,7 +550,7 @@ def _root_wrapper(model: nn.Module, inputs: tuple, kwargs: dict[str, Any]) -> nn
     consts: list[Any] = []
 
     def arg(name: str, value: Any) -> tuple[list[str], str]:
-        if _holds_tensor(value):
+        if holds_tensor(value):
             return [name], name
         consts.append(value)
         return [], f"self.shardplan_consts[{len(consts) - 1}]"
@@ -568,14 +569,6 @@ def _root_wrapper(model: nn.Module, inputs: tuple, kwargs: dict[str, Any]) -> nn
     return root
 
 
-def _holds_tensor(value: Any) -> bool:
-    return torch.utils._pytree.tree_any(lambda v: isinstance(v, torch.Tensor), value)
-
-
-def _holds_meta(value: Any) -> bool:
-    return torch.utils._pytree.tree_any(lambda v: isinstance(v, torch.Tensor) and v.is_meta, value)
-
-
 def trace_model(
     model: nn.Module,
     example_inputs: tuple,
@@ -588,10 +581,10 @@ def trace_model(
     root = _root_wrapper(model, tuple(example_inputs), kwargs)
     folded = {f"m.{k}": f"m.{v}" for k, v in _repeated_groups(model).items()} if fold_repeated else {}
     tracer = _ShardTracer(root, folded)
-    meta_args = {f"x{i}": _to_meta(a) for i, a in enumerate(example_inputs) if _holds_tensor(a)}
-    meta_args.update({k: _to_meta(v) for k, v in kwargs.items() if _holds_tensor(v)})
+    meta_args = {f"x{i}": _to_meta(a) for i, a in enumerate(example_inputs) if holds_tensor(a)}
+    meta_args.update({k: _to_meta(v) for k, v in kwargs.items() if holds_tensor(v)})
     named = {**{f"x{i}": a for i, a in enumerate(example_inputs)}, **kwargs}
-    tracer.real_args = {k: v for k, v in named.items() if k in meta_args and not _holds_meta(v)}
+    tracer.examples.inputs = {k: v for k, v in named.items() if k in meta_args and not holds_tensor(v, meta=True)}
     try:
         with _mask_checks_take_proxies(), nonzero_at_upper_bound():
             graph = tracer.trace(root, meta_args)

@@ -25,7 +25,8 @@ import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["UPPER_BOUND_NOTE", "ExampleValues", "NotConcrete", "bounded", "nonzero_at_upper_bound"]
+__all__ = ["UPPER_BOUND_NOTE", "ExampleValues", "NotConcrete", "bounded", "holds_tensor", "nonzero_at_upper_bound",
+           "op_name"]
 
 UPPER_BOUND_NOTE = ("sizes that depend on tensor values (the rows `nonzero`, `torch.where` or a boolean index select, "
                     "as MoE dispatch does) are taken at their upper bound, every row selected: the estimate's "
@@ -47,6 +48,7 @@ class ExampleValues:
                  where: Callable[[torch.fx.Node], str], notes: list[str], assumed: list[str]) -> None:
         self.root, self._run_module, self._attribute, self._where = root, run_module, attribute, where
         self.notes, self.assumed = notes, assumed
+        self.inputs: dict[str, Any] = {}  # placeholder name -> the real example value given for it
         self.values: dict[torch.fx.Node, Any] = {}
 
     def concrete(self, node: torch.fx.Node) -> Any:
@@ -57,10 +59,12 @@ class ExampleValues:
 
     def _evaluate(self, node: torch.fx.Node) -> Any:
         known = node.meta.get("val")
-        if "val" in node.meta and not _holds_tensor(known):
+        if "val" in node.meta and not holds_tensor(known):
             # sizes, dtypes and flags hold for any values; values are computed on CPU
             return torch.device("cpu") if isinstance(known, torch.device) else known
         if node.op == "placeholder":
+            if node.target in self.inputs:
+                return self.inputs[node.target]
             raise NotConcrete(f"input {node.target!r} was given on the meta device; pass real example inputs")
         if node.op == "get_attr":
             return _real(self._attribute(str(node.target)), _user_name(node.target))
@@ -144,5 +148,7 @@ def _user_name(target: Any) -> str:
     return str(target).removeprefix("m.")  # the tracer's root wraps the model as ``m``
 
 
-def _holds_tensor(value: Any) -> bool:
-    return torch.utils._pytree.tree_any(lambda v: isinstance(v, torch.Tensor), value)
+def holds_tensor(value: Any, *, meta: bool = False) -> bool:
+    """Whether ``value`` (a tensor, or a structure of them) holds a tensor; ``meta``: one on
+    the meta device."""
+    return torch.utils._pytree.tree_any(lambda v: isinstance(v, torch.Tensor) and (v.is_meta or not meta), value)

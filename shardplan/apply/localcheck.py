@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import torch
 import torch.distributed as dist
@@ -75,15 +75,16 @@ def _layers_outside(graph: OpGraph, blocks: list[str]) -> list[str]:
     for fqn in graph.traced.calls:
         parts = fqn.split(".")
         layer = next((".".join(parts[:k]) for k in range(1, len(parts) + 1) if ".".join(parts[:k]) in listed), None)
-        if layer is not None and layer in graph.traced.calls and not _under_folded(fqn, graph.traced.folded) \
-                and not any(fqn == b or fqn.startswith(b + ".") for b in blocks):
+        if layer is not None and layer in graph.traced.calls and not _at_or_under(fqn, graph.traced.folded) \
+                and not _at_or_under(fqn, blocks):
             out.add(layer)
     return sorted(out)
 
 
-def _under_folded(fqn: str, folded: dict[str, str]) -> bool:
+def _at_or_under(fqn: str, modules: Collection[str]) -> bool:
+    """Whether ``fqn`` is one of ``modules`` or inside one."""
     parts = fqn.split(".")
-    return any(".".join(parts[:k]) in folded for k in range(1, len(parts) + 1))
+    return any(".".join(parts[:k]) in modules for k in range(1, len(parts) + 1))
 
 
 def _unfolded_siblings(graph: OpGraph, reps: list[str]) -> list[str]:
@@ -265,7 +266,7 @@ def _custom_leaves(graph: OpGraph) -> list[str]:
     out = []
     for fqn, calls in graph.traced.calls.items():
         module = graph.model.get_submodule(fqn) if fqn else graph.model
-        inside = any(fqn == b or fqn.startswith(b + ".") for b in blocks)
+        inside = _at_or_under(fqn, blocks)
         if fqn and not inside and is_weight_leaf(module) and calls and fqn not in graph.traced.assumed \
                 and not type(module).forward.__module__.startswith("torch.nn."):
             out.append(fqn)
