@@ -1,6 +1,6 @@
 """``python -m shardplan``: the same command line as the ``shardplan`` console script."""
 
-from .cli import main
+from .cli import entry
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

@@ -263,6 +263,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
     )
     whole: dict[str, str] = {}  # module -> why it runs on whole activations
     attributes: list = []  # modules whose size attributes take their local value (a head count)
+    views: list = []  # modules whose views spell a width read off a whole tensor (nanoGPT's view(B, T, C))
     squeezed, pending, assembled = 0, None, None
     while True:
         solution, pending = pending or _solve_explained(graph, ctx), None
@@ -272,7 +273,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 model, graph, solution, ctx, entries, blocks, opts=_record_shapes(opts, example_inputs), axes=axes,
                 tp_axis=tp_axis, strict=extra.get("strict", False), whole=whole))
         _, entries, blocks, base = assembled
-        plan = base.model_copy(update={"attributes": list(attributes), "warnings": list(base.warnings)})
+        plan = base.model_copy(update={"attributes": list(attributes), "local_views": list(views), "warnings": list(base.warnings)})
         over = plan.estimate.peak_memory_bytes - opts.memory_budget if opts.memory_budget else 0
         if over > 0 and squeezed < 3:
             # the program prices activations per op, the estimate per transformer block
@@ -291,9 +292,10 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
             # its code sizes by a global count (a weight module then fails on what it was
             # handed: o_proj on twice its features): the local count makes its shards run
             found = find_local_attributes(graph, plan, solution.placements, exc.module, mesh=mesh) if (
-                exc.module and exc.module != exc.leaf and len(attributes) < 16) else None
+                exc.module and exc.module != exc.leaf and len(attributes) + len(views) < 16) else None
             if found:
-                attributes += found
+                attributes += found[0]
+                views += found[1]
                 pending = solution
                 continue
             if exc.leaf is not None and exc.leaf not in whole and not extra.get("strict") and len(whole) < 16:

@@ -3,8 +3,11 @@
 Contract
 --------
 ``main(argv=None) -> int`` parses ``argv`` (default ``sys.argv[1:]``), runs one subcommand
-and returns its exit status; it never calls ``sys.exit`` itself (``python -m shardplan``
-and the ``shardplan`` console script do). Data (tables, YAML, JSON, findings) goes to
+and returns its exit status; it never calls ``sys.exit`` itself. ``python -m shardplan``
+and the ``shardplan`` console script call :func:`entry`, which ends the process as soon as
+the command's output is flushed and the ``atexit`` handlers have run: tearing down the
+interpreter (torch, transformers, a 61-layer model on meta) takes 0.6-0.9 s and does
+nothing a finished command needs. Data (tables, YAML, JSON, findings) goes to
 stdout; progress and confirmations go to stderr, and the progress spinner shows only when
 stderr is a terminal.
 
@@ -590,6 +593,25 @@ def _run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace) ->
         print(f"shardplan: error: internal error: {type(exc).__name__}: {first}", file=sys.stderr)
         print(f"  set {_TRACEBACK_ENV}=1 to see the traceback, and please report it", file=sys.stderr)
         return EXIT_USAGE
+
+
+FAST_EXIT = True  # False: entry() raises SystemExit (a harness running ``python -m shardplan`` in-process)
+
+
+def entry() -> None:
+    """``shardplan`` and ``python -m shardplan``: :func:`main`, then exit with its status."""
+    code = main()
+    if not FAST_EXIT:
+        raise SystemExit(code)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:  # `shardplan plan ... | head` closed the pipe before the flush
+        code = 141
+    import atexit
+
+    atexit._run_exitfuncs()  # what a normal exit runs; the module teardown after it is skipped
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -637,6 +637,8 @@ def _zygote_child(conn: socket.socket, request: dict, fd: int) -> None:
         os.environ.update(request["env"], PWD=request["cwd"])
         sys.path[0] = request["cwd"]           # what ``-m`` puts first
         sys.argv = ["python", *request["argv"]]  # runpy sets argv[0] to __main__.py
+        with contextlib.suppress(Exception):  # return from run_module with SystemExit, not os._exit
+            importlib.import_module("shardplan.cli").FAST_EXIT = False
         try:
             runpy.run_module("shardplan", run_name="__main__", alter_sys=True)
             code = 0

@@ -36,6 +36,7 @@ from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern, set_
 from .agree import agree
 from .attention_style import MultiheadAttentionParallel
 from .gradsync import install_gradient_sync
+from .localviews import install_local_views
 from .head_styles import ColwiseKVGathered, ColwiseKVReplicated, ColwisePartialInput, GatherPartialGrad, ReplicatePartialGrad
 from .styles import (
     AsLinear, Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, LocalVocabParallel, MoEExpertsParallel, PackedColwise,
@@ -303,6 +304,7 @@ def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
     tied = _tied_groups(model)
     parallelize_module(model, mesh, to_parallelize_plan(plan, model))
     set_local_attributes(model, plan)
+    install_local_views(model, plan)
     read_outside = [f"{fqn}.{n}" if fqn else n for rule in plan.rules
                     for fqn in expand_pattern(rule.module, plan.model.repeats)
                     if rule.read_outside or _local_replica(rule, model.get_submodule(fqn))

@@ -29,11 +29,12 @@ from torch.utils._pytree import tree_map_only
 from ..analyze.graph import OpGraph
 from ..analyze.trace import portable_path, user_frame
 from ..analyze.values import nonzero_at_upper_bound
-from ..plan.model import LocalAttributes, Plan, expand_pattern, int_attributes
+from ..plan.model import LocalAttributes, LocalViews, Plan, ViewFix, expand_pattern, int_attributes
 from ..decide.placements import groups_of, local_shape, shard_dim
 from ..decide.propagation import quiet_probes
 from ..decide.solve import PlanningError
 from .emit import shard
+from .localviews import discover_fixes
 from .mesh import fake_process_group, make_mesh
 
 __all__ = ["check_local_shapes", "find_local_attributes", "LocalShapeError", "LocalCheckUnavailable"]
@@ -122,7 +123,8 @@ def _sub_plan(plan: Plan, prefix: str) -> Plan:
     rules = [r.model_copy(update={"module": m}) for r in plan.rules for m in rel(r.module)]
     regions = [r.model_copy(update={"module": m}) for r in plan.regions for m in rel(r.module)]
     attributes = [a.model_copy(update={"module": m}) for a in plan.attributes for m in rel(a.module)]
-    return plan.model_copy(update={"rules": rules, "regions": regions, "attributes": attributes,
+    views = [v.model_copy(update={"module": m}) for v in plan.local_views for m in rel(v.module)]
+    return plan.model_copy(update={"rules": rules, "regions": regions, "attributes": attributes, "local_views": views,
                                    "model": plan.model.model_copy(update={"repeats": {}})})
 
 
@@ -418,39 +420,103 @@ def _dim_sizes(graph: OpGraph, placements: dict[int, str], fqn: str, tp: int) ->
 
 
 def find_local_attributes(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, *,
-                          mesh: Any = None) -> list[LocalAttributes] | None:
+                          mesh: Any = None) -> tuple[list[LocalAttributes], list[LocalViews]] | None:
     """The fewest integer attributes of ``fqn`` that, set to their local value, let its shards
     run (``self.num_heads`` / tp; with kv heads in groups, ``self.n_kv_heads`` / groups and
     ``self.n_rep`` / (tp / groups)): the smallest sets first, each proven by running the
-    check again and by every view having its planned local shape. None when no set is found."""
-    from itertools import combinations, islice
+    check again and by every view having its planned local shape. Where none does (the code
+    reads a width off a whole tensor: nanoGPT's ``view(B, T, C)``), the views that fail are
+    fixed (:mod:`.localviews`), alone and then beside each set. None when nothing is found."""
+    from itertools import chain, islice
 
+    names = _rule_names(graph, fqn)
+    candidates, values_of = _attribute_candidates(graph, placements, fqn, plan.tp)
+
+    def attributes(subset: tuple[str, ...]) -> list[LocalAttributes]:
+        values = values_of(subset)
+        return [LocalAttributes(module=n, values=values, why=values_of.why(values)) for n in names] if subset else []
+
+    for subset in islice(_subsets(candidates), _MAX_ATTRIBUTE_TRIALS):
+        if _passes(graph, plan.model_copy(update={"attributes": plan.attributes + attributes(subset)}), placements, fqn, mesh):
+            return attributes(subset), []
+    for subset in islice(chain([()], _subsets(candidates)), _MAX_ATTRIBUTE_TRIALS):
+        trial = plan.model_copy(update={"attributes": plan.attributes + attributes(subset)})
+        fixes = _discover_views(graph, trial, placements, fqn, mesh)
+        views = [LocalViews(module=n, fixes=fixes, why=_views_why(fixes)) for n in names] if fixes else []
+        if views and _passes(graph, trial.model_copy(update={"local_views": plan.local_views + views}), placements, fqn, mesh):
+            return attributes(subset), views
+    return None
+
+
+def _rule_names(graph: OpGraph, fqn: str) -> list[str]:
     from ..decide.assemble import pattern_map, patterned
 
+    return patterned(fqn, graph, pattern_map(graph))
+
+
+def _subsets(candidates: list[str]) -> Iterator[tuple[str, ...]]:
+    from itertools import combinations
+
+    return (sub for size in range(1, len(candidates) + 1) for sub in combinations(candidates, size))
+
+
+class _Values:
+    """Each candidate attribute's local value (its size over the parts the plan splits it
+    into), and the ``why`` of a set of them."""
+
+    def __init__(self, ints: dict[str, int], split: dict[int, int], tp: int) -> None:
+        self.ints, self.split, self.tp = ints, split, tp
+
+    def __call__(self, subset: tuple[str, ...]) -> dict[str, int]:
+        return {k: self.ints[k] // self.split[self.ints[k]] for k in subset}
+
+    def why(self, values: dict[str, int]) -> str:
+        return _attribute_why(self.ints, values, self.split, self.tp)
+
+
+def _attribute_candidates(graph: OpGraph, placements: dict[int, str], fqn: str, tp: int) -> tuple[list[str], _Values]:
     ints = int_attributes(graph.model.get_submodule(fqn))
-    split, whole = _dim_sizes(graph, placements, fqn, plan.tp)
+    split, whole = _dim_sizes(graph, placements, fqn, tp)
     # a count the plan splits (heads: the sharded dim of the viewed q); first those that are
     # never a size it keeps whole (head_dim: rewriting it instead would also run, on wrong
     # heads), then those that also are one (2 kv heads beside a batch of 2, 16 heads of 16),
     # for which the view check alone decides; the module's own before its config's
     counts = sorted((k for k, v in ints.items() if v in split and v % split[v] == 0), key=lambda k: (k.startswith("config."), k))
     clean = [k for k in counts if ints[k] not in whole]
-    candidates = (clean + [k for k in counts if k not in clean])[:_MAX_ATTRIBUTE_CANDIDATES]
-    names = patterned(fqn, graph, pattern_map(graph))
-    subsets = (sub for size in range(1, len(candidates) + 1) for sub in combinations(candidates, size))
-    for subset in islice(subsets, _MAX_ATTRIBUTE_TRIALS):
-        values = {k: ints[k] // split[ints[k]] for k in subset}
-        entries = [LocalAttributes(module=n, values=values, why=_attribute_why(ints, values, split, plan.tp))
-                   for n in names]
-        trial = plan.model_copy(update={"attributes": plan.attributes + entries})
-        try:
-            check_local_shapes(graph, trial, placements, mesh=mesh)
-        except LocalShapeError as exc:
-            if exc.module == fqn:
-                continue
-        if _views_as_planned(graph, trial, placements, fqn, mesh):
-            return entries
-    return None
+    return (clean + [k for k in counts if k not in clean])[:_MAX_ATTRIBUTE_CANDIDATES], _Values(ints, split, tp)
+
+
+def _passes(graph: OpGraph, trial: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> bool:
+    try:
+        check_local_shapes(graph, trial, placements, mesh=mesh)
+    except LocalShapeError as exc:
+        if exc.module == fqn:
+            return False
+    return _views_as_planned(graph, trial, placements, fqn, mesh)
+
+
+def _discover_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> list[ViewFix]:
+    """Run ``fqn``'s shards under ``plan`` and match each view that fails to the next local
+    shape the plan expects of ``fqn``'s own views (:func:`.localviews.discover_fixes`)."""
+    target = _view_target(graph, fqn)
+    expected = _expected_views(graph, placements, fqn, plan.tp).get(fqn, [])
+    if not expected:
+        return []
+    call = graph.traced.calls[target][0]
+    with _check_mesh(plan, mesh) as tp_mesh:
+        if tp_mesh is None:
+            return []
+        block = shard(_meta_copy(graph.model.get_submodule(target)), tp_mesh, _sub_plan(plan, target))
+        found = discover_fixes(block.get_submodule(fqn[len(target):].lstrip(".")), expected)
+        args, kwargs = _local_args(call, placements, plan.tp)
+        with contextlib.suppress(Exception), torch.no_grad(), quiet_probes(), nonzero_at_upper_bound():
+            block(*args, **kwargs)  # noqa: BLE001 - what ran is what was found; the check judges the rest
+    return found
+
+
+def _views_why(fixes: list[ViewFix]) -> str:
+    dims = ", ".join(f"dim {f.dim} / {f.parts}" for f in fixes)
+    return f"its code sizes views by a width read off a whole tensor; on a shard: {dims}"
 
 
 def _attribute_why(ints: dict[str, int], values: dict[str, int], split: dict[int, int], tp: int) -> str:
@@ -510,7 +576,10 @@ def _record_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: s
     def run(block: nn.Module) -> None:
         stack = _track_modules(block, prepend=True)
         args, kwargs = _local_args(call, placements, plan.tp)
-        with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), _ViewRecorder(block, stack, views):
+        # a module after fqn failing (the decoder's cross-attention, not fixed yet) ends the run
+        # with fqn's views recorded; a failure inside fqn leaves some missing, which refuses
+        with contextlib.suppress(Exception), torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), \
+                _ViewRecorder(block, stack, views):
             block(*args, **kwargs)
 
     with _check_mesh(plan, mesh) as tp_mesh:

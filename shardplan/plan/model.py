@@ -27,7 +27,7 @@ from .fileio import PlanFileError, atomic_write, describe, load_mapping, read_te
 
 __all__ = [
     "int_attributes", "set_int_attribute",
-    "STYLES", "Rule", "Region", "LocalAttributes", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
+    "STYLES", "Rule", "Region", "LocalAttributes", "ViewFix", "LocalViews", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
     "PlanOptions", "Plan", "load_plan", "load_plan_with_lines", "expand_braces", "brace_ranges", "brace_members", "fingerprint", "PlanFileError", "LAYOUT_RE", "portable", "SIGNIFICANT_DIGITS",
 ]
 
@@ -178,6 +178,28 @@ class _Estimated(_Strict):
         return out
 
 
+class ViewFix(_Strict):
+    """One view of a module's code that spells a global width: its dim ``dim`` is divided by
+    ``parts`` (tp, or a kv-group count) on one rank's shard."""
+
+    dim: Annotated[int, Field(strict=True, ge=0)]
+    parts: Annotated[int, Field(strict=True, ge=2)]
+
+
+class LocalViews(_Strict):
+    """Views sized by a width the code reads off a whole tensor (``B, T, C = x.size()`` of
+    the attention's input, then ``y.view(B, T, C)`` of its heads' output: nanoGPT, minGPT,
+    timm's ViT, fairseq). No attribute holds ``C``, so the planner records the views
+    instead: while the module runs, the ``k``-th view or reshape whose sizes hold more
+    elements than its tensor (by exactly ``parts``, no ``-1``) gets ``fixes[k]``. A view that
+    already fits is left as written. The planner writes one only when the module's shards
+    fail to run as written and run with these, every view giving its planned local shape."""
+
+    module: ModulePattern
+    fixes: list[ViewFix]
+    why: str = ""
+
+
 class Estimate(_Estimated):
     param_bytes_per_device: float
     peak_memory_bytes: float
@@ -245,6 +267,7 @@ class Plan(_Strict):
     rules: list[Rule]
     regions: list[Region] = Field(default_factory=list)
     attributes: list[LocalAttributes] = Field(default_factory=list)  # omitted from files when empty
+    local_views: list[LocalViews] = Field(default_factory=list)  # omitted from files when empty
     estimate: Estimate | None = None
     decisions: list[Decision] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
@@ -279,8 +302,9 @@ class Plan(_Strict):
         data = self.model_dump(mode="json", exclude_none=False)
         for key, kind in (("rules", Rule), ("regions", Region)):
             data[key] = [_set_keys(item, kind) for item in data[key]]
-        if not data["attributes"]:
-            del data["attributes"]
+        for key in ("attributes", "local_views"):
+            if not data[key]:
+                del data[key]
         return data
 
     def to_yaml(self) -> str:
