@@ -292,15 +292,15 @@ _HardCodedHeads = HardCodedHeads  # attention that reshapes with its stored head
 
 
 def test_hard_coded_head_count_runs_whole_or_is_refused_with_the_source_line():
-    # 8 literal heads: no attribute holds the count, so the block runs whole
+    # 8 literal heads in an unflatten: no attribute holds the count, no view fix applies, so the block runs whole
     with torch.device("meta"):
         model = nn.Sequential(LiteralHeads(dim=64, heads=8), nn.LayerNorm(64))
     x = torch.zeros(2, 8, 64, device="meta")
     plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(x,), explain=False)
     styles = plan.module_styles()
     assert {styles[f"0.{n}"] for n in "qkvo"} == {"colwise_gather_output"}  # weights sharded, code sees whole
-    assert any(re.search(r"^0: runs on whole activations.*heads\.py:\d+ .*view\(b, s, 8", w) for w in plan.warnings)
-    with pytest.raises(shardplan.PlanningError, match=r"heads\.py:\d+ .*view\(b, s, 8"):
+    assert any(re.search(r"^0: runs on whole activations.*heads\.py:\d+ .*unflatten\(-1, \(8", w) for w in plan.warnings)
+    with pytest.raises(shardplan.PlanningError, match=r"heads\.py:\d+ .*unflatten\(-1, \(8"):
         shardplan.plan_model(model, {"tp": 2}, example_inputs=(x,), explain=False, strict=True)
 
 

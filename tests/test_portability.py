@@ -57,7 +57,7 @@ def test_source_lines_are_found_in_a_folder_named_shardplan(tmp_path: Path) -> N
     (clone / "tests").mkdir()
     shutil.copy(Path(__file__).parent / "portability" / "heads.py", clone / "tests" / "heads.py")
     warnings = _python(["tests/heads.py"], cwd=clone, pythonpath=clone)
-    assert "tests/heads.py:26 `q, k, v = (m(x).view(b, s, 8, self.hd)" in warnings, warnings
+    assert "tests/heads.py:26 `q, k, v = (m(x).unflatten(-1, (8, self.hd))" in warnings, warnings
 
 
 def test_a_root_rule_round_trips_through_plan_check_load_and_apply(tmp_path: Path, capsys, monkeypatch) -> None:

@@ -529,7 +529,7 @@ def _attribute_why(ints: dict[str, int], values: dict[str, int], split: dict[int
 # (T5's ``torch.zeros(1, self.n_heads, q, k)`` split by heads). Broadcasting hides a global
 # size in either (an attention mask of every head beside one rank's heads runs on meta), so
 # their shapes are compared with the plan's, not only run.
-_SIZED_OPS = {"view", "reshape", "zeros", "ones", "full", "empty"}
+_SIZED_OPS = {"view", "reshape", "unflatten", "zeros", "ones", "full", "empty"}
 
 
 def _views_as_planned(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> bool:

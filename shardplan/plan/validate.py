@@ -156,6 +156,9 @@ def check_findings(plan: Any, model: Any, *, where: Any = None) -> list[str]:
             findings.append(f"{at(('regions', i, 'module'))}region {region.module}: matches no module of the model")
     for i, entry in enumerate(plan.attributes):
         findings += [at(("attributes", i, "module")) + f for f in _attribute_findings(entry, modules)]
+    for i, entry in enumerate(plan.local_views):
+        if not any(matches(entry.module, fqn) for fqn in modules):
+            findings.append(f"{at(('local_views', i, 'module'))}local_views {entry.module}: matches no module of the model")
     covered = {fqn for rule in {r.module for r in plan.rules} for fqn in modules if matches(rule, fqn)}
     covered |= _read_by_their_parent(covered, modules)
     for fqn, mod in modules.items():

@@ -1,0 +1,97 @@
+"""Views that spell a width read off a whole tensor (plan ``local_views``): nanoGPT's and
+timm's attention end with ``view(B, T, C)`` where ``C`` is the input's width, which no
+attribute holds. The local check finds the fixes; plans on meta, numerics on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shardplan
+from shardplan.apply.localviews import install_local_views
+from shardplan.plan.model import LocalViews, PlanFileError, ViewFix
+from shardplan.plan.validate import check_findings
+from shardplan.tools.verify import verify
+from tests.portability.research import NanoGPT, TimmViT
+
+TOKENS = (torch.zeros(2, 16, dtype=torch.long, device="meta"),)
+
+
+def _plan(model_cls, tp: int, inputs) -> tuple[nn.Module, shardplan.Plan]:
+    with torch.device("meta"):
+        model = model_cls()
+    return model, shardplan.plan_model(model, {"tp": tp}, example_inputs=inputs, explain=False)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_nanogpt_attention_is_split_by_heads(tp: int) -> None:
+    _, plan = _plan(NanoGPT, tp, TOKENS)
+    styles = plan.module_styles()
+    assert (styles["h.0.attn.c_attn"], styles["h.0.attn.c_proj"]) == ("packed_colwise", "rowwise"), styles
+    assert plan.rule_for("h.0.attn.c_attn").packed == 3
+    # q, k and v viewed by the global head count, and y by the input's width: heads / tp and C / tp
+    assert [(v.module, v.fixes) for v in plan.local_views] == [("h.*.attn", [ViewFix(dim=2, parts=tp)] * 4)]
+    assert [(a.module, a.values) for a in plan.attributes] == [("h.*.attn", {"n_embd": 64 // tp})]  # split(self.n_embd)
+    assert not [w for w in plan.warnings if "attn" in w], plan.warnings
+
+
+def test_timm_attention_fixes_the_head_dim_of_its_packed_reshape() -> None:
+    _, plan = _plan(TimmViT, 4, (torch.zeros(2, 16, 48, device="meta"),))
+    styles = plan.module_styles()
+    assert (styles["blocks.0.attn.qkv"], styles["blocks.0.attn.proj"]) == ("packed_colwise", "rowwise"), styles
+    # reshape(B, N, 3, self.num_heads, self.head_dim): the heads (dim 3); reshape(B, N, C): the width
+    assert [(v.module, v.fixes) for v in plan.local_views] == [
+        ("blocks.*.attn", [ViewFix(dim=3, parts=4), ViewFix(dim=2, parts=4)])]
+
+
+@pytest.mark.parametrize("spec", ["tests.portability.research:nanogpt", "tests.portability.research:vit"])
+def test_local_views_match_one_process_on_gloo(spec: str) -> None:
+    result = verify(spec, nproc=2, timeout_s=300)
+    assert result.plan.local_views, result.plan.warnings
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+class _Views(nn.Module):
+    def forward(self, x):
+        b, t, c = 2, 4, 8  # the global sizes, as code that read them off a whole tensor has them
+        fits = x.view(b, t, x.shape[-1])
+        absorbed = x.view(b, -1, 2)
+        return fits, absorbed, x.reshape(b, t, c)
+
+
+def _views_plan(fixes: list[ViewFix]) -> shardplan.Plan:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8))
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.zeros(2, 4, 8, device="meta"),), explain=False)
+    return plan.model_copy(update={"local_views": [LocalViews(module="0", fixes=fixes)], "model": plan.model.model_copy(update={"repeats": {}})})
+
+
+def test_only_views_that_hold_more_elements_than_their_tensor_are_fixed() -> None:
+    holder = nn.Sequential(_Views())
+    install_local_views(holder, _views_plan([ViewFix(dim=2, parts=2)]))
+    fits, absorbed, fixed = holder(torch.zeros(2, 4, 4))  # one rank's half of 8 features
+    assert fits.shape == (2, 4, 4) and absorbed.shape == (2, 8, 2) and fixed.shape == (2, 4, 4)
+
+
+def test_the_mode_is_left_when_forward_raises() -> None:
+    holder = nn.Sequential(_Views())
+    install_local_views(holder, _views_plan([]))  # no fix for the failing reshape
+    depth = torch._C._len_torch_function_stack()
+    with pytest.raises(RuntimeError, match="invalid for input of size"):
+        holder(torch.zeros(2, 4, 4))
+    assert torch._C._len_torch_function_stack() == depth
+
+
+def test_local_views_round_trip_and_are_checked(tmp_path) -> None:
+    model, plan = _plan(NanoGPT, 2, TOKENS)
+    path = tmp_path / "plan.yaml"
+    plan.save(path)
+    loaded = shardplan.load_plan(path)
+    assert loaded.local_views == plan.local_views and check_findings(loaded, model) == []
+    moved = loaded.model_copy(update={"local_views": [loaded.local_views[0].model_copy(update={"module": "h.*.attention"})]})
+    (finding,) = check_findings(moved, model)
+    assert "local_views h.*.attention: matches no module" in finding
+    text = path.read_text().replace("parts: 2", "parts: 1", 1)
+    with pytest.raises(PlanFileError, match="parts"):
+        shardplan.Plan.from_yaml(text)
