@@ -8,6 +8,9 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
+
+import shardplan
 
 from shardplan.decide import cost
 from shardplan.decide.cost import (
@@ -497,3 +500,38 @@ def test_calibration_kind_factors_are_measured_over_ring_model() -> None:
     samples[-1] = ("reduce_scatter", samples[-1][1], 100.0)  # one stalled size: the median ignores it
     factors = calib.fit_kind_factors(samples, alpha=alpha, beta=beta, world=p)
     assert factors == pytest.approx({"all_gather": 1.4, "reduce_scatter": 2.5})
+
+
+def test_weights_a_called_block_never_calls_are_counted_whole() -> None:
+    """A decoder-only run of an encoder-decoder layer never calls its cross-attention: those
+    weights stay whole on every rank, in every folded copy of the layer, and the estimate
+    says so (it counted none of them while the layer itself was called)."""
+    from torch import nn
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(64, 256, bias=False), nn.Linear(256, 64, bias=False)
+            self.cross = nn.Linear(64, 64, bias=False)  # only with an encoder's output
+
+        def forward(self, x, memory=None):
+            if memory is not None:
+                x = x + self.cross(memory)
+            return x + self.down(torch.relu(self.up(x)))
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Layer() for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    with torch.device("meta"):
+        model = Stack()
+    plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=(torch.zeros(2, 8, 64, device="meta"),), explain=False)
+    assert plan.module_styles()["layers.2.cross"] == "replicate"
+    sharded, whole = 4 * 2 * 64 * 256 * 4 / 4, 4 * 64 * 64 * 4  # up and down split 4 ways; cross whole, fp32
+    assert plan.estimate.param_bytes_per_device == sharded + whole
