@@ -298,7 +298,9 @@ VALUE_FLOW = [Family("fsmt", False), Family("led", False), Family("switch_transf
 # an Embedding subclass whose forward takes a shape and looks up positions it makes (Marian's
 # sinusoidal table): vocab-parallel finds the lookup inside forward
 CUSTOM_LOOKUP = [Family("marian", False)]
-NUMERIC_FAMILIES = [f for f in FAMILIES + VALUE_FLOW + CUSTOM_LOOKUP if f.model_type not in PLAN_DEFECTS]
+# a learnable activation with scalar parameters (Apertus's xIELU) on the MLP's sharded features
+SCALAR_ACTIVATION = [Family("apertus", False)]
+NUMERIC_FAMILIES = [f for f in FAMILIES + VALUE_FLOW + CUSTOM_LOOKUP + SCALAR_ACTIVATION if f.model_type not in PLAN_DEFECTS]
 
 
 @pytest.fixture(scope="module")

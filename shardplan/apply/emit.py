@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 
-def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False) -> ParallelStyle:
+def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False, scalars: bool = False) -> ParallelStyle:
     inp = placement(rule.input_layouts)
     out = placement(rule.output_layouts)
     col, row = (Conv1DColwise, Conv1DRowwise) if conv1d else (ColwiseParallel, RowwiseParallel)
@@ -60,7 +60,9 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False) -> Pa
         return GatherPartialGrad(input_layouts=inp or Replicate(), output_layouts=Replicate())
     if rule.style == "replicated_with_grad_allreduce" and rule.output_grad_partial:
         return ReplicatePartialGrad(input_layouts=inp)
-    if rule.style == "replicated_with_grad_allreduce" and isinstance(inp, Replicate):
+    if rule.style == "replicated_with_grad_allreduce" and (isinstance(inp, Replicate) or scalars):
+        # whole parameters on this rank's entries (an elementwise activation with scalar
+        # parameters on a shard): plain tensors, the gradients summed when backward ends
         return ReplicateParallel(partial_grads=True)
     if rule.style == "colwise":  # an explicit Shard(-1) output is returned to the user as a DTensor
         return col(input_layouts=inp or Replicate(), output_layouts=out or Shard(-1), use_local_output=out is None)
@@ -113,6 +115,7 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
             continue  # applied after the module's own style (apply_plan)
         styles[r.module] = combine(styles.get(r.module), _region_style(r))
     conv1d, own_forward = _conv1d_rules(plan, model), _own_forward_embeddings(plan, model)
+    scalars = _rules_where(plan, model, lambda m: all(p.numel() == 1 for p in m.parameters()))
     by_hand = _linear_like_rules(plan, model)
     adopted = _adopted_params(plan, model)
     for rule in _one_rule_per_module(plan, model):
@@ -123,7 +126,8 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
                 name: placement(layout) for name, layout in rule.param_layouts.items()},
                 partial_grads=rule.partial_grads))  # children carry their own styles
         elif not _never_called(rule) or not any(c == "" or rule.module.startswith(c + ".") for c in adopted):
-            style = _style(rule, conv1d=rule.module in conv1d, own_forward=rule.module in own_forward)
+            style = _style(rule, conv1d=rule.module in conv1d, own_forward=rule.module in own_forward,
+                           scalars=rule.module in scalars)
             styles[rule.module] = combine(styles.get(rule.module), AsLinear(style) if rule.module in by_hand else style)
     return _fnmatch_keys(styles)
 

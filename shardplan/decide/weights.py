@@ -58,6 +58,7 @@ from torch import nn
 from ..analyze.graph import Op, OpGraph
 from ..analyze.graph import module_kind as module_kind_of
 from .heads import grouped_values, under_partial_grad_owner, viewed_heads
+from .elementwise import scalar_elementwise_dims
 from .placements import Strategy, group_counts, grouped, packed, sliced_part, split_parts, view_parts
 
 __all__ = ["module_strategies", "STYLE_NAMES"]
@@ -113,6 +114,8 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
         found = _experts(op, graph, module, tp)
     elif kind == "attention":
         found = _attention(op, graph, module, tp, sp)
+    elif dims := scalar_elementwise_dims(op, graph, tp):
+        found = [_replicate(op, graph, module)] + [_on_shards(op, graph, module, d, tp) for d in dims]
     else:
         found = [_replicate(op, graph, module)]
     full = _weight_bytes(module)
@@ -159,6 +162,17 @@ def _replicate(op: Op, graph: OpGraph, module: nn.Module, flops: float = 0.0) ->
     return Strategy(
         "replicate", tuple("R" for _ in op.inputs), "R" if op.output is not None else None,
         param_bytes=_param_bytes(module), flops=flops, act_bytes=out, layouts={"weight": "R"},
+    )
+
+
+def _on_shards(op: Op, graph: OpGraph, module: nn.Module, d: int, tp: int) -> Strategy:
+    """An elementwise module with scalar parameters (:mod:`.elementwise`) on a shard of dim
+    ``d``: its parameters whole, their gradients partial sums over each rank's entries."""
+    x = graph.values[op.inputs[0]]
+    return Strategy(
+        "replicated_with_grad_allreduce", (f"S{d}",), f"S{d}", bwd=_param_grad_allreduces(module),
+        param_bytes=_param_bytes(module), mem_bytes=2 * x.nbytes / tp, act_bytes=x.nbytes / tp,
+        layouts={"weight": "R", "input": f"S{d}"},
     )
 
 
