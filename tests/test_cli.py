@@ -300,3 +300,24 @@ def test_inputs_are_token_ids_when_the_head_is_registered_before_the_table() -> 
     assert ids.dtype == torch.long
     plan = shardplan.plan_model(HeadFirst(), {"tp": 2})
     assert plan.options.seq_len == 32 and plan.module_styles()["wte"] != "replicate"
+
+
+def test_python_m_ends_after_flushing_a_whole_output(tmp_path: Path) -> None:
+    """``entry`` leaves with ``os._exit`` once the output is flushed and ``atexit`` ran: a
+    piped JSON plan arrives whole, a file written with ``-o`` is complete, and the status
+    is the command's."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "plan.yaml"
+
+    def python_m(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "shardplan", *args], capture_output=True, text=True,
+                              cwd=ROOT, env=env, timeout=300)
+
+    piped = python_m("plan", "mlp", "--mesh", "tp=2", "--format", "json")
+    assert piped.returncode == 0, piped.stderr
+    assert json.loads(piped.stdout)["mesh"]["axes"] == {"tp": 2}
+    written = python_m("plan", "mlp", "--mesh", "tp=2", "-o", str(out))
+    assert written.returncode == 0, written.stderr
+    assert shardplan.load_plan(out).tp == 2
+    refused = python_m("plan", "no-such-model")
+    assert refused.returncode == 2 and refused.stderr.startswith("shardplan: error: unknown model")
