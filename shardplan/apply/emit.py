@@ -101,9 +101,11 @@ def _region_style(region: Region) -> ParallelStyle:
         layouts = [None] * region.num_inputs
         wanted = [None] * region.num_inputs
         layouts[region.input], wanted[region.input] = layout, desired
-        return PrepareModuleInput(input_layouts=tuple(layouts), desired_input_layouts=tuple(wanted), use_local_output=False)
+        return PrepareModuleInput(input_layouts=tuple(layouts), desired_input_layouts=tuple(wanted),
+                                  use_local_output=region.use_local_output)
     return PrepareModuleInput(
-        input_kwarg_layouts={region.input: layout}, desired_input_kwarg_layouts={region.input: desired}, use_local_output=False,
+        input_kwarg_layouts={region.input: layout}, desired_input_kwarg_layouts={region.input: desired},
+        use_local_output=region.use_local_output,
     )
 
 

@@ -20,6 +20,7 @@ from . import cost
 from ..analyze.graph import OpGraph, router_like
 from ..plan.model import Region, Rule, brace_ranges
 from .regions import Entry, PartialBlock, partial_grad_params
+from .slices import is_slice, slice_target
 from .solve import Solution
 from .placements import one_slice, shard_dim
 from .strategies import placement_str
@@ -212,6 +213,9 @@ def regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
     pmap = pattern_map(graph)
     regions = []
     for e in entries:
+        if is_slice(e.kind):
+            regions += _slice_regions(graph, e, pmap)
+            continue
         for site, inside in e.sites:
             names = ", ".join(graph.ops[c].target.rpartition(".")[2] for c in inside)
             comm = "all-reduce" if e.kind == "R" else "all-gather/reduce-scatter"
@@ -225,6 +229,16 @@ def regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
                          "so its code sees the whole sequence"),
                 ))
     return regions
+
+
+def _slice_regions(graph: OpGraph, e: Entry, pmap) -> list[Region]:
+    """Replicate -> Shard(d) where the module receives the value: each rank's part of it, cut
+    locally, handed on as a plain tensor to code that runs on the rank's heads."""
+    want = _layout(slice_target(e.kind))
+    return [Region(module=module, input="output" if site.input is None else site.input, num_inputs=site.num_inputs,
+                   input_layouts="Replicate", desired_input_layouts=want, use_local_output=True,
+                   why=f"read beside values split tp ways: each rank cuts its part ({want}), no collective")
+            for site, _ in e.sites for module in patterned(site.module, graph, pmap)]
 
 
 def block_regions(graph: OpGraph, blocks: list[PartialBlock]) -> list[Region]:

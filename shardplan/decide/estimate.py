@@ -80,7 +80,7 @@ def collective_list(
         needs_grad = e.value in graph.requires_grad  # no gradient flows into model inputs
         if e.kind == "R" and needs_grad:  # Partial input gradient -> Replicate
             events[("backward", "all_reduce", n, 0)] += times
-        elif e.kind != "R":  # Shard(seq) -> Replicate on entry; its gradient reduce-scattered back
+        elif e.kind != "R" and e.num_collectives:  # Shard(seq) -> Replicate on entry; its gradient reduce-scattered back
             events[("forward", "all_gather", n, 0)] += times
             if needs_grad:
                 events[("backward", "reduce_scatter", n, 0)] += times

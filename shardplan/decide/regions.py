@@ -26,6 +26,7 @@ import torch
 
 from ..analyze.graph import OpGraph
 from .propagation import metadata_only
+from .slices import is_slice
 from .solve import Solution
 
 __all__ = ["RegionSite", "Entry", "PartialBlock", "find_regions", "find_partial_blocks"]
@@ -41,13 +42,16 @@ class RegionSite:
 @dataclass(frozen=True)
 class Entry:
     value: int
-    kind: str  # "R" or "S{d}"
+    kind: str  # "R", "S{d}", or "R>S{d}" (a whole value cut where a module receives it)
     consumers: tuple[int, ...]  # op indices
     sites: tuple[tuple[RegionSite, tuple[int, ...]], ...]  # region module -> consumers inside
 
     @property
     def num_collectives(self) -> int:
-        """One per region, plus one per consumer that converts its input on its own."""
+        """One per region, plus one per consumer that converts its input on its own; a
+        slice none (Replicate -> Shard is local)."""
+        if is_slice(self.kind):
+            return 0
         grouped = sum(len(c) for _, c in self.sites)
         return len(self.sites) + len(self.consumers) - grouped
 
@@ -81,13 +85,18 @@ def _candidate_sites(graph: OpGraph, value: int, consumers: tuple[int, ...], *,
         where: int | str | None = next((i for i, a in enumerate(call.args) if a is node), None)
         if where is None:
             where = next((k for k, a in call.kwargs.items() if a is node), None)
-        inside = tuple(c for c in consumers if _inside(graph.ops[c].target, fqn))
+        inside = tuple(c for c in consumers if _inside(_place(graph.ops[c]), fqn))
         if where is None or len(inside) < fewest or (len(inside) == 1 and graph.ops[inside[0]].target == fqn):
             continue  # one consumer that is the module itself: its own style converts the input
         if any(_inside(graph.ops[o].owner, fqn) or _inside(graph.ops[o].target, fqn) for o in others):
             continue
         found.append((RegionSite(fqn, where, len(call.args)), inside))
     return found
+
+
+def _place(op) -> str:
+    """Where an op runs: a weight module is its own FQN, any other op the module whose code calls it."""
+    return op.target if op.kind == "module" else op.owner
 
 
 def _output_site(graph: OpGraph, value: int, consumers: tuple[int, ...]):
@@ -126,6 +135,12 @@ def find_regions(graph: OpGraph, solution: Solution) -> list[Entry]:
         if not consumers:
             continue
         sequence = kind.startswith("S")
+        if is_slice(kind):  # cut where the module receives it: the innermost module holding every reader
+            sites = _choose_sites(_candidate_sites(graph, value, consumers, fewest=1), consumers)
+            if sum(len(c) for _, c in sites) != len(consumers):
+                raise AssertionError(f"a slice of value {value} has readers outside any module that receives it")
+            entries.append(Entry(value, kind, consumers, sites))
+            continue
         sites = _choose_sites(
             _candidate_sites(graph, value, consumers, fewest=1 if sequence else 2), consumers,
             _output_site(graph, value, consumers), outermost=sequence,

@@ -42,6 +42,7 @@ from .placements import (
     split_parts, view_groups, view_parts,
 )
 from .propagation import dtensor_strategies, in_place_strategies, metadata_only
+from .slices import slice_twins
 from .weights import module_strategies
 
 __all__ = ["Strategy", "op_strategies", "shard_dim", "placement_str", "packed", "chunk_count", "param_only_values"]
@@ -177,15 +178,16 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
         strategies += grouped_conversions(op, graph, tp, out_shape)
     if under_partial_grad_owner(op.owner, graph, tp):
         strategies += partial_grad_twins(op, graph, tp, strategies, out_shape)
+    strategies += slice_twins(op, graph, strategies)  # a whole bias cut where its module receives it
     seen: set[tuple] = set()
     result = []
     flops = _sdpa_flops(op, graph) if name == "scaled_dot_product_attention" else 0.0
     for s in strategies:
-        key = (s.inputs, s.output)
+        key = (s.inputs, s.output, s.entry)
         if key not in seen and len(s.inputs) == len(op.inputs) and not _partial_gradient(op, graph, s):
             seen.add(key)
             factor = 1 if s.output in ("R", "Rp") else (groups_of(s.output) or ("", tp))[1] if "g" in s.output else tp
-            result.append(Strategy(s.name, s.inputs, s.output, mem_bytes=mem / factor, flops=flops / factor,
+            result.append(Strategy(s.name, s.inputs, s.output, entry=s.entry, mem_bytes=mem / factor, flops=flops / factor,
                                    act_bytes=graph.values[op.output].nbytes / factor))
     return result
 

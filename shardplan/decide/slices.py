@@ -1,0 +1,78 @@
+"""Slices at a module's entry: a whole value, read beside values split by heads, cut there.
+
+Contract
+--------
+``slice_entries(graph)`` maps each value that may be sliced where it enters a module to the
+modules that receive it as an argument; ``slice_twins(op, graph, strategies)`` gives an op
+inside such a module, for each of its strategies that reads the value as ``Shard(d)``, a
+twin that reads it whole (``R``, as its producer hands it) with the entry ``R>S{d}``. The
+solver prices that entry at nothing and requires every consumer inside the module to take
+it; the region turns into ``PrepareModuleInput(input_layouts=Replicate(),
+desired_input_layouts=Shard(d), use_local_output=True)`` on the module: Replicate ->
+Shard is a local slice, no collective, and the module's code then sees its rank's part.
+
+Only values no gradient flows into qualify (an ALiBi bias made from the mask: MPT's
+``position_bias`` of ``[heads, 1, keys]``, added to scores split by heads), so the slice
+has no backward; a value with a gradient would need its gradient all-gathered back.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..analyze.graph import Op, OpGraph
+from .placements import Strategy
+
+__all__ = ["slice_entries", "slice_twins", "is_slice", "slice_target"]
+
+_SLICE = re.compile(r"R>(S\d+)")
+
+
+def is_slice(entry: str | None) -> bool:
+    return bool(entry) and _SLICE.fullmatch(entry) is not None
+
+
+def slice_target(entry: str) -> str:
+    """``R>S0`` -> ``S0``."""
+    return _SLICE.fullmatch(entry).group(1)
+
+
+def _inside(fqn: str, module: str) -> bool:
+    return fqn == module or fqn.startswith(module + ".")
+
+
+def slice_entries(graph: OpGraph) -> dict[int, tuple[str, ...]]:
+    """Value -> the modules (called once, not a folded copy) that receive it as an argument,
+    made outside them and needing no gradient."""
+    cached = graph.strategy_cache.get("slice entries")
+    if cached is None:
+        found: dict[int, list[str]] = {}
+        for fqn, calls in graph.traced.calls.items():
+            if not fqn or fqn in graph.traced.folded or len(calls) != 1:
+                continue
+            call = calls[0]
+            for a in list(call.args) + list(call.kwargs.values()):
+                v = getattr(a, "meta", {}).get("shardplan_op") if hasattr(a, "meta") else None
+                if v not in graph.values or v in graph.requires_grad:
+                    continue
+                producer = graph.ops[graph.values[v].producer]
+                if not _inside(producer.owner, fqn) and producer.target != fqn:
+                    found.setdefault(v, []).append(fqn)
+        cached = graph.strategy_cache["slice entries"] = {v: tuple(sorted(m)) for v, m in found.items()}
+    return cached
+
+
+def slice_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Strategy]:
+    entries = slice_entries(graph)
+    slots = [i for i, v in enumerate(op.inputs) if any(_inside(op.owner, m) for m in entries.get(v, ()))]
+    out = []
+    for s in strategies:
+        if s.name or s.entry:
+            continue
+        for i in slots:
+            p = s.inputs[i] if i < len(s.inputs) else None
+            if p is not None and re.fullmatch(r"S\d+", p):
+                inputs = s.inputs[:i] + ("R",) + s.inputs[i + 1:]
+                entry = tuple(f"R>{p}" if j == i else None for j in range(len(s.inputs)))
+                out.append(Strategy("", inputs, s.output, entry=entry))
+    return out
