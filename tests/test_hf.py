@@ -300,7 +300,11 @@ VALUE_FLOW = [Family("fsmt", False), Family("led", False), Family("switch_transf
 CUSTOM_LOOKUP = [Family("marian", False)]
 # a learnable activation with scalar parameters (Apertus's xIELU) on the MLP's sharded features
 SCALAR_ACTIVATION = [Family("apertus", False)]
-NUMERIC_FAMILIES = [f for f in FAMILIES + VALUE_FLOW + CUSTOM_LOOKUP + SCALAR_ACTIVATION if f.model_type not in PLAN_DEFECTS]
+# a whole ALiBi bias made from the mask, added to scores split by heads (MPT's position_bias):
+# cut where the attention receives it
+SLICED_BIAS = [Family("mpt", False)]
+NUMERIC_FAMILIES = [f for f in FAMILIES + VALUE_FLOW + CUSTOM_LOOKUP + SCALAR_ACTIVATION + SLICED_BIAS
+                    if f.model_type not in PLAN_DEFECTS]
 
 
 @pytest.fixture(scope="module")
