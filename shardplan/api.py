@@ -40,7 +40,8 @@ from .decide.explain import explain_decisions
 from .analyze.frontend import op_graph
 from .analyze.graph import OpGraph
 from .decide import assemble
-from .apply.localcheck import LocalShapeError, check_local_shapes, find_local_attributes
+from .apply.localcheck import LocalShapeError, check_local_shapes
+from .apply.localsizes import find_local_attributes
 from .plan.model import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint, matches
 from .decide.regions import find_partial_blocks, find_regions
 from .decide.solve import PlanningError, SolveContext, solve

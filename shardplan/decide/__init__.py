@@ -6,7 +6,10 @@ Contract
 plain op runs under shard-locally and :mod:`.weights` the styles of each weight module
 (colwise, rowwise, packed, vocab-parallel, sequence parallel, experts, kv heads in groups);
 :mod:`.heads` adds the strategies of heads shared across ranks (fewer kv heads than tp,
-MLA's shared key) and :mod:`.propagation` those DTensor's own rules give. :mod:`.hardware`
+MLA's shared key), :mod:`.folded` those of heads folded into the batch, :mod:`.slices`
+those that cut a whole bias where its module receives it, :mod:`.elementwise` finds the
+modules with scalar parameters that act entry by entry, and :mod:`.propagation` gives
+the strategies DTensor's own rules give. :mod:`.hardware`
 holds the dtypes and hardware profiles, :mod:`.cost` the alpha-beta communication, memory
 and compute model over them. :mod:`.solve`
 builds the placement program (one binary per op and strategy, consistency between

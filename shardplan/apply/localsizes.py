@@ -1,0 +1,212 @@
+"""Local sizes: what a module's code must be told to run on one rank's shards.
+
+Contract
+--------
+``find_local_attributes(graph, plan, placements, fqn, mesh=None)`` is called when the local
+check (:mod:`.localcheck`) fails inside ``fqn``. It returns ``(attributes, local_views)``
+for the plan, or None: the fewest integer attributes of ``fqn`` set to their local value
+(``self.num_heads / tp``), else the views that spell a width read off a whole tensor
+(:mod:`.localviews`), alone and then beside each set of attributes. Each candidate is proven
+by running the check again and by every view of ``fqn``'s own code giving the local shape
+the plan expects of it; nothing is written that the check did not pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from ..analyze.graph import OpGraph
+from ..analyze.values import nonzero_at_upper_bound
+from ..decide.placements import groups_of, local_shape, shard_dim
+from ..decide.propagation import quiet_probes
+from ..plan.model import LocalAttributes, LocalViews, Plan, ViewFix, int_attributes
+from .emit import shard
+from .localcheck import (
+    LocalShapeError, _ViewRecorder, _check_mesh, _expected_views, _local_args, _meta_copy, _sub_plan, _targets,
+    _track_modules, _view_ops, check_local_shapes,
+)
+from .localviews import discover_fixes
+
+__all__ = ["find_local_attributes"]
+
+_MAX_ATTRIBUTE_CANDIDATES = 12
+_MAX_ATTRIBUTE_TRIALS = 64  # smallest sets first: every subset of up to 6 candidates
+
+
+def _dim_sizes(graph: OpGraph, placements: dict[int, str], fqn: str, tp: int) -> tuple[dict[int, int], set[int]]:
+    """Inside ``fqn``, the sizes of the dims the plan splits, each with the number of parts
+    it is split into (tp; a kv-grouped dim's group count; the repeat of grouped kv heads
+    ``tp / groups``), and the sizes of the other dims of those values."""
+    split: dict[int, int] = {}
+    whole: set[int] = set()
+    for op in graph.ops:
+        p = placements.get(op.output, "R") if op.output is not None else "R"
+        d = shard_dim(p)
+        if d is None or not (op.owner == fqn or op.owner.startswith(fqn + ".")):
+            continue
+        shape = graph.values[op.output].shape
+        kind, n = groups_of(p) or ("", tp)
+        parts = {d: n, d + 1: tp // n} if kind == "e" else {d: n}
+        split.update((shape[i], k) for i, k in parts.items())
+        whole.update(size for i, size in enumerate(shape) if i not in parts)
+        src = groups_of(placements.get(op.inputs[0], "R")) if op.target == "repeat_interleave" and op.inputs else None
+        repeats = op.node.args[1] if len(op.node.args) > 1 else op.node.kwargs.get("repeats")
+        if src and src[0] == "g" and isinstance(repeats, int):
+            split[repeats] = tp // src[1]  # x.repeat_interleave(g, dim): each rank repeats its kv head g / (tp / n) times
+    return split, whole
+
+
+def find_local_attributes(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, *,
+                          mesh: Any = None) -> tuple[list[LocalAttributes], list[LocalViews]] | None:
+    """The fewest integer attributes of ``fqn`` that, set to their local value, let its shards
+    run (``self.num_heads`` / tp; with kv heads in groups, ``self.n_kv_heads`` / groups and
+    ``self.n_rep`` / (tp / groups)): the smallest sets first, each proven by running the
+    check again and by every view having its planned local shape. Where none does (the code
+    reads a width off a whole tensor: nanoGPT's ``view(B, T, C)``), the views that fail are
+    fixed (:mod:`.localviews`), alone and then beside each set. None when nothing is found."""
+    from itertools import chain, islice
+
+    names = _rule_names(graph, fqn)
+    candidates, ints, split = _attribute_candidates(graph, placements, fqn, plan.tp)
+
+    def attributes(subset: tuple[str, ...]) -> list[LocalAttributes]:
+        values = {k: ints[k] // split[ints[k]] for k in subset}
+        why = _attribute_why(ints, values, split, plan.tp)
+        return [LocalAttributes(module=n, values=values, why=why) for n in names] if subset else []
+
+    for subset in islice(_subsets(candidates), _MAX_ATTRIBUTE_TRIALS):
+        if _passes(graph, plan.model_copy(update={"attributes": plan.attributes + attributes(subset)}), placements, fqn, mesh):
+            return attributes(subset), []
+    for subset in islice(chain([()], _subsets(candidates)), _MAX_ATTRIBUTE_TRIALS):
+        trial = plan.model_copy(update={"attributes": plan.attributes + attributes(subset)})
+        fixes = _discover_views(graph, trial, placements, fqn, mesh)
+        views = [LocalViews(module=n, fixes=fixes, why=_views_why(fixes)) for n in names] if fixes else []
+        if views and _passes(graph, trial.model_copy(update={"local_views": plan.local_views + views}), placements, fqn, mesh):
+            return attributes(subset), views
+    return None
+
+
+def _rule_names(graph: OpGraph, fqn: str) -> list[str]:
+    from ..decide.assemble import pattern_map, patterned
+
+    return patterned(fqn, graph, pattern_map(graph))
+
+
+def _subsets(candidates: list[str]) -> Iterator[tuple[str, ...]]:
+    from itertools import combinations
+
+    return (sub for size in range(1, len(candidates) + 1) for sub in combinations(candidates, size))
+
+
+def _attribute_candidates(graph: OpGraph, placements: dict[int, str], fqn: str,
+                          tp: int) -> tuple[list[str], dict[str, int], dict[int, int]]:
+    """The integer attributes to try, in order; every integer attribute; each split size's parts."""
+    ints = int_attributes(graph.model.get_submodule(fqn))
+    split, whole = _dim_sizes(graph, placements, fqn, tp)
+    # a count the plan splits (heads: the sharded dim of the viewed q); first those that are
+    # never a size it keeps whole (head_dim: rewriting it instead would also run, on wrong
+    # heads), then those that also are one (2 kv heads beside a batch of 2, 16 heads of 16),
+    # for which the view check alone decides; the module's own before its config's
+    counts = sorted((k for k, v in ints.items() if v in split and v % split[v] == 0), key=lambda k: (k.startswith("config."), k))
+    clean = [k for k in counts if ints[k] not in whole]
+    return (clean + [k for k in counts if k not in clean])[:_MAX_ATTRIBUTE_CANDIDATES], ints, split
+
+
+def _passes(graph: OpGraph, trial: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> bool:
+    try:
+        check_local_shapes(graph, trial, placements, mesh=mesh)
+    except LocalShapeError as exc:
+        if exc.module == fqn:
+            return False
+    return _views_as_planned(graph, trial, placements, fqn, mesh)
+
+
+def _discover_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> list[ViewFix]:
+    """Run ``fqn``'s shards under ``plan`` and match each view that fails to the next local
+    shape the plan expects of ``fqn``'s own views (:func:`.localviews.discover_fixes`)."""
+    target = _view_target(graph, fqn)
+    expected = _expected_views(graph, placements, fqn, plan.tp).get(fqn, [])
+    if not expected:
+        return []
+    call = graph.traced.calls[target][0]
+    with _check_mesh(plan, mesh) as tp_mesh:
+        if tp_mesh is None:
+            return []
+        block = shard(_meta_copy(graph.model.get_submodule(target)), tp_mesh, _sub_plan(plan, target))
+        found = discover_fixes(block.get_submodule(fqn[len(target):].lstrip(".")), expected)
+        args, kwargs = _local_args(call, placements, plan.tp)
+        with contextlib.suppress(Exception), torch.no_grad(), quiet_probes(), nonzero_at_upper_bound():
+            block(*args, **kwargs)  # what ran is what was found; the check judges the rest
+    return found
+
+
+def _views_why(fixes: list[ViewFix]) -> str:
+    dims = ", ".join(f"dim {f.dim} / {f.parts}" for f in fixes)
+    return f"its code sizes views by a width read off a whole tensor; on a shard: {dims}"
+
+
+def _attribute_why(ints: dict[str, int], values: dict[str, int], split: dict[int, int], tp: int) -> str:
+    changes = ", ".join(f"{k} {ints[k]} -> {v}" for k, v in values.items())
+    shard = "a 1/tp shard" if all(split[ints[k]] == tp for k in values) else "one rank's shard"
+    return f"its code sizes tensors by them: {changes} on {shard}"
+
+
+
+
+def _views_as_planned(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> bool:
+    """Running is not enough: with ``dim`` halved instead of ``heads``, ``view(b, s,
+    self.heads, self.dim // self.heads)`` runs too, on heads of half the width. Every view
+    the module's code makes must give the local shape the plan expects of that value (its
+    global shape with the sharded dim / tp), in the order the tracer recorded them (views of
+    constants the tracer folded away may come between)."""
+    expected = [local_shape(graph.values[op.output].shape, placements.get(op.output, "R"), plan.tp)
+                for op in _view_ops(graph, placements, fqn)]
+    try:
+        seen = iter(_record_views(graph, plan, placements, fqn, mesh))
+    except Exception:  # noqa: BLE001 - it ran in the check; any failure here is a refusal
+        return False
+    # in order, allowing views the trace folded into constants (a RoPE cache's slice)
+    return all(any(shape == want for shape in seen) for want in expected)
+
+
+def _view_target(graph: OpGraph, fqn: str) -> str:
+    """The module to run for ``fqn``'s views, keeping those made inside ``fqn``: the block the
+    check runs that holds it, so its inputs arrive as the plan hands them (gathered by a
+    region at their producer's output: a parallel block's shared norm), else the nearest
+    module whose call was recorded (fqn itself, or, under the export front end, which
+    records the root's call only, the whole model)."""
+    for t in sorted(_targets(graph), key=len, reverse=True):
+        if (not t or fqn == t or fqn.startswith(t + ".")) and t in graph.traced.calls:
+            return t
+    target = fqn
+    while target not in graph.traced.calls and target:
+        target = target.rpartition(".")[0]
+    return target
+
+
+def _record_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> list[tuple[int, ...]]:
+    """The output shapes of the views ``fqn``'s own code makes (not its weight modules'),
+    running its shards under ``plan``."""
+    target = _view_target(graph, fqn)
+    call = graph.traced.calls[target][0]
+    views: list[tuple[str, tuple[int, ...]]] = []
+
+    def run(block: nn.Module) -> None:
+        stack = _track_modules(block, prepend=True)
+        args, kwargs = _local_args(call, placements, plan.tp)
+        # a module after fqn failing (the decoder's cross-attention, not fixed yet) ends the run
+        # with fqn's views recorded; a failure inside fqn leaves some missing, which refuses
+        with contextlib.suppress(Exception), torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), \
+                _ViewRecorder(block, stack, views):
+            block(*args, **kwargs)
+
+    with _check_mesh(plan, mesh) as tp_mesh:
+        if tp_mesh is None:
+            return []
+        run(shard(_meta_copy(graph.model.get_submodule(target)), tp_mesh, _sub_plan(plan, target)))
+    inner = fqn[len(target):].lstrip(".")
+    return [shape for name, shape in views if not inner or name == inner or name.startswith(inner + ".")]
