@@ -117,7 +117,7 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
             continue  # applied after the module's own style (apply_plan)
         styles[r.module] = combine(styles.get(r.module), _region_style(r))
     conv1d, own_forward = _conv1d_rules(plan, model), _own_forward_embeddings(plan, model)
-    scalars = _rules_where(plan, model, lambda m: all(p.numel() == 1 for p in m.parameters()))
+    scalars = _rules_where(plan, model, lambda m: bool(params := list(m.parameters())) and all(p.numel() == 1 for p in params))
     by_hand = _linear_like_rules(plan, model)
     adopted = _adopted_params(plan, model)
     for rule in _one_rule_per_module(plan, model):

@@ -337,7 +337,8 @@ def _slice_rows(prog: _Program, rows, lo, hi) -> None:
         modules = slice_entries(graph).get(value, ())
         for c in graph.consumers.get(value, []):
             op = graph.ops[c]
-            if op.kind != "function" or metadata_only(op) or not any(_inside(op.owner, m) for m in modules):
+            where = op.target if op.kind == "module" else op.owner
+            if op.kind == "folded" or metadata_only(op) or not any(_inside(where, m) for m in modules):
                 continue
             row = {col: 1.0}
             for slot, v in enumerate(op.inputs):
