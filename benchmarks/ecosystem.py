@@ -86,6 +86,9 @@ def _missing(name: str) -> bool:
 def _stub_module(name: str, attr: Callable[[str], object]) -> None:
     mod = types.ModuleType(name)
     mod.__path__ = []  # a package, so that `import datasets.distributed` resolves to a stub as well
+    # a spec, so that later `importlib.util.find_spec(name)` (transformers probing for
+    # sentencepiece) answers instead of raising "sentencepiece.__spec__ is None"
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
 
     def __getattr__(n: str) -> object:
         if n.startswith("__"):  # inspect and pickle probe dunders: a stub must not claim them
@@ -108,9 +111,10 @@ def shim_torchtitan() -> None:
 
 
 def shim_torchtune() -> None:
-    for name in TUNE_STUB_MODULES:
-        if name not in sys.modules and _missing(name.split(".")[0]):
-            _stub_module(name, lambda n: type(n, (), {}))  # classes: torchtune subclasses / annotates with them
+    # which packages are missing is decided before any stub exists (a stub has a spec)
+    missing = [name for name in TUNE_STUB_MODULES if name not in sys.modules and _missing(name.split(".")[0])]
+    for name in missing:
+        _stub_module(name, lambda n: type(n, (), {}))  # classes: torchtune subclasses / annotates with them
 
 
 def library_missing(library: str) -> str | None:
