@@ -252,11 +252,10 @@ def _reached_params(graph: OpGraph) -> set[int]:
     run of an encoder-decoder layer never calls its cross-attention, whose weights stay whole
     on every rank (BlenderbotForCausalLM: 0.84 GiB per device at tp=8 that a block's own
     parameters would have hidden)."""
-    targets = {op.target for op in graph.ops if op.kind == "module"}
-    model = graph.model
-    seen = {id(p) for t in targets for p in model.get_submodule(t).parameters()}
-    for copy, rep in graph.traced.folded.items():
-        for t in targets:
-            if t.startswith(rep + "."):
-                seen.update(id(p) for p in model.get_submodule(copy + t[len(rep):]).parameters())
-    return seen
+    names = {op.target for op in graph.ops if op.kind == "module"}
+    new = set(names)
+    while new:  # folds nest (experts folded inside a folded layer): copies of copies too
+        new = {copy + n[len(rep):] for copy, rep in graph.traced.folded.items() for n in new
+               if n.startswith(rep + ".")} - names
+        names |= new
+    return {id(p) for n in names for p in graph.model.get_submodule(n).parameters()}
