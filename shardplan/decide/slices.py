@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import re
 
+from typing import Any
+
 from ..analyze.graph import Op, OpGraph
 from .placements import Strategy
+from .propagation import metadata_only
 
-__all__ = ["slice_entries", "slice_twins", "is_slice", "slice_target"]
+__all__ = ["slice_entries", "slice_twins", "slice_rows", "is_slice", "slice_target"]
 
 _SLICE = re.compile(r"R>(S\d+)")
 
@@ -76,3 +79,29 @@ def slice_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Stra
                 entry = tuple(f"R>{p}" if j == i else None for j in range(len(s.inputs)))
                 out.append(Strategy("", inputs, s.output, entry=entry))
     return out
+
+
+def slice_rows(prog: Any, rows: list, lo: list, hi: list) -> None:
+    """The program's rows (``prog`` is :mod:`.solve`'s): a value cut where a module receives
+    it is cut for all of that module, every op inside it that reads the value (its size
+    aside) taking the same slice, or none doing so: ``entry <= each reader's slice columns``."""
+    graph = prog.graph
+    for (value, entry), col in prog.entry_of.items():
+        if not is_slice(entry):
+            continue
+        modules = slice_entries(graph).get(value, ())
+        for c in graph.consumers.get(value, []):
+            op = graph.ops[c]
+            where = op.target if op.kind == "module" else op.owner
+            if op.kind == "folded" or metadata_only(op) or not any(_inside(where, m) for m in modules):
+                continue
+            row = {col: 1.0}
+            for slot, v in enumerate(op.inputs):
+                if v != value:
+                    continue
+                for i, st in enumerate(prog.strategies[c]):
+                    if slot < len(st.entry) and st.entry[slot] == entry:
+                        row[prog.var_of[(c, i)]] = row.get(prog.var_of[(c, i)], 0.0) - 1.0
+            rows.append(row)
+            lo.append(float("-inf"))
+            hi.append(0.0)

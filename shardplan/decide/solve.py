@@ -34,8 +34,7 @@ import numpy as np
 from . import cost
 from .milp import MilpModel, MilpView
 from ..analyze.graph import Op, OpGraph
-from .propagation import metadata_only
-from .slices import is_slice, slice_entries
+from .slices import is_slice, slice_rows
 from .strategies import Strategy, op_strategies
 from .weights import read_elsewhere
 
@@ -293,7 +292,7 @@ def _rows(prog: _Program) -> tuple[list[dict[int, float]], list[float], list[flo
             _placement_rows(prog, op, slot, producer, rows, lo, hi)
             _entry_rows(prog, op, slot, value, rows, lo, hi)
     _folded_rows(prog, alias, rows, lo, hi)
-    _slice_rows(prog, rows, lo, hi)
+    slice_rows(prog, rows, lo, hi)
     for op in graph.ops:
         for i, s in enumerate(prog.strategies[op.index]):
             for group in _buckets(s, prog.ctx):
@@ -325,34 +324,6 @@ def _entry_rows(prog: _Program, op: Op, slot: int, value: int, rows, lo, hi) -> 
             rows.append({prog.entry_of[(value, entry)]: 1.0, prog.var_of[(op.index, i)]: -1.0})
             lo.append(0.0)
             hi.append(np.inf)
-
-
-def _slice_rows(prog: _Program, rows, lo, hi) -> None:
-    """A value cut where a module receives it is cut for all of that module: every op inside
-    it that reads the value (its size aside) takes the same slice, or none does."""
-    graph = prog.graph
-    for (value, entry), col in prog.entry_of.items():
-        if not is_slice(entry):
-            continue
-        modules = slice_entries(graph).get(value, ())
-        for c in graph.consumers.get(value, []):
-            op = graph.ops[c]
-            where = op.target if op.kind == "module" else op.owner
-            if op.kind == "folded" or metadata_only(op) or not any(_inside(where, m) for m in modules):
-                continue
-            row = {col: 1.0}
-            for slot, v in enumerate(op.inputs):
-                if v == value:
-                    for i, st in enumerate(prog.strategies[c]):
-                        if slot < len(st.entry) and st.entry[slot] == entry:
-                            row[prog.var_of[(c, i)]] = row.get(prog.var_of[(c, i)], 0.0) - 1.0
-            rows.append(row)  # entry <= the consumer taking it
-            lo.append(-np.inf)
-            hi.append(0.0)
-
-
-def _inside(fqn: str, module: str) -> bool:
-    return fqn == module or fqn.startswith(module + ".")
 
 
 def _folded_rows(prog: _Program, alias: dict[int, int], rows, lo, hi) -> None:
