@@ -15,6 +15,7 @@ from torch.nn import functional as F
 import shardplan
 from shardplan.analyze.trace import TraceError, trace_model
 from shardplan.plan.model import expand_pattern
+from tests.portability.lm import TokenLM
 
 PAD = 0
 
@@ -89,18 +90,8 @@ class LoopedMoE(nn.Module):
         return x + out.view_as(x)
 
 
-class MoELM(nn.Module):
-    def __init__(self, vocab: int = 64, dim: int = 32, depth: int = 3, num_experts: int = 4) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(LoopedMoE(dim, 64, num_experts) for _ in range(depth))
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tok(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+def moe_lm(vocab: int = 64, dim: int = 32, depth: int = 3, num_experts: int = 4) -> TokenLM:
+    return TokenLM([LoopedMoE(dim, 64, num_experts) for _ in range(depth)], dim=dim, vocab=vocab)
 
 
 def _ids(*, padded: bool) -> torch.Tensor:
@@ -159,7 +150,7 @@ def test_experts_chosen_through_nonzero_are_each_split_and_named_by_pattern() ->
     hit (nonzero's upper bound), each runs once, and the rules cover every expert of every
     layer, split like a dense MLP."""
     with torch.device("meta"):
-        model = MoELM()
+        model = moe_lm()
     plan = shardplan.plan_model(model, {"tp": 4})
     assert any("every element taken as nonzero" in w for w in plan.warnings)
     styles = plan.module_styles()
