@@ -14,7 +14,7 @@ the plan expects of it; nothing is written that the check did not pass.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -127,21 +127,18 @@ def _passes(graph: OpGraph, trial: Plan, placements: dict[int, str], fqn: str, m
 
 def _discover_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> list[ViewFix]:
     """Run ``fqn``'s shards under ``plan`` and match each view that fails to the next local
-    shape the plan expects of ``fqn``'s own views (:func:`.localviews.discover_fixes`)."""
-    target = _view_target(graph, fqn)
+    shape the plan expects of ``fqn``'s own views (:func:`.localviews.discover_fixes`); what
+    ran is what was found, and the check judges the rest."""
     expected = _expected_views(graph, placements, fqn, plan.tp).get(fqn, [])
-    if not expected:
-        return []
-    call = graph.traced.calls[target][0]
-    with _check_mesh(plan, mesh) as tp_mesh:
-        if tp_mesh is None:
-            return []
-        block = shard(_meta_copy(graph.model.get_submodule(target)), tp_mesh, _sub_plan(plan, target))
-        found = discover_fixes(block.get_submodule(fqn[len(target):].lstrip(".")), expected)
-        args, kwargs = _local_args(call, placements, plan.tp)
-        with contextlib.suppress(Exception), torch.no_grad(), quiet_probes(), nonzero_at_upper_bound():
-            block(*args, **kwargs)  # what ran is what was found; the check judges the rest
-    return found
+    found: list[list[ViewFix]] = []
+
+    def prepare(block: nn.Module, inner: str) -> contextlib.AbstractContextManager:
+        found.append(discover_fixes(block.get_submodule(inner), expected))
+        return contextlib.nullcontext()
+
+    if expected:
+        _run_view_target(graph, plan, placements, fqn, mesh, prepare)
+    return found[0] if found else []
 
 
 def _views_why(fixes: list[ViewFix]) -> str:
@@ -191,22 +188,27 @@ def _view_target(graph: OpGraph, fqn: str) -> str:
 def _record_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> list[tuple[int, ...]]:
     """The output shapes of the views ``fqn``'s own code makes (not its weight modules'),
     running its shards under ``plan``."""
+    views: list[tuple[str, tuple[int, ...]]] = []
+    _run_view_target(graph, plan, placements, fqn, mesh,
+                     lambda block, _inner: _ViewRecorder(block, _track_modules(block, prepend=True), views))
+    inner = fqn[len(_view_target(graph, fqn)):].lstrip(".")
+    return [shape for name, shape in views if not inner or name == inner or name.startswith(inner + ".")]
+
+
+def _run_view_target(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any,
+                     prepare: Callable[[nn.Module, str], contextlib.AbstractContextManager]) -> None:
+    """A meta copy of the block that holds ``fqn`` (:func:`_view_target`), sharded by
+    ``plan``, run once on its example inputs as the plan hands them, inside ``prepare(block,
+    fqn relative to the block)``. A failure ends the run: a module after ``fqn`` failing (the
+    decoder's cross-attention, not fixed yet) leaves ``fqn``'s views recorded, a failure
+    inside ``fqn`` leaves some missing, which refuses."""
     target = _view_target(graph, fqn)
     call = graph.traced.calls[target][0]
-    views: list[tuple[str, tuple[int, ...]]] = []
-
-    def run(block: nn.Module) -> None:
-        stack = _track_modules(block, prepend=True)
-        args, kwargs = _local_args(call, placements, plan.tp)
-        # a module after fqn failing (the decoder's cross-attention, not fixed yet) ends the run
-        # with fqn's views recorded; a failure inside fqn leaves some missing, which refuses
-        with contextlib.suppress(Exception), torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), \
-                _ViewRecorder(block, stack, views):
-            block(*args, **kwargs)
-
     with _check_mesh(plan, mesh) as tp_mesh:
         if tp_mesh is None:
-            return []
-        run(shard(_meta_copy(graph.model.get_submodule(target)), tp_mesh, _sub_plan(plan, target)))
-    inner = fqn[len(target):].lstrip(".")
-    return [shape for name, shape in views if not inner or name == inner or name.startswith(inner + ".")]
+            return
+        block = shard(_meta_copy(graph.model.get_submodule(target)), tp_mesh, _sub_plan(plan, target))
+        args, kwargs = _local_args(call, placements, plan.tp)
+        with contextlib.suppress(Exception), torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), \
+                prepare(block, fqn[len(target):].lstrip(".")):
+            block(*args, **kwargs)

@@ -26,7 +26,7 @@ import torch
 
 from ..analyze.graph import OpGraph
 from .propagation import metadata_only
-from .slices import is_slice
+from .slices import is_slice, place
 from .solve import Solution
 
 __all__ = ["RegionSite", "Entry", "PartialBlock", "find_regions", "find_partial_blocks"]
@@ -85,18 +85,13 @@ def _candidate_sites(graph: OpGraph, value: int, consumers: tuple[int, ...], *,
         where: int | str | None = next((i for i, a in enumerate(call.args) if a is node), None)
         if where is None:
             where = next((k for k, a in call.kwargs.items() if a is node), None)
-        inside = tuple(c for c in consumers if _inside(_place(graph.ops[c]), fqn))
+        inside = tuple(c for c in consumers if _inside(place(graph.ops[c]), fqn))
         if where is None or len(inside) < fewest or (len(inside) == 1 and graph.ops[inside[0]].target == fqn):
             continue  # one consumer that is the module itself: its own style converts the input
         if any(_inside(graph.ops[o].owner, fqn) or _inside(graph.ops[o].target, fqn) for o in others):
             continue
         found.append((RegionSite(fqn, where, len(call.args)), inside))
     return found
-
-
-def _place(op) -> str:
-    """Where an op runs: a weight module is its own FQN, any other op the module whose code calls it."""
-    return op.target if op.kind == "module" else op.owner
 
 
 def _output_site(graph: OpGraph, value: int, consumers: tuple[int, ...]):

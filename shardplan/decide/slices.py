@@ -22,11 +22,11 @@ import re
 
 from typing import Any
 
-from ..analyze.graph import Op, OpGraph
+from ..analyze.graph import Op, OpGraph, _inside
 from .placements import Strategy
 from .propagation import metadata_only
 
-__all__ = ["slice_entries", "slice_twins", "slice_rows", "is_slice", "slice_target"]
+__all__ = ["slice_entries", "slice_twins", "slice_rows", "is_slice", "slice_target", "place"]
 
 _SLICE = re.compile(r"R>(S\d+)")
 
@@ -40,8 +40,9 @@ def slice_target(entry: str) -> str:
     return _SLICE.fullmatch(entry).group(1)
 
 
-def _inside(fqn: str, module: str) -> bool:
-    return fqn == module or fqn.startswith(module + ".")
+def place(op: Op) -> str:
+    """Where an op runs: a weight module is its own FQN, any other op the module whose code calls it."""
+    return op.target if op.kind == "module" else op.owner
 
 
 def slice_entries(graph: OpGraph) -> dict[int, tuple[str, ...]]:
@@ -92,8 +93,7 @@ def slice_rows(prog: Any, rows: list, lo: list, hi: list) -> None:
         modules = slice_entries(graph).get(value, ())
         for c in graph.consumers.get(value, []):
             op = graph.ops[c]
-            where = op.target if op.kind == "module" else op.owner
-            if op.kind == "folded" or metadata_only(op) or not any(_inside(where, m) for m in modules):
+            if op.kind == "folded" or metadata_only(op) or not any(_inside(place(op), m) for m in modules):
                 continue
             row = {col: 1.0}
             for slot, v in enumerate(op.inputs):

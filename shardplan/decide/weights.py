@@ -165,12 +165,14 @@ def _replicate(op: Op, graph: OpGraph, module: nn.Module, flops: float = 0.0) ->
     )
 
 
-def _on_shards(op: Op, graph: OpGraph, module: nn.Module, d: int, tp: int) -> Strategy:
-    """An elementwise module with scalar parameters (:mod:`.elementwise`) on a shard of dim
-    ``d``: its parameters whole, their gradients partial sums over each rank's entries."""
+def _on_shards(op: Op, graph: OpGraph, module: nn.Module, d: int, tp: int, *,
+               name: str = "replicated_with_grad_allreduce") -> Strategy:
+    """A module that acts per entry or per token (an elementwise module with scalar
+    parameters, :mod:`.elementwise`; a norm) on a shard of dim ``d``: its parameters whole,
+    their gradients partial sums over each rank's entries."""
     x = graph.values[op.inputs[0]]
     return Strategy(
-        "replicated_with_grad_allreduce", (f"S{d}",), f"S{d}", bwd=_param_grad_allreduces(module),
+        name, (f"S{d}",), f"S{d}", bwd=_param_grad_allreduces(module),
         param_bytes=_param_bytes(module), mem_bytes=2 * x.nbytes / tp, act_bytes=x.nbytes / tp,
         layouts={"weight": "R", "input": f"S{d}"},
     )
@@ -475,10 +477,7 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
     for d in _seq_dims(x.shape, tp) if sp else []:
         # dim 1 of (batch, seq, hidden) is the sequence; a deeper dim is heads (q_norm/k_norm)
         name = "sequence_parallel" if d == 1 and len(x.shape) == 3 else "replicated_with_grad_allreduce"
-        out.append(Strategy(
-            name, (f"S{d}",), f"S{d}", bwd=_param_grad_allreduces(module),
-            param_bytes=pbytes, mem_bytes=2 * x.nbytes / tp, act_bytes=x.nbytes / tp, layouts={"weight": "R", "input": f"S{d}"},
-        ))
+        out.append(_on_shards(op, graph, module, d, tp, name=name))
     if under_partial_grad_owner(op.target.rpartition(".")[0], graph, tp):
         # on an Rp value (MLA's kv_a_layernorm): whole, its weight gradient a partial sum
         out.append(Strategy(
