@@ -265,6 +265,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
     whole: dict[str, str] = {}  # module -> why it runs on whole activations
     attributes: list = []  # modules whose size attributes take their local value (a head count)
     views: list = []  # modules whose views spell a width read off a whole tensor (nanoGPT's view(B, T, C))
+    notes: list[str] = []  # what the check made the planner give up (sequence parallel)
     squeezed, pending, assembled = 0, None, None
     while True:
         solution, pending = pending or _solve_explained(graph, ctx), None
@@ -274,7 +275,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 model, graph, solution, ctx, entries, blocks, opts=_record_shapes(opts, example_inputs), axes=axes,
                 tp_axis=tp_axis, strict=extra.get("strict", False), whole=whole))
         _, entries, blocks, base = assembled
-        plan = base.model_copy(update={"attributes": list(attributes), "local_views": list(views), "warnings": list(base.warnings)})
+        plan = base.model_copy(update={"attributes": list(attributes), "local_views": list(views), "warnings": list(base.warnings) + notes})
         over = plan.estimate.peak_memory_bytes - opts.memory_budget if opts.memory_budget else 0
         if over > 0 and squeezed < 3:
             # the program prices activations per op, the estimate per transformer block
@@ -303,6 +304,12 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 # the module's own forward fails on its shards: that module stays whole
                 whole[exc.leaf] = str(exc).split(": ", 1)[1]
                 ctx.forced = {**ctx.forced, **_replicate_module(graph, exc.leaf)}
+                continue
+            if exc.module and exc.module not in whole and _drop_sequence_parallel(graph, solution, ctx):
+                # code that reads a size off its sequence-split input (``B, T, C = x.shape``
+                # before its norm gathers x) sees T / tp: its block runs on whole sequences
+                notes.append(f"{exc.module}: sequence parallel off: no local size lets its shards run on "
+                             f"sequence-split inputs (first failure: {str(exc).split(': ', 1)[1].split('. The code')[0][:240]})")
                 continue
             if (exc.module is None or exc.module in whole) and not extra.get("strict"):
                 # it fails outside any weight-bearing submodule, or even with that module run
@@ -400,6 +407,17 @@ def _solve_explained(graph: OpGraph, ctx: SolveContext):
             f"(a value between them cannot be split along the sequence; {', '.join(kept[:3]) or 'some norms'} stay whole "
             "when the planner decides). Use sequence_parallel=None (--sequence-parallel auto) to let it choose"
         ) from None
+
+
+def _drop_sequence_parallel(graph: OpGraph, solution: Any, ctx: SolveContext) -> bool:
+    """Under ``sequence_parallel=None``, when the plan put a norm on sequence shards: the
+    program no longer may (``ctx`` changed in place). True when it changed."""
+    if ctx.opts is None or ctx.opts.sequence_parallel is not None:
+        return False
+    if not any(solution.strategies[op.index].name == "sequence_parallel" for op in graph.ops if op.kind == "module"):
+        return False
+    ctx.opts = ctx.opts.model_copy(update={"sequence_parallel": False})
+    return True
 
 
 def _solve_or_none(graph: OpGraph, ctx: SolveContext):

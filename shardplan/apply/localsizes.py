@@ -23,7 +23,7 @@ from ..analyze.graph import OpGraph
 from ..analyze.values import nonzero_at_upper_bound
 from ..decide.placements import groups_of, local_shape, shard_dim
 from ..decide.propagation import quiet_probes
-from ..plan.model import LocalAttributes, LocalViews, Plan, ViewFix, int_attributes
+from ..plan.model import LocalAttributes, LocalViews, Plan, SplitFix, ViewFix, int_attributes
 from .emit import shard
 from .localcheck import (
     LocalShapeError, _ViewRecorder, _check_mesh, _expected_views, _local_args, _meta_copy, _sub_plan, _targets,
@@ -83,8 +83,9 @@ def find_local_attributes(graph: OpGraph, plan: Plan, placements: dict[int, str]
             return attributes(subset), []
     for subset in islice(chain([()], _subsets(candidates)), _MAX_ATTRIBUTE_TRIALS):
         trial = plan.model_copy(update={"attributes": plan.attributes + attributes(subset)})
-        fixes = _discover_views(graph, trial, placements, fqn, mesh)
-        views = [LocalViews(module=n, fixes=fixes, why=_views_why(fixes)) for n in names] if fixes else []
+        fixes, splits = _discover_views(graph, trial, placements, fqn, mesh)
+        views = [LocalViews(module=n, fixes=fixes, splits=splits, why=_views_why(fixes, splits))
+                 for n in names] if fixes or splits else []
         if views and _passes(graph, trial.model_copy(update={"local_views": plan.local_views + views}), placements, fqn, mesh):
             return attributes(subset), views
     return None
@@ -125,24 +126,56 @@ def _passes(graph: OpGraph, trial: Plan, placements: dict[int, str], fqn: str, m
     return _views_as_planned(graph, trial, placements, fqn, mesh)
 
 
-def _discover_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any) -> list[ViewFix]:
+def _discover_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str,
+                    mesh: Any) -> tuple[list[ViewFix], list[SplitFix]]:
     """Run ``fqn``'s shards under ``plan`` and match each view that fails to the next local
-    shape the plan expects of ``fqn``'s own views (:func:`.localviews.discover_fixes`); what
-    ran is what was found, and the check judges the rest."""
+    shape the plan expects of ``fqn``'s own views, and each split to the chunk the plan
+    expects of the trace's split in the same place (:func:`.localviews.discover_fixes`);
+    what ran is what was found, and the check judges the rest."""
     expected = _expected_views(graph, placements, fqn, plan.tp).get(fqn, [])
-    found: list[list[ViewFix]] = []
+    splits = _expected_splits(graph, placements, fqn, plan.tp)
+    found: list[tuple[list[ViewFix], list[SplitFix]]] = []
 
     def prepare(block: nn.Module, inner: str) -> contextlib.AbstractContextManager:
-        found.append(discover_fixes(block.get_submodule(inner), expected))
+        found.append(discover_fixes(block.get_submodule(inner), expected, splits))
         return contextlib.nullcontext()
 
-    if expected:
+    if expected or any(s is not None for s in splits):
         _run_view_target(graph, plan, placements, fqn, mesh, prepare)
-    return found[0] if found else []
+    return found[0] if found else ([], [])
 
 
-def _views_why(fixes: list[ViewFix]) -> str:
-    dims = ", ".join(f"dim {f.dim} / {f.parts}" for f in fixes)
+def _expected_splits(graph: OpGraph, placements: dict[int, str], fqn: str, tp: int) -> list[Any]:
+    """For each ``split`` the code under ``fqn`` makes, in trace order: the local sizes of its
+    chunks on the split dim where the plan splits that dim (``split(C)`` of a packed q/k/v
+    -> ``C / tp``), else None (nothing to fix)."""
+    out: list[Any] = []
+    for op in graph.ops:
+        if op.kind != "function" or op.target != "split" or not (op.owner == fqn or op.owner.startswith(fqn + ".")):
+            continue
+        out.append(_local_chunks(graph, op, placements.get(op.output, "R"), tp))
+    return out
+
+
+def _local_chunks(graph: OpGraph, op: Any, placement: str, tp: int) -> Any:
+    sizes = op.node.args[1] if len(op.node.args) > 1 else op.node.kwargs.get("split_size")
+    dim = op.node.args[2] if len(op.node.args) > 2 else op.node.kwargs.get("dim", 0)
+    first = graph.values[op.output].shape
+    if not isinstance(dim, int) or not first:
+        return None
+    dim %= len(first)
+    local = local_shape(first, placement, tp)[dim]
+    if local == first[dim] or local == 0 or first[dim] % local:
+        return None
+    factor = first[dim] // local
+    if isinstance(sizes, int):
+        return sizes // factor if sizes % factor == 0 else None
+    each = list(sizes) if isinstance(sizes, (list, tuple)) and all(isinstance(s, int) for s in sizes) else []
+    return [s // factor for s in each] if each and all(s % factor == 0 for s in each) else None
+
+
+def _views_why(fixes: list[ViewFix], splits: list[SplitFix]) -> str:
+    dims = ", ".join([f"dim {f.dim} / {f.parts}" for f in fixes] + [f"split {s.call} / {s.parts}" for s in splits])
     return f"its code sizes views by a width read off a whole tensor; on a shard: {dims}"
 
 

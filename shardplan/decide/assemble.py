@@ -287,7 +287,9 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
                    else f"no style splits it evenly at tp={tp}")
             out.append(f"{name}: weight {shapes[0] if len(shapes) == 1 else shapes} not sharded: {why}")
         elif style == "colwise_gather_output" and op.output not in output_values and _feeds_weights(graph, op.output):
-            reason = _sliced_back(graph, solution, op) or _blocking_reshape(graph, op, tp) or _blocking_op(graph, op, tp) or (
+            shared = solution.strategies[op.index].output == "Rp"
+            reason = (_SHARED if shared else None) or _sliced_back(graph, solution, op) or _blocking_reshape(
+                graph, op, tp) or _blocking_op(graph, op, tp) or (
                 f"every op after it could take its output split tp={tp} ways, so either one of them also takes an input "
                 "that stays whole (see the other warnings) or gathering here is cheaper (`shardplan explain` prices each style)"
             )
@@ -296,6 +298,12 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
         reader = _parameter_reader(graph, fqn)
         out.append(f"{fqn}: {reader}; replicated" if reader else f"{fqn}: owns parameters but is not called in forward; replicated")
     return out
+
+
+# a gathered output placed ``Rp``: one value every rank's heads read whole (a single kv head,
+# MLA's shared key), as Megatron and vLLM keep it; its gradient is summed by the reduce-scatter
+_SHARED = ("every rank's heads read it whole (one kv head, or a key all heads share), so each rank holds it all, "
+           "as Megatron does; backward sums its gradient with one reduce-scatter")
 
 
 def _sliced_back(graph: OpGraph, solution: Solution, op) -> str:

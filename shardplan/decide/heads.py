@@ -217,8 +217,13 @@ def _expands_to_split(op: Op, graph: OpGraph, tp: int) -> bool:
 
 def _merged_after(op: Op, graph: OpGraph) -> bool:
     """The expand of ``repeat_kv`` (``[b, kv, 1, s, d] -> [b, kv, g, s, d]``, then reshaped
-    to ``kv * g`` heads) copies heads rather than broadcasting one value to all of them."""
+    to ``kv * g`` heads) copies heads rather than broadcasting one value to all of them;
+    with one kv head (MQA, ``kv == 1``) it does broadcast it, as MLA's shared key is."""
     users = [graph.ops[c] for c in graph.consumers.get(op.output, [])]
-    ndim = len(graph.values[op.output].shape)
+    src, ndim = graph.values[op.inputs[0]].shape, len(graph.values[op.output].shape)
+    lead = ndim - len(src)
+    grown = [d for d, n in enumerate(src) if n == 1 and graph.values[op.output].shape[d + lead] > 1]
+    if grown and all(d > 0 and src[d - 1] == 1 for d in grown):
+        return False
     return bool(users) and all(u.target in ("reshape", "view", "flatten") and u.output is not None
                                and len(graph.values[u.output].shape) < ndim for u in users)

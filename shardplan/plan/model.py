@@ -27,7 +27,7 @@ from .fileio import PlanFileError, atomic_write, describe, load_mapping, read_te
 
 __all__ = [
     "int_attributes", "set_int_attribute",
-    "STYLES", "Rule", "Region", "LocalAttributes", "ViewFix", "LocalViews", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
+    "STYLES", "Rule", "Region", "LocalAttributes", "ViewFix", "SplitFix", "LocalViews", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
     "PlanOptions", "Plan", "load_plan", "load_plan_with_lines", "expand_braces", "brace_ranges", "brace_members", "fingerprint", "PlanFileError", "LAYOUT_RE", "portable", "SIGNIFICANT_DIGITS",
 ]
 
@@ -186,17 +186,29 @@ class ViewFix(_Strict):
     parts: Annotated[int, Field(strict=True, ge=2)]
 
 
+class SplitFix(_Strict):
+    """One ``split`` of a module's code sized by a global width (``qkv(x).split(C, dim=-1)``
+    with ``C`` read off the whole input): on one rank's shard, the ``call``-th split the
+    module's forward makes gets its sizes divided by ``parts``."""
+
+    call: Annotated[int, Field(strict=True, ge=0)]
+    parts: Annotated[int, Field(strict=True, ge=2)]
+
+
 class LocalViews(_Strict):
     """Views sized by a width the code reads off a whole tensor (``B, T, C = x.size()`` of
     the attention's input, then ``y.view(B, T, C)`` of its heads' output: nanoGPT, minGPT,
     timm's ViT, fairseq). No attribute holds ``C``, so the planner records the views
     instead: while the module runs, the ``k``-th view or reshape whose sizes hold more
     elements than its tensor (by exactly ``parts``, no ``-1``) gets ``fixes[k]``. A view that
-    already fits is left as written. The planner writes one only when the module's shards
-    fail to run as written and run with these, every view giving its planned local shape."""
+    already fits is left as written; so does a ``split`` not named in ``splits`` (the same
+    width cut apart: ``q, k, v = qkv(x).split(C, dim=-1)``). The planner writes one only when
+    the module's shards fail to run as written and run with these, every view giving its
+    planned local shape."""
 
     module: ModulePattern
-    fixes: list[ViewFix]
+    fixes: list[ViewFix] = Field(default_factory=list)
+    splits: list[SplitFix] = Field(default_factory=list)
     why: str = ""
 
 
@@ -305,6 +317,10 @@ class Plan(_Strict):
         for key in ("attributes", "local_views"):
             if not data[key]:
                 del data[key]
+        for entry in data.get("local_views", []):
+            for key in ("fixes", "splits"):
+                if not entry[key]:
+                    del entry[key]
         return data
 
     def to_yaml(self) -> str:

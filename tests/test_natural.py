@@ -1,0 +1,107 @@
+"""Model code as people write it (issue 30): attention must plan split by heads, q/k/v
+colwise (or packed) and the output projection rowwise, and match one process on gloo.
+Models in ``tests/portability/natural.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardplan
+from shardplan.plan.model import Plan, SplitFix
+from shardplan.tools.simulate import simulate
+from shardplan.tools.verify import verify
+from tests.portability import natural
+
+SPLIT_BY_HEADS = {"qkv": "packed_colwise", "proj": "rowwise", "fc": "colwise", "out": "rowwise"}
+
+
+def _plan(builder, tp: int, seq: int = 16) -> Plan:
+    with torch.device("meta"):
+        model = builder()
+    tokens = torch.zeros(2, seq, dtype=torch.long, device="meta")
+    return shardplan.plan_model(model, {"tp": tp}, example_inputs=(tokens,), explain=False)
+
+
+def _block_styles(plan: Plan, prefix: str) -> dict[str, str]:
+    return {k[len(prefix):]: v for k, v in plan.module_styles().items() if k.startswith(prefix)}
+
+
+@pytest.mark.parametrize(("builder", "tp"), [
+    (natural.inline, 2), (natural.inline_list, 2), (natural.inline_list, 4), (natural.inline_functional, 2),
+])
+def test_inline_block_reading_widths_off_its_input_is_split_by_heads(builder, tp: int) -> None:
+    plan = _plan(builder, tp)
+    styles = _block_styles(plan, "blocks.0.")
+    assert {k: styles[k] for k in SPLIT_BY_HEADS} == SPLIT_BY_HEADS, plan.warnings
+    # q, k, v = qkv(x).split(D, dim=-1), D read off the whole input: one split, D / tp
+    (views,) = plan.local_views
+    assert views.module == "blocks.*" and views.splits == [SplitFix(call=0, parts=tp)]
+    assert not plan.warnings, plan.warnings
+
+
+def test_inline_block_with_heads_tp_does_not_divide_says_so() -> None:
+    plan = _plan(natural.inline, 4)  # 6 heads on 4 ranks
+    styles = _block_styles(plan, "blocks.0.")
+    assert styles["qkv"] == "colwise_gather_output" and styles["fc"] == "colwise", styles
+    assert any("6 groups (heads)" in w and "tp=4 does not divide" in w for w in plan.warnings), plan.warnings
+
+
+def test_sizes_read_off_a_sequence_split_input_drop_sequence_parallel_not_the_heads() -> None:
+    """At seq 2048 the cost model puts the residual on sequence shards; ``B, T, D = x.shape``
+    then reads T / tp. The block keeps its heads split and runs on whole sequences."""
+    plan = _plan(natural.inline, 2, seq=2048)
+    styles = _block_styles(plan, "blocks.0.")
+    assert {k: styles[k] for k in SPLIT_BY_HEADS} == SPLIT_BY_HEADS, plan.warnings
+    assert "sequence_parallel" not in plan.module_styles().values()
+    assert [w.split(":")[0] for w in plan.warnings] == ["blocks.0"], plan.warnings
+    assert "sequence parallel off" in plan.warnings[0] and "natural.py" in plan.warnings[0]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_attention_module_reading_its_width_is_split_by_heads(tp: int) -> None:
+    plan = _plan(natural.split_attention, tp)
+    styles = _block_styles(plan, "blocks.0.")
+    assert (styles["attn.qkv"], styles["attn.o"], styles["mlp.0"], styles["mlp.2"]) == (
+        "packed_colwise", "rowwise", "colwise", "rowwise"), plan.warnings
+    assert not plan.warnings, plan.warnings
+
+
+@pytest.mark.parametrize("spec", ["tests.portability.natural:inline", "tests.portability.natural:split_attention",
+                                  "tests.portability.natural:mqa"])
+def test_natural_styles_match_one_process_on_gloo(spec: str) -> None:
+    result = verify(spec, nproc=2, timeout_s=300)
+    styles = _block_styles(result.plan, "blocks.0.")
+    attention = {k: v for k, v in styles.items() if k.split(".")[-1] in ("qkv", "q", "proj", "o")}
+    assert set(attention.values()) in ({"packed_colwise", "rowwise"}, {"colwise", "rowwise"}), styles
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize(("builder", "attn", "q", "kv", "o"), [
+    (natural.mqa, "blocks.0.attn.", "q", ("kv",), "o"),
+    (natural.hf_llama_mqa, "model.layers.0.self_attn.", "q_proj", ("k_proj", "v_proj"), "o_proj"),
+])
+def test_one_kv_head_keeps_the_query_heads_split(builder, attn: str, q: str, kv: tuple, o: str, tp: int) -> None:
+    """MQA: q split by heads, o rowwise, the one k/v head whole on every rank (gathered from
+    rows split tp ways, its gradient summed by the gather's reduce-scatter), as Megatron."""
+    plan = _plan(builder, tp)
+    styles = _block_styles(plan, attn)
+    assert (styles[q], styles[o]) == ("colwise", "rowwise"), plan.warnings
+    assert {styles[k] for k in kv} == {"colwise_gather_output"}, styles
+    assert all("one kv head" in w for w in plan.warnings), plan.warnings
+
+
+@pytest.mark.parametrize("builder", [natural.inline, natural.mqa, natural.hf_llama_mqa])
+def test_natural_styles_collectives_equal_the_prediction(builder) -> None:
+    plan = _plan(builder, 2)
+    result = simulate(builder(), plan, (torch.randint(0, 256, (2, 16)),))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+    for phase in ("forward", "backward"):
+        assert result.counted_bytes[phase] == plan.estimate.collective_bytes[phase], phase
+
+
+def test_one_kv_head_matches_one_process_on_gloo() -> None:
+    result = verify("tests.portability.natural:hf_llama_mqa", nproc=2, timeout_s=300)
+    assert result.plan.rule_for("model.layers.0.self_attn.q_proj").style == "colwise"
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
