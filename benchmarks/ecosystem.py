@@ -1,7 +1,8 @@
 """Model code from public libraries: shardplan's plan against each library's own hand-written TP plan.
 
-For each model (``--models``; default all six), built tiny (dim 96 unless ``--dim``, 2 layers, vocab 256,
-head counts divisible by 4) from the library's own config builders, nothing downloaded:
+For each model (``--models``; default all six), from the library's own config builders,
+nothing downloaded, one table per size (``--sizes``, default ``96,128,real``): tiny at dim 96
+and at dim 128 (2 layers, vocab 256, 8 heads / 4 kv heads), and the library's real configs:
 
 * ``torchtitan`` 0.3.0: ``llama3``, ``qwen3`` (dense) and ``deepseek_v3`` (MLA + MoE). The
   library plan is read off the model itself: torchtitan 0.3.0 declares TP as a
@@ -9,24 +10,61 @@ head counts divisible by 4) from the library's own config builders, nothing down
   ``models/common/decoder_sharding.py`` and ``moe_sharding.py``), set here exactly as
   ``update_from_config`` does (``enable_sequence_parallel=True``, the default; EP off), and
   ``Module.build`` copies it onto each module as ``_sharding_config``. The TP placement of
-  each weight names the style (:func:`titan_style`).
+  each weight names the style (:func:`titan_style`). Real configs: the registered flavors
+  (``model_registry(flavor)``) llama3 8B/70B, qwen3 8B/32B, deepseek_v3 16B (``wq``) and
+  671B (``wq_a``/``wq_b``).
 * ``torchtune`` 0.6.1: ``llama3``, ``qwen2`` and ``gemma``. Its only TP plan is
   ``torchtune.models.llama3.base_llama_tp_plan`` (``_parallelism.py``); qwen2 and gemma have
   none in 0.6.1, so they are compared with the llama plan applied to their module names
-  (the same ``attn.q_proj`` / ``mlp.w1`` layout), marked ``llama-plan``.
+  (the same ``attn.q_proj`` / ``mlp.w1`` layout), marked ``llama-plan``. Real configs: the
+  builders ``llama3_8b``, ``llama3_70b``, ``qwen2_7b`` (28 heads, 4 kv), ``gemma_2b`` (one kv
+  head) and ``gemma_7b``.
 
-Per model and tp in (2, 4): ``shardplan.plan_model(model, {"tp": tp}, example_inputs=(tokens,),
-explain=False)`` on the meta device, median wall time of 3 calls, and a weight-by-weight
-comparison of ``plan.module_styles()`` with the library's style (``agree``/``differ``;
-``whole``: weights the library leaves whole, i.e. names no TP placement for or replicates;
-``fam``: agreements by family, colwise/rowwise/replicate/experts, per
-``shardplan.interop.hf.STYLE_FAMILY``). Every difference is listed under the table with the
-plan's warning for that module, if any. ``numerics``: ``shardplan.tools.verify.verify`` of
-shardplan's tp=2 plan on 2 gloo ranks against one process (outputs, loss, every gradient).
+Tiny configs, per model and tp in (2, 4): ``shardplan.plan_model(model, {"tp": tp},
+example_inputs=(tokens,), explain=False)`` on the meta device (tokens 2 x 16), median wall
+time of ``--runs`` calls (3), a weight-by-weight comparison of ``plan.module_styles()`` with
+the library's style (``agree``/``differ``; ``whole``: weights the library leaves whole, i.e.
+names no TP placement for or replicates; ``fam``: agreements by family,
+colwise/rowwise/replicate/experts, per ``shardplan.interop.hf.STYLE_FAMILY``), ``heads`` (below),
+both plans priced by the same cost model, and ``numerics``: ``shardplan.tools.verify.verify``
+of shardplan's tp=2 plan on 2 gloo ranks against one process (outputs, loss, every gradient).
+Real configs: built on meta, planned at tp=8 only (tokens 2 x 2048, ``explain=False``, one
+call), with agreement, ``fam``, ``heads``, shardplan's predicted step and parameters per device
+and the plan time; the library's plan is not priced and nothing is verified. A config that
+cannot be built on meta is a row saying why. Under each table: every attention not split by
+heads and every difference from the library, with the plan's warnings for those modules.
+
+``heads`` = ``k/n``: k of the model's n attention modules are split by heads at that tp.
+An attention module is an outermost module whose own name is ``attention``, ``attn``,
+``self_attn``, ``self_attention``, ``cross_attn`` or ``cross_attention`` and that holds weight
+modules (torchtitan ``layers.N.attention``, torchtune ``layers.N.attn``). Its weight modules
+(any depth: torchtitan's fused ``attention.qkv_linear.wqkv``) take roles from the library's
+plan wherever that splits something inside the module: colwise family = head projection,
+rowwise family = output projection, anything else (MLA's ``wq_a``, ``wkv_a``, norms) no role.
+Where the library splits nothing there, names decide: output ``wo``/``o_proj``/``out_proj``/
+``output_proj``/``c_proj``/``dense``; head projections ``wq``/``wq_b``/``q_proj``/``wqkv``/
+``qkv_proj``/``wk``/``wv``/``k_proj``/``v_proj``/``wkv_b``/``kv_proj``... A head projection whose
+name has a ``q`` carries q (``wq``, ``wq_b``, ``q_proj``, the fused ``wqkv``), else it is k/v only
+(``wk``, ``v_proj``, MLA's ``wkv_b``). The attention is split by heads when it has a q and an
+output projection and, in shardplan's plan:
+
+* every q projection takes ``colwise``, ``packed_colwise``, ``colwise_kv_gathered`` or
+  ``colwise_kv_replicated`` (output left split by heads; not ``colwise_gather_output``, not
+  ``replicate``);
+* every k/v-only projection takes one of those, or ``colwise_gather_output`` where the
+  module has fewer kv heads than tp (``n_kv_heads``/``num_kv_heads``/``num_key_value_heads``,
+  else ``n_heads``/``num_heads``: MLA's per-head k/v count as n_heads);
+* every output projection takes ``rowwise`` (input split by heads; not ``rowwise_split_input``,
+  not ``replicate``, not colwise).
+
+An ``nn.MultiheadAttention`` styled ``attention_heads`` is split as well. The totals line
+adds up k and n over the rows of a table.
 
 Usage (repository root): ``python benchmarks/ecosystem.py [--models titan-llama3,tune-gemma]
-[--runs 3] [--no-verify]``. A library that is not installed is skipped with the reason.
-~1.5 minutes on 2 cores, most of it in ``verify``.
+[--sizes 96,128,real] [--runs 3] [--no-verify]`` (``--dim D`` is ``--sizes D``). A library that
+is not installed is skipped with the reason. On the 2 shared cores, ``--no-verify --runs 1``
+takes ~2-2.5 minutes (each tiny table ~15-35 s, the real configs ~75-100 s, of which
+deepseek_v3 16B and 671B ~15-55 s each); verify adds ~1 minute per tiny size.
 
 Import shims (scoped to this script, installed only where the real module is missing):
 torchtitan's ``distributed.minimal_async_ep.kernels`` is Triton code imported at module level
@@ -63,12 +101,13 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 # dim 96 / 8 heads: head_dim 12. No head count equals another dim size (head_dim, head_dim/2
-# in RoPE's pairs, batch, seq), which would stop shardplan from telling head counts apart
-# (--dim 128: head_dim/2 = 8 = heads, and torchtune's attention is then planned to run whole)
+# in RoPE's pairs, batch, seq). At dim 128 head_dim/2 = 8 = heads: the dim-128 table checks
+# that shardplan still tells the head count apart (its attention split by heads)
 DIM = int(os.environ.get("ECOSYSTEM_DIM", "96"))
 LAYERS, VOCAB, HEADS, KV_HEADS, SEQ, BATCH = 2, 256, 8, 4, 16, 2
 HEAD_DIM = DIM // HEADS
 TPS = (2, 4)
+REAL_TP, REAL_TOKENS = 8, (2, 2048)  # real configs: tp=8, batch 2 x seq 2048
 TUNE_STUB_MODULES = ("datasets", "datasets.distributed", "omegaconf", "sentencepiece", "tiktoken", "tiktoken.load")
 TITAN_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
 
@@ -133,16 +172,10 @@ LIBRARY_PINS = {"torchtitan": "torchtitan==0.3.0 spmd-types tyro docstring-parse
 
 
 def import_library(library: str) -> None:
-    if library == "torchtitan":
-        shim_torchtitan()
-        import torchtitan.models.deepseek_v3  # noqa: F401
-        import torchtitan.models.llama3  # noqa: F401
-        import torchtitan.models.qwen3  # noqa: F401
-    else:
-        shim_torchtune()
-        import torchtune.models.gemma  # noqa: F401
-        import torchtune.models.llama3  # noqa: F401
-        import torchtune.models.qwen2  # noqa: F401
+    (shim_torchtitan if library == "torchtitan" else shim_torchtune)()
+    for spec in SPECS.values():
+        if spec.library == library:
+            importlib.import_module(f"{library}.models.{spec.model}")
 
 
 # --------------------------------------------------------------------------- builders (zero-argument: verify calls them)
@@ -261,6 +294,41 @@ def build_tune_gemma() -> nn.Module:
 
     return gemma(vocab_size=VOCAB, num_layers=LAYERS, num_heads=HEADS, head_dim=HEAD_DIM, num_kv_heads=KV_HEADS,
                  embed_dim=DIM, intermediate_dim=256, max_seq_len=64)
+
+
+# --------------------------------------------------------------------------- real configs (--sizes real; meta only)
+
+
+# per model: the library's own registered flavors (torchtitan ``model_registry(flavor)``) or
+# model builders (torchtune ``torchtune.models.<model>.<builder>()``), built as published
+REAL_CONFIGS: dict[str, tuple[str, ...]] = {
+    "titan-llama3": ("8B", "70B"),
+    "titan-qwen3": ("8B", "32B"),
+    "titan-deepseek_v3": ("16B", "671B"),
+    "tune-llama3": ("llama3_8b", "llama3_70b"),
+    "tune-qwen2": ("qwen2_7b",),
+    "tune-gemma": ("gemma_2b", "gemma_7b"),
+}
+TITAN_SHARDING = {"llama3": ("set_llama3_sharding_config", {}),
+                  "qwen3": ("set_qwen3_sharding_config", {"enable_ep": False}),
+                  "deepseek_v3": ("set_deepseek_v3_sharding_config", {"enable_ep": False})}
+
+
+def build_titan_real(model: str, flavor: str) -> nn.Module:
+    """torchtitan's registered ``flavor`` of ``model`` with its ShardingConfig set as
+    ``update_from_config`` does (sequence parallel on, EP off); SDPA attention."""
+    shim_torchtitan()
+    package = importlib.import_module(f"torchtitan.models.{model}")
+    config = package.model_registry(flavor, attn_backend="varlen").model
+    _sdpa(config.layers)
+    setter, kwargs = TITAN_SHARDING[model]
+    getattr(importlib.import_module(f"torchtitan.models.{model}.sharding"), setter)(config, enable_sp=True, **kwargs)
+    return _titan_build(config)
+
+
+def build_tune_real(model: str, builder: str) -> nn.Module:
+    shim_torchtune()
+    return getattr(importlib.import_module(f"torchtune.models.{model}"), builder)()
 
 
 # --------------------------------------------------------------------------- the libraries' own plans -> shardplan styles
@@ -384,6 +452,11 @@ class Row:
     lib_error: str = ""
     lib_note: str = ""  # how the library's plan had to be changed to be priced
     at_lib_memory: float | None = None  # shardplan's step with the library plan's peak memory as budget
+    config: str = ""  # "dim 96" for the tiny configs, the flavor / builder name for a real one
+    heads: int = 0  # attention modules split by heads (count_heads)
+    attentions: int = 0
+    unsplit: list[tuple[str, str, str]] = field(default_factory=list)  # (attention pattern, styles, warning)
+    priced: bool = True  # the library's plan priced (tiny configs); not at real size
 
     @property
     def justified(self) -> bool:
@@ -426,6 +499,105 @@ def compare(row: Row, ours: dict[str, str], theirs: dict[str, str], plan) -> Non
         row.diffs.append((_generic(fqn), f"library {theirs[fqn]}, not a weight module of shardplan's plan", ""))
 
 
+# --------------------------------------------------------------------------- attention split by heads
+
+
+ATTENTION_NAME = re.compile(r"(self_|cross_)?(attn|attention)")
+SPLIT_COLWISE = ("colwise", "packed_colwise", "colwise_kv_gathered", "colwise_kv_replicated")
+SPLIT_ROWWISE = ("rowwise",)
+OUT_NAMES = ("wo", "o_proj", "out_proj", "output_proj", "c_proj", "dense")
+HEAD_NAMES = ("wq", "wq_b", "q_proj", "wqkv", "qkv_proj", "qkv", "c_attn", "query", "in_proj",
+              "wk", "wv", "k_proj", "v_proj", "wkv", "wkv_b", "kv_proj", "key", "value")
+FUSED_QKV_NAMES = ("c_attn", "in_proj")  # fused q/k/v without a q in the name: they carry q
+
+
+@dataclass
+class Attention:
+    fqn: str
+    kv_heads: int | None
+    q: list[str] = field(default_factory=list)  # head projections carrying q (wq, q_proj, fused wqkv, MLA wq_b)
+    kv: list[str] = field(default_factory=list)  # k/v-only head projections (wk, v_proj, MLA wkv_b)
+    out: list[str] = field(default_factory=list)  # output projections (wo, output_proj)
+
+
+def _kv_heads(module: nn.Module) -> int | None:
+    for attr in ("n_kv_heads", "num_kv_heads", "num_key_value_heads", "n_heads", "num_heads"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _attention_fqns(model: nn.Module, weights: set[str]) -> list[str]:
+    """Outermost modules named like an attention (``attention``, ``attn``, ``self_attn``...)
+    that hold weight modules."""
+    found: list[str] = []
+    for fqn, _ in model.named_modules():
+        if not fqn or not ATTENTION_NAME.fullmatch(fqn.rsplit(".", 1)[-1]):
+            continue
+        if any(fqn.startswith(f"{a}.") for a in found):
+            continue
+        if fqn in weights or any(w.startswith(f"{fqn}.") for w in weights):
+            found.append(fqn)
+    return found
+
+
+def _roles(attn: Attention, members: list[str], theirs: dict[str, str]) -> None:
+    """Sort an attention's weight modules into q / kv head projections and output projections:
+    by the library's plan where it splits something inside (colwise family: head projection,
+    rowwise: output), else by name. A name with a ``q`` in it (or a fused ``c_attn``/``in_proj``)
+    carries q."""
+    from shardplan.interop.hf import style_family
+
+    families = {m: style_family(theirs[m]) for m in members if m in theirs}
+    by_library = any(f in ("colwise", "rowwise") for f in families.values())
+    for member in members:
+        leaf = member.rsplit(".", 1)[-1]
+        family = families.get(member) if by_library else None
+        if family == "rowwise" or (not by_library and leaf in OUT_NAMES):
+            attn.out.append(member)
+        elif family == "colwise" or (not by_library and leaf in HEAD_NAMES):
+            (attn.q if "q" in leaf or leaf in FUSED_QKV_NAMES else attn.kv).append(member)
+
+
+def attention_modules(model: nn.Module, ours: dict[str, str], theirs: dict[str, str]) -> list[Attention]:
+    modules = dict(model.named_modules())
+    weights = set(ours) | set(theirs)
+    found = []
+    for fqn in _attention_fqns(model, weights):
+        attn = Attention(fqn, _kv_heads(modules[fqn]))
+        _roles(attn, sorted(w for w in weights if w.startswith(f"{fqn}.")), theirs)
+        found.append(attn)
+    return found
+
+
+def split_by_heads(attn: Attention, ours: dict[str, str], tp: int) -> bool:
+    """q projections colwise with the output left split; k/v likewise, or gathered where the
+    model has fewer kv heads than tp; output projections rowwise on the split input."""
+    if ours.get(attn.fqn) == "attention_heads":  # nn.MultiheadAttention: its packed in_proj by heads
+        return True
+    kv_ok = SPLIT_COLWISE + (("colwise_gather_output",) if attn.kv_heads is not None and attn.kv_heads < tp else ())
+    return (bool(attn.q) and bool(attn.out)
+            and all(ours.get(m, "replicate") in SPLIT_COLWISE for m in attn.q)
+            and all(ours.get(m, "replicate") in kv_ok for m in attn.kv)
+            and all(ours.get(m, "replicate") in SPLIT_ROWWISE for m in attn.out))
+
+
+def count_heads(row: Row, model: nn.Module, ours: dict[str, str], theirs: dict[str, str], plan) -> None:
+    """``row.heads`` of ``row.attentions`` attention modules split by heads; each one that is
+    not goes to ``row.unsplit`` with its projections' styles and the plan's warnings."""
+    attentions = attention_modules(model, ours, theirs)
+    row.attentions = len(attentions)
+    for attn in attentions:
+        if split_by_heads(attn, ours, row.tp):
+            row.heads += 1
+            continue
+        projections = attn.q + attn.kv + attn.out
+        styles = ", ".join(f"{m[len(attn.fqn) + 1:]} {ours.get(m, 'replicate')}" for m in projections) or "no q/k/v/output projection found"
+        warning = " | ".join(dict.fromkeys(w for w in (_warning_for(plan, m) for m in projections) if w))
+        row.unsplit.append((_generic(attn.fqn), f"kv heads {attn.kv_heads}: {styles}", warning))
+
+
 def _plan_timed(model: nn.Module, tp: int, tokens: torch.Tensor, runs: int, *, loss_parallel: bool = False):
     import shardplan
 
@@ -442,24 +614,48 @@ def measure(spec: Spec, runs: int) -> tuple[list[Row], list[str]]:
     with torch.device("meta"):
         model = builder()
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), device="meta")
-    if spec.library == "torchtitan":
-        theirs, unused = titan_plan(model), []
-    else:
-        theirs, unused = tune_plan(model)
+    theirs, unused = _library_plan(spec, model)
     rows = []
     for tp in TPS:
-        row = Row(spec, tp)
-        try:
-            # torchtitan's recipe trains with the loss-parallel loss unless told not to; both
-            # plans are made and priced under the library's own training recipe
-            plan, row.plan_s = _plan_timed(model, tp, tokens, runs, loss_parallel=_loss_parallel(theirs))
-            compare(row, plan.module_styles(), theirs, plan)
-            row.ours = (plan.estimate.step_time_s, plan.estimate.param_bytes_per_device)
-        except Exception as exc:  # noqa: BLE001 - a row of the table
-            row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        row = Row(spec, tp, config=f"dim {DIM}")
+        _plan_row(row, model, tokens, theirs, runs)
         _price_library(row, model, tokens, theirs)
         rows.append(row)
     return rows, [f"library plan key {k!r} matches no module" for k in unused]
+
+
+def _library_plan(spec: Spec, model: nn.Module) -> tuple[dict[str, str], list[str]]:
+    return (titan_plan(model), []) if spec.library == "torchtitan" else tune_plan(model)
+
+
+def _plan_row(row: Row, model: nn.Module, tokens: torch.Tensor, theirs: dict[str, str], runs: int) -> None:
+    """shardplan's plan at ``row.tp``: weight-by-weight agreement, attention split by heads,
+    its predicted step and parameter bytes; a failure is the row's error."""
+    try:
+        # torchtitan's recipe trains with the loss-parallel loss unless told not to; both
+        # plans are made and priced under the library's own training recipe
+        plan, row.plan_s = _plan_timed(model, row.tp, tokens, runs, loss_parallel=_loss_parallel(theirs))
+        ours = plan.module_styles()
+        compare(row, ours, theirs, plan)
+        count_heads(row, model, ours, theirs, plan)
+        row.ours = (plan.estimate.step_time_s, plan.estimate.param_bytes_per_device)
+    except Exception as exc:  # noqa: BLE001 - a row of the table
+        row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+
+
+def measure_real(spec: Spec, config: str, runs: int = 1) -> Row:
+    """The library's real ``config`` of ``spec``'s model on meta, planned at tp=8 (no
+    explanations, no pricing of the library's plan, no verify)."""
+    row = Row(spec, REAL_TP, config=config, priced=False)
+    try:
+        with torch.device("meta"):
+            model = build_titan_real(spec.model, config) if spec.library == "torchtitan" else build_tune_real(spec.model, config)
+        theirs, _ = _library_plan(spec, model)
+    except Exception as exc:  # noqa: BLE001 - the reason is the row
+        row.error = f"not built on meta: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        return row
+    _plan_row(row, model, torch.zeros(REAL_TOKENS, dtype=torch.long, device="meta"), theirs, runs)
+    return row
 
 
 def _price_library(row: Row, model: nn.Module, tokens: torch.Tensor, theirs: dict[str, str]) -> None:
@@ -541,29 +737,44 @@ def numerics(spec: Spec) -> str:
 # --------------------------------------------------------------------------- output
 
 
-HEADER = (f"{'library':<10} {'model':<12} {'tp':>2} {'weights':>7} {'agree':>5} {'differ':>6} {'whole':>5} "
-          f"{'fam':>4} {'ms':>7} {'lib ms':>7} {'@lib ms':>7} {'MiB':>6} {'lib MiB':>7} {'just':>4} {'plan s':>6}  numerics (tp=2)")
+HEADER = (f"{'library':<10} {'model':<12} {'config':<10} {'tp':>2} {'weights':>7} {'agree':>5} {'differ':>6} {'whole':>5} "
+          f"{'fam':>4} {'heads':>5} {'ms':>9} {'lib ms':>7} {'@lib ms':>7} {'MiB':>9} {'lib MiB':>7} {'just':>4} {'plan s':>6}  numerics (tp=2)")
 
 
 def _fmt(row: Row, verdict: str) -> str:
     model = row.spec.model + ("*" if row.spec.note else "")
-    head = f"{row.spec.library:<10} {model:<12} {row.tp:>2}"
+    head = f"{row.spec.library:<10} {model:<12} {row.config:<10} {row.tp:>2}"
     if row.error:
-        return f"{head} plan failed: {row.error}"
+        return f"{head} plan failed: {row.error}" if not row.error.startswith("not built") else f"{head} {row.error}"
     lib_ms, lib_mib = (f"{row.lib[0] * 1e3:7.3f}", f"{row.lib[1] / 2**20:7.3f}") if row.lib else ("      -", "      -")
     at_lib = f"{row.at_lib_memory * 1e3:7.3f}" if row.at_lib_memory is not None else "      -"
-    return (f"{head} {row.weights:>7} {row.agree:>5} {row.differ:>6} {row.whole:>5} {row.family:>4} "
-            f"{row.ours[0] * 1e3:7.3f} {lib_ms} {at_lib} {row.ours[1] / 2**20:6.3f} {lib_mib} {'yes' if row.justified else 'no':>4} "
+    just = ("yes" if row.justified else "no") if row.priced else "-"
+    heads = f"{row.heads}/{row.attentions}"
+    return (f"{head} {row.weights:>7} {row.agree:>5} {row.differ:>6} {row.whole:>5} {row.family:>4} {heads:>5} "
+            f"{_num(row.ours[0] * 1e3, 9)} {lib_ms} {at_lib} {_num(row.ours[1] / 2**20, 9)} {lib_mib} {just:>4} "
             f"{row.plan_s:>6.2f}  {verdict}")
 
 
-def _diff_lines(rows: list[Row]) -> list[str]:
-    """One line per (model, module pattern, styles), with the tps it occurs at: layers and tps
-    that differ alike are the same finding."""
+def _num(value: float, width: int) -> str:
+    """Three decimals, or none where they would not fit the column (real sizes)."""
+    text = f"{value:{width}.3f}"
+    return text if len(text) <= width else f"{value:{width}.0f}"
+
+
+def _label(row: Row) -> str:
+    """The model, with the real config's name (a tiny table is one dim)."""
+    real = "" if row.config.startswith("dim ") else f" {row.config}"
+    return f"{row.spec.library} {row.spec.model}{real}"
+
+
+def _grouped_lines(rows: list[Row], attr: str) -> list[str]:
+    """One line per (model, module pattern, styles) of ``row.<attr>`` (``diffs`` or
+    ``unsplit``), with the tps it occurs at: layers and tps that differ alike are the same
+    finding."""
     seen: dict[tuple[str, str, str, str], list] = {}
     for row in rows:
-        for pattern, styles, warning in row.diffs:
-            key = (f"{row.spec.library} {row.spec.model}", pattern, styles, re.sub(r"\.\d+\.", ".*.", warning.replace(f"tp={row.tp}", "tp=N")))
+        for pattern, styles, warning in getattr(row, attr):
+            key = (_label(row), pattern, styles, re.sub(r"\.\d+\.", ".*.", warning.replace(f"tp={row.tp}", "tp=N")))
             tps = seen.setdefault(key, [])
             if row.tp not in tps:
                 tps.append(row.tp)
@@ -578,10 +789,18 @@ def _diff_lines(rows: list[Row]) -> list[str]:
 def _print_totals(rows: list[Row]) -> None:
     done = [r for r in rows if not r.error]
     weights, agree = sum(r.weights for r in done), sum(r.agree for r in done)
-    covered = sum(r.weights if r.justified else r.agree for r in done)
+    family = sum(r.family for r in done)
     if weights:
-        print(f"# total: {agree} of {weights} weights take the library's style ({agree / weights:.1%}); with the "
-              f"differences of plans that are justified by the cost model, {covered} ({covered / weights:.1%})")
+        line = (f"# total: {agree} of {weights} weights take the library's style ({agree / weights:.1%}), "
+                f"{family} ({family / weights:.1%}) its style family")
+        if any(r.priced for r in done):
+            covered = sum(r.weights if r.justified else r.agree for r in done)
+            line += f"; with the differences of plans that are justified by the cost model, {covered} ({covered / weights:.1%})"
+        print(line)
+    heads, attentions = sum(r.heads for r in done), sum(r.attentions for r in done)
+    whole = sum(r.attentions > 0 and r.heads == r.attentions for r in done)
+    print(f"# attention split by heads: {heads} of {attentions} attention modules; every attention split in "
+          f"{whole} of {len(done)} rows" + (f" ({len(rows) - len(done)} rows not planned)" if len(done) < len(rows) else ""))
 
 
 def _short(verdict: str) -> str:
@@ -598,16 +817,89 @@ def _set_dim(dim: int) -> None:
     DIM, HEAD_DIM = dim, dim // HEADS
 
 
+def _spec_name(spec: Spec) -> str:
+    return next(k for k, s in SPECS.items() if s is spec)
+
+
+def _print_findings(rows: list[Row]) -> None:
+    for row in rows:
+        if row.lib_note:
+            print(f"# {_label(row)} tp={row.tp}: library plan priced {row.lib_note}: as given, {row.lib_error}")
+        elif row.lib_error:
+            print(f"# {_label(row)} tp={row.tp}: library plan not priced: {row.lib_error}")
+    print("\n### attention not split by heads (projections' styles, and the plan's warnings for them)")
+    for line in _grouped_lines(rows, "unsplit") or ["  none"]:
+        print(line)
+    print("\n### differences (library style vs shardplan style; * = every layer index that differs)")
+    for line in _grouped_lines(rows, "diffs") or ["  none"]:
+        print(line)
+
+
+def run_tiny(dim: int, names: list[str], runs: int, verify: bool) -> None:
+    """The tiny configs at ``dim``, tp=2 and tp=4, the library plans priced, numerics at tp=2."""
+    _set_dim(dim)
+    print(f"\n## dim {DIM}: tiny configs, {LAYERS} layers, vocab {VOCAB}, {HEADS} heads / {KV_HEADS} kv "
+          f"(head_dim {HEAD_DIM}); plan on meta, tokens {BATCH} x {SEQ}; plan s = median of {runs}")
+    rows, details, verdicts = [], [], {}
+    for name in names:
+        try:
+            got, notes = measure(SPECS[name], runs)
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            details.append(f"{name}: build/trace failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            continue
+        verdicts[name] = numerics(SPECS[name]) if verify else "skipped"
+        rows += got
+        details += [f"{name}: {n}" for n in notes]
+    print(HEADER)
+    for row in rows:
+        print(_fmt(row, _short(verdicts[_spec_name(row.spec)]) if row.tp == 2 else ""), flush=True)
+    _print_totals(rows)
+    _print_findings(rows)
+    for line in details:
+        print(f"  {line}")
+    if verify:
+        print(f"\n### numerics (verify, dim {DIM}, tp=2, 2 gloo ranks)")
+        for name, verdict in verdicts.items():
+            print(f"  {name}: {verdict}")
+
+
+def run_real(names: list[str]) -> None:
+    """Each library's real configs (:data:`REAL_CONFIGS`) on meta at tp=8: plan only, one
+    call each (deepseek_v3 takes 15-55 s a call)."""
+    print(f"\n## real configs on meta, tp={REAL_TP}, tokens {REAL_TOKENS[0]} x {REAL_TOKENS[1]}; plan only "
+          f"(explain=False; the library's plan is not priced, no verify); plan s = one call")
+    rows = []
+    print(HEADER)
+    for name in names:
+        for config in REAL_CONFIGS[name]:
+            row = measure_real(SPECS[name], config)
+            print(_fmt(row, "-"), flush=True)
+            rows.append(row)
+    _print_totals(rows)
+    _print_findings(rows)
+
+
+def _sizes(text: str, parser: argparse.ArgumentParser) -> list[str]:
+    sizes = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in sizes if s != "real" and not (s.isdigit() and int(s) % HEADS == 0)]
+    if bad or not sizes:
+        parser.error(f"--sizes: {', '.join(bad) or 'none given'}: each is a dim (a multiple of {HEADS}) or 'real'")
+    return sizes
+
+
 def main() -> int:
     from _machine import speed_note
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(SPECS), help=f"comma-separated, of {', '.join(SPECS)}")
-    parser.add_argument("--runs", type=int, default=3, help="plan_model calls per (model, tp); the median is shown")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="plan_model calls per (model, tp) of a tiny config; the median is shown (real configs: one call)")
     parser.add_argument("--no-verify", action="store_true", help="skip the 2-rank numerics check")
-    parser.add_argument("--dim", type=int, default=DIM, help="model width (8 heads, 4 kv heads)")
+    parser.add_argument("--sizes", default="96,128,real",
+                        help="comma-separated tables: a tiny dim (8 heads, 4 kv heads) or 'real' (the libraries' real configs, tp=8)")
+    parser.add_argument("--dim", type=int, default=None, help="one tiny table at this dim (same as --sizes DIM)")
     args = parser.parse_args()
-    _set_dim(args.dim)
+    sizes = _sizes(str(args.dim) if args.dim is not None else args.sizes, parser)
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     logging.getLogger("torchao").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -615,53 +907,27 @@ def main() -> int:
     unknown = [n for n in names if n not in SPECS]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(SPECS)}")
-    print(f"# ecosystem: {time.strftime('%Y-%m-%dT%H:%M:%S')}; {speed_note()}")
-    print(f"# tiny configs: dim {DIM}, {LAYERS} layers, vocab {VOCAB}, {HEADS} heads / {KV_HEADS} kv; "
-          f"plan on meta, tokens {BATCH} x {SEQ}; plan s = median of {args.runs}")
+    start = time.perf_counter()
+    print(f"# ecosystem: {time.strftime('%Y-%m-%dT%H:%M:%S')}; {speed_note()}; sizes {','.join(sizes)}")
     skipped = {lib: library_missing(lib) for lib in {SPECS[n].library for n in names}}
-    rows, details, verdicts = [], [], {}
-    for name in names:
-        spec = SPECS[name]
-        if skipped[spec.library]:
-            continue
-        try:
-            got, notes = measure(spec, args.runs)
-        except Exception as exc:  # noqa: BLE001 - reported in the table
-            details.append(f"{name}: build/trace failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-            continue
-        verdicts[name] = "skipped" if args.no_verify else numerics(spec)
-        rows += got
-        details += [f"{name}: {n}" for n in notes]
-    print(HEADER)
-    for row in rows:
-        name = next(k for k, s in SPECS.items() if s is row.spec)
-        print(_fmt(row, _short(verdicts[name]) if row.tp == 2 else ""), flush=True)
+    names = [n for n in names if not skipped[SPECS[n].library]]
+    for size in sizes:
+        if size == "real":
+            run_real(names)
+        else:
+            run_tiny(int(size), names, args.runs, not args.no_verify)
+    print()
     for lib, why in sorted(skipped.items()):
         if why:
             print(f"# skipped {lib}: {why}")
     print("# * no TP plan of its own in torchtune 0.6.1: compared with torchtune's llama3 plan on its module names")
     print("# whole: weights the library leaves whole (no TP placement, or replicated/sequence-parallel); "
-          "fam: agreements by style family")
+          "fam: agreements by style family; heads: attention modules split by heads / attention modules")
     print("# ms, MiB: shardplan's plan, predicted step and parameters per device; lib ms, lib MiB: the library's "
           "plan pinned (price_styles), same cost model; @lib ms: shardplan's plan with the library plan's peak memory "
           "as its budget; just: shardplan's plan is no slower with no more parameter bytes, or no slower at the "
           "library's memory")
-    _print_totals(rows)
-    for row in rows:
-        if row.lib_note:
-            print(f"# {row.spec.library} {row.spec.model} tp={row.tp}: library plan priced {row.lib_note}: "
-                  f"as given, {row.lib_error}")
-        elif row.lib_error:
-            print(f"# {row.spec.library} {row.spec.model} tp={row.tp}: library plan not priced: {row.lib_error}")
-    print("\n## differences (library style vs shardplan style; * = every layer index that differs)")
-    for line in _diff_lines(rows):
-        print(line)
-    for line in details:
-        print(f"  {line}")
-    print("\n## numerics (verify, tp=2, 2 gloo ranks)")
-    for name, verdict in verdicts.items():
-        print(f"  {name}: {verdict}")
-    print(f"# machine at end: {speed_note()}")
+    print(f"# elapsed {time.perf_counter() - start:.1f} s; machine at end: {speed_note()}")
     return 0
 
 

@@ -39,9 +39,11 @@ from .decide.estimate import estimate
 from .decide.explain import explain_decisions
 from .analyze.frontend import op_graph
 from .analyze.graph import OpGraph
+from .analyze.snapshot import preserved
 from .decide import assemble
 from .apply.localcheck import LocalShapeError, check_local_shapes
 from .apply.localsizes import find_local_attributes
+from .apply.standins import check_outer_code
 from .plan.model import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint, matches
 from .decide.regions import find_partial_blocks, find_regions
 from .decide.solve import PlanningError, SolveContext, solve
@@ -210,15 +212,16 @@ def plan_model(
                              "to choose the dp x tp split of N devices")
         return compare_meshes(model, world_size, example_inputs=example_inputs, example_kwargs=example_kwargs,
                               **options).plan
-    _check_model(model)
-    opts, extra = _options(dict(options))
-    axes = mesh_axes(mesh)
-    tp_axis = _tp_axis(axes, extra.get("tp_axis"))
-    _check_axes(axes, tp_axis)
-    _check_tp_size(model, axes[tp_axis])
-    opts, example_inputs = _defaults(model, opts, example_inputs)
-    graph = _graph(model, example_inputs, example_kwargs, extra)
-    return _plan_on(model, graph, axes, tp_axis, opts, extra, mesh=mesh, example_inputs=example_inputs)
+    with preserved(model):  # planning runs forward, whose code may cache on the model: never left there
+        _check_model(model)
+        opts, extra = _options(dict(options))
+        axes = mesh_axes(mesh)
+        tp_axis = _tp_axis(axes, extra.get("tp_axis"))
+        _check_axes(axes, tp_axis)
+        _check_tp_size(model, axes[tp_axis])
+        opts, example_inputs = _defaults(model, opts, example_inputs)
+        graph = _graph(model, example_inputs, example_kwargs, extra)
+        return _plan_on(model, graph, axes, tp_axis, opts, extra, mesh=mesh, example_inputs=example_inputs)
 
 
 def _check_model(model: Any) -> None:
@@ -289,6 +292,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
         try:
             if extra.get("check", True):
                 check_local_shapes(graph, plan, solution.placements, mesh=mesh)
+                check_outer_code(graph, plan, solution.placements, mesh=mesh)
             break
         except LocalShapeError as exc:
             # its code sizes by a global count (a weight module then fails on what it was
@@ -305,11 +309,13 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 whole[exc.leaf] = str(exc).split(": ", 1)[1]
                 ctx.forced = {**ctx.forced, **_replicate_module(graph, exc.leaf)}
                 continue
-            if exc.module and exc.module not in whole and _drop_sequence_parallel(graph, solution, ctx):
-                # code that reads a size off its sequence-split input (``B, T, C = x.shape``
-                # before its norm gathers x) sees T / tp: its block runs on whole sequences
-                notes.append(f"{exc.module}: sequence parallel off: no local size lets its shards run on "
-                             f"sequence-split inputs (first failure: {str(exc).split(': ', 1)[1].split('. The code')[0][:240]})")
+            if exc.module not in whole and _drop_sequence_parallel(graph, solution, ctx, exc):
+                # code that reads a size off a sequence-split tensor (``B, T, C = x.shape``
+                # before the norm gathers x; positions from the embedding's output) sees T / tp
+                where, said = (exc.module, str(exc).split(": ", 1)[1]) if exc.module is not None else (
+                    type(model).__name__, str(exc))
+                notes.append(f"{where}: sequence parallel off: no local size lets its shards run on "
+                             f"sequence-split inputs (first failure: {said.split('. The code')[0][:240]})")
                 continue
             if (exc.module is None or exc.module in whole) and not extra.get("strict"):
                 # it fails outside any weight-bearing submodule, or even with that module run
@@ -355,15 +361,16 @@ def compare_meshes(model: nn.Module, world_size: int, *, example_inputs: tuple |
     hardware = cost.get_hardware(opts.hardware)
     limit = opts.memory_budget or hardware.memory_bytes
     source = "memory budget" if opts.memory_budget else f"{hardware.name}'s device memory"
-    graph = _graph(model, example_inputs, example_kwargs, extra)
-    quick = {**extra, "explain": False}  # explain only the chosen split: its re-solves are most of the time
-    candidates = [_candidate(model, graph, axes, opts, quick, example_inputs, limit) for axes in splits]
-    chosen, best = choose(candidates), None
-    if chosen is not None:
-        best = candidates[chosen].plan
-        if extra.get("explain", True):
-            axes = candidates[chosen].axes
-            best = _plan_on(model, graph, axes, "tp", opts, extra, mesh=axes, example_inputs=example_inputs)
+    with preserved(model):  # as in plan_model
+        graph = _graph(model, example_inputs, example_kwargs, extra)
+        quick = {**extra, "explain": False}  # explain only the chosen split: its re-solves are most of the time
+        candidates = [_candidate(model, graph, axes, opts, quick, example_inputs, limit) for axes in splits]
+        chosen, best = choose(candidates), None
+        if chosen is not None:
+            best = candidates[chosen].plan
+            if extra.get("explain", True):
+                axes = candidates[chosen].axes
+                best = _plan_on(model, graph, axes, "tp", opts, extra, mesh=axes, example_inputs=example_inputs)
     return MeshComparison(world_size=world_size, memory_limit=int(limit), limit_source=source,
                           candidates=candidates, chosen=chosen, plan_of_chosen=best)
 
@@ -409,12 +416,18 @@ def _solve_explained(graph: OpGraph, ctx: SolveContext):
         ) from None
 
 
-def _drop_sequence_parallel(graph: OpGraph, solution: Any, ctx: SolveContext) -> bool:
+def _drop_sequence_parallel(graph: OpGraph, solution: Any, ctx: SolveContext, exc: LocalShapeError) -> bool:
     """Under ``sequence_parallel=None``, when the plan put a norm on sequence shards: the
-    program no longer may (``ctx`` changed in place). True when it changed."""
-    if ctx.opts is None or ctx.opts.sequence_parallel is not None:
+    program no longer may (``ctx`` changed in place). True when it changed. Asked for
+    (``True``), code between the blocks that cannot take sequence shards is an error."""
+    if ctx.opts is None or ctx.opts.sequence_parallel is False:
         return False
     if not any(solution.strategies[op.index].name == "sequence_parallel" for op in graph.ops if op.kind == "module"):
+        return False
+    if ctx.opts.sequence_parallel is True:
+        if exc.module is None:
+            raise PlanningError(f"sequence_parallel=True: {exc}. Use sequence_parallel=None (--sequence-parallel auto) "
+                                "to let the planner decide") from None
         return False
     ctx.opts = ctx.opts.model_copy(update={"sequence_parallel": False})
     return True

@@ -1,6 +1,6 @@
 """Checkpoints reshard without loss: packed weights keep the module's own order at every tp.
 
-A packed weight (Phi-3's fused ``gate_up_proj``: ``packed_colwise``; Mixtral's expert bank
+A packed weight (Phi-3's fused ``gate_up_proj`` and GPT-2's Conv1D ``c_attn``: ``packed_colwise``; Mixtral's expert bank
 ``gate_up_proj`` [E, 2I, H]: ``moe_tp_experts``) keeps [gate_r; up_r] on rank r. Its DTensor
 placement says so (``_StridedShard``, see ``shardplan.apply.styles.packed_placement``), so
 the global view a checkpoint stores is [gate; up] whatever tp is. Before, it was
@@ -34,12 +34,14 @@ import shardplan  # noqa: E402
 from shardplan.tools.launch import run_on_gloo  # noqa: E402
 from tests import _checkpoint_workers as w  # noqa: E402
 
-TYPES = ["phi3", "mixtral", "qwen3_moe"]
+TYPES = ["phi3", "mixtral", "qwen3_moe", "gpt2"]
 
 
 # the style each type tests, at each tp; qwen3_moe's 2 kv heads are gathered on 2 ranks each at tp=4
 PACKED = {("phi3", 2): "packed_colwise", ("phi3", 4): "packed_colwise", ("mixtral", 2): "moe_tp_experts",
-          ("mixtral", 4): "moe_tp_experts", ("qwen3_moe", 4): "colwise_kv_gathered"}
+          ("mixtral", 4): "moe_tp_experts", ("qwen3_moe", 4): "colwise_kv_gathered",
+          # GPT-2's fused c_attn is HF's Conv1D ([in, out]): packed along weight dim 1
+          ("gpt2", 2): "packed_colwise", ("gpt2", 4): "packed_colwise"}
 
 
 def _plan(model_type: str, tp: int) -> str:

@@ -105,3 +105,53 @@ def test_one_kv_head_matches_one_process_on_gloo() -> None:
     result = verify("tests.portability.natural:hf_llama_mqa", nproc=2, timeout_s=300)
     assert result.plan.rule_for("model.layers.0.self_attn.q_proj").style == "colwise"
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_hf_gpt2_fused_conv1d_is_split_by_heads(tp: int) -> None:
+    """GPT-2's c_attn is HF's Conv1D ([in, out]) cut by ``split(self.split_size, dim=2)``:
+    packed along weight dim 1, the split size made local."""
+    plan = _plan(natural.hf_gpt2_odd_vocab, tp)
+    styles = _block_styles(plan, "transformer.h.0.")
+    assert (styles["attn.c_attn"], styles["attn.c_proj"], styles["mlp.c_fc"], styles["mlp.c_proj"]) == (
+        "packed_colwise", "rowwise", "colwise", "rowwise"), plan.warnings
+    assert plan.rule_for("transformer.h.0.attn.c_attn").packed == 3
+    assert [(a.module, a.values) for a in plan.attributes] == [("transformer.h.*.attn", {"split_size": 64 // tp})]
+
+
+def test_hf_gpt2_matches_one_process_on_gloo() -> None:
+    result = verify("tests.portability.natural:hf_gpt2_odd_vocab", nproc=2, timeout_s=300)
+    assert result.plan.rule_for("transformer.h.0.attn.c_attn").style == "packed_colwise"
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+@pytest.mark.parametrize(("builder", "line"), [
+    (natural.hf_llama_mqa, "model.layers.0: the code around it hands it"),
+    (natural.hf_gpt2_odd_vocab, "modeling_gpt2.py:"),
+])
+def test_sequence_parallel_asked_of_code_that_sizes_positions_off_the_embedding_is_refused(builder, line: str) -> None:
+    """Hugging Face's decoders make positions and the mask from the embedding's output
+    (``arange(inputs_embeds.shape[1])``): on sequence shards they cover 1/tp of the sequence.
+    The code between the blocks is checked with each block stood in for, so the plan is
+    refused while planning, not on the ranks."""
+    with pytest.raises(shardplan.PlanningError, match="sequence_parallel=True") as info:
+        shardplan.plan_model(builder(), {"tp": 2}, example_inputs=(torch.zeros(2, 16, dtype=torch.long),),
+                             sequence_parallel=True, explain=False)
+    assert line in str(info.value) and "--sequence-parallel auto" in str(info.value)
+
+
+def test_sequence_parallel_left_to_the_planner_is_turned_off_for_such_code() -> None:
+    """At seq 2048 the cost model would put HF Llama's norms on sequence shards; the check of
+    the code between the blocks turns it off, and says where."""
+    plan = _plan(natural.hf_llama_mqa, 2, seq=2048)
+    assert "sequence_parallel" not in plan.module_styles().values()
+    (note,) = [w for w in plan.warnings if "sequence parallel off" in w]
+    assert note.startswith("LlamaForCausalLM: sequence parallel off") and "model.layers.0: the code around it" in note
+
+
+def test_code_between_blocks_that_takes_sequence_shards_keeps_them() -> None:
+    """Positions made from the token ids' shape (whole) leave sequence parallel to the cost model."""
+    plan = _plan(natural.split_attention, 2, seq=2048)
+    assert plan.module_styles()["blocks.0.norm1"] == "sequence_parallel", plan.warnings
+    result = simulate(natural.split_attention(), plan, (torch.randint(0, 256, (2, 2048)),))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"

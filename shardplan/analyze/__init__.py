@@ -9,6 +9,8 @@ reads a value, :mod:`.values` computes it from the example inputs.
 :mod:`.export` is the second front end, torch.export on fake tensors rewritten into the
 same graph form, for code the tracer cannot follow; :mod:`.frontend` chooses between them.
 :mod:`.graph` turns the trace into an :class:`~.graph.OpGraph` (``networkx``): weight
-modules and the ops between them, with shapes, multiplicities and source lines. Nothing
-here knows sharding, costs or plans; the stages above read this graph.
+modules and the ops between them, with shapes, multiplicities and source lines.
+:mod:`.snapshot` puts the user's model back as it was, whatever its forward wrote to it
+while it was traced (planning never changes the user's model). Nothing here knows
+sharding, costs or plans; the stages above read this graph.
 """

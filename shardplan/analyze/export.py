@@ -41,6 +41,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map_only
 
+from .snapshot import preserved
 from .trace import ModuleCall, Traced, TraceError, is_weight_leaf
 from .values import UPPER_BOUND_NOTE
 
@@ -104,30 +105,12 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     state.update({n: fake(b) for n, b in model.named_buffers()})
     fake_args = tree_map_only(torch.Tensor, fake, args)
     fake_kwargs = tree_map_only(torch.Tensor, fake, kwargs)
-    with _model_state_kept(model), _reparametrize_module(model, state, tie_weights=True), _quiet():
+    # preserved: whatever forward did on fake tensors (registered a buffer, cached a tensor:
+    # x-transformers' ALiBi ``self.bias = ...``; a module registered under two names whose
+    # restore wrote the fake back: a tied ``token_emb``) is undone, since a fake tensor left
+    # in the model breaks every later copy of it and the user's next forward
+    with preserved(model), _reparametrize_module(model, state, tie_weights=True), _quiet():
         return torch.export.export(model, fake_args, fake_kwargs, strict=False)
-
-
-@contextlib.contextmanager
-def _model_state_kept(model: nn.Module) -> Iterator[None]:
-    """The user's model as it was, whatever its forward did on fake tensors: a buffer it
-    registered or a tensor it cached (``self.bias = ...``: x-transformers' ALiBi), or a
-    module registered under two names whose restore wrote the fake back (a tied
-    ``token_emb``); a fake tensor left in the model breaks every later copy of it."""
-    saved = [(m, dict(m._parameters), dict(m._buffers), {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)})
-             for m in model.modules()]
-    try:
-        yield
-    finally:
-        for m, params, buffers, tensors in saved:
-            m._parameters.clear()
-            m._parameters.update(params)
-            m._buffers.clear()
-            m._buffers.update(buffers)
-            for k in [k for k, v in vars(m).items() if isinstance(v, torch.Tensor) and k not in tensors]:
-                delattr(m, k)
-            for k, v in tensors.items():
-                object.__setattr__(m, k, v)
 
 
 @contextlib.contextmanager

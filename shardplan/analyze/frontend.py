@@ -7,7 +7,8 @@ the :class:`~shardplan.analyze.graph.OpGraph` the planner solves. ``"fx"``: the 
 tracer (:mod:`.trace`, folds repeated blocks, the fast path); ``"export"``: torch.export
 (:mod:`.export`); ``"auto"``: the tracer, then torch.export wherever the tracer or the graph
 built from it fails, and a :class:`~shardplan.analyze.trace.TraceError` carrying both
-reasons when both fail. Hugging Face models are traced with ``config.use_cache = False``
+reasons when both fail; torch.export starts from the model as it was before the tracer ran
+(:mod:`.snapshot`). Hugging Face models are traced with ``config.use_cache = False``
 (planning traces training). The result depends on the model and inputs only.
 """
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from .graph import OpGraph, build_graph
+from .snapshot import snapshot
 from .trace import TraceError, trace_model
 
 __all__ = ["FRONT_ENDS", "op_graph"]
@@ -53,12 +55,16 @@ def op_graph(model: nn.Module, example_inputs: tuple, example_kwargs: dict | Non
                          "then torch.export where it fails)")
     if front_end == "export":
         return _exported(model, example_inputs, example_kwargs, None)
+    before = snapshot(model)
     try:
         with _training_trace(model):
             return build_graph(tracer(model, example_inputs, example_kwargs=example_kwargs, fold_repeated=fold))
     except Exception as fx_exc:  # noqa: BLE001 - any failure of the fast path: try the second front end
         if front_end == "fx":
             raise
+        # what the failed trace left on the model (a RoPE cache holding a proxy) would
+        # answer the second front end's forward in place of the real one
+        before.restore()
         return _exported(model, example_inputs, example_kwargs, fx_exc)
 
 

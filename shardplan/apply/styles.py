@@ -274,13 +274,24 @@ class PackedColwise(ColwiseParallel):
     slices the downstream ``chunk`` needs, handed on as they are (a redistribute to
     ``Shard(-1)`` would be an all-to-all for nothing)."""
 
-    def __init__(self, *, parts: int, **kwargs: Any) -> None:
+    def __init__(self, *, parts: int, conv1d: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.parts = parts
+        self.parts, self.conv1d = parts, conv1d
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if not self.conv1d:
+            return super()._apply(module, device_mesh)
+        # HF's Conv1D (y = x W + b, W [in, out]): torch's colwise knows only nn.Linear
+        return distribute_module(
+            module, device_mesh, self._partition_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
 
     def _partition_linear_fn(self, name, module, device_mesh):
         for pname, param in list(module.named_parameters(recurse=False)):
-            where = packed_placement(parts=self.parts, dim=0)
+            # the output features: nn.Linear's weight dim 0, Conv1D's dim 1; a bias's dim 0
+            where = packed_placement(parts=self.parts, dim=1 if self.conv1d and param.dim() == 2 else 0)
             dist = distribute_tensor(param.detach(), device_mesh, [where], src_data_rank=self.src_data_rank)
             module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
 

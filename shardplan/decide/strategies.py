@@ -441,7 +441,7 @@ def _getitem(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
         return [Strategy("", (p,), p) for p in _candidates(out_shape, tp) + ["P"] if p != "R"]
     src = _shape(graph, op.inputs[0])
     result = _packed_slice(op.node.args[1], src, tp)
-    mapping = _index_dim_map(op.node.args[1], len(src))
+    mapping = _index_dim_map(op.node.args[1], src)
     if mapping is None:
         return result
     for d, o in mapping.items():
@@ -460,8 +460,11 @@ def _packed_slice(index: Any, src: tuple[int, ...], tp: int) -> list[Strategy]:
     return [Strategy("", (packed(d, k),), f"S{d}")]
 
 
-def _index_dim_map(index: Any, ndim: int) -> dict[int, int] | None:
-    """Basic indexing: source dims kept whole by ``slice(None)`` -> their output dim."""
+def _index_dim_map(index: Any, src_shape: tuple[int, ...]) -> dict[int, int] | None:
+    """Basic indexing: source dims kept whole by a slice (``slice(None)``, or one that spans
+    the dim: Hugging Face's ``hidden_states[:, slice(-0, None), :]`` of ``logits_to_keep=0``)
+    -> their output dim."""
+    ndim = len(src_shape)
     items = list(index) if isinstance(index, tuple) else [index]
     if any(isinstance(i, torch.fx.Node) for i in items):
         return None
@@ -476,7 +479,7 @@ def _index_dim_map(index: Any, ndim: int) -> dict[int, int] | None:
         elif isinstance(item, int):
             src += 1
         elif isinstance(item, slice):
-            if item == slice(None):
+            if _spans(item, src_shape[src] if src < ndim else 0):
                 mapping[src] = out
             src += 1
             out += 1
@@ -485,6 +488,13 @@ def _index_dim_map(index: Any, ndim: int) -> dict[int, int] | None:
     for rest in range(src, ndim):
         mapping[rest] = out + rest - src
     return mapping
+
+
+def _spans(item: slice, size: int) -> bool:
+    if item == slice(None):
+        return True
+    bounds = (item.start, item.stop, item.step)
+    return all(b is None or isinstance(b, int) for b in bounds) and range(*item.indices(size)) == range(size)
 
 
 def _new_tensor(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:

@@ -217,14 +217,16 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
                 "colwise", (f"S{d}",), f"S{last}", entry=(f"S{d}",), layouts={"weight": col_w, "input": f"S{d}"}, **col,
             ))
     k = _packed_into(op, graph)
-    if k and n_out % (k * tp) == 0 and module_kind_of(module) == "linear":
+    if k and n_out % (k * tp) == 0 and module_kind_of(module) in ("linear", "conv1d"):
+        # the output features are weight dim 0 of nn.Linear ([out, in]), dim 1 of HF's Conv1D
+        w = f"{col_w}p{k}"
         out.append(Strategy(
-            "packed_colwise", ("R",), packed(last, k), entry=("R",), layouts={"weight": f"S0p{k}", "packed": k}, **col,
+            "packed_colwise", ("R",), packed(last, k), entry=("R",), layouts={"weight": w, "packed": k}, **col,
         ))
         for d in _seq_dims(x.shape, tp) if sp else []:  # a sequence-sharded input is all-gathered on entry
             out.append(Strategy(
                 "packed_colwise", (f"S{d}",), packed(last, k), entry=(f"S{d}",),
-                layouts={"weight": f"S0p{k}", "packed": k, "input": f"S{d}"}, **col,
+                layouts={"weight": w, "packed": k, "input": f"S{d}"}, **col,
             ))
     if n_in % tp == 0:
         out += _rowwise(x, y, module, pbytes, flops, tp, sp, row_w)
@@ -362,7 +364,7 @@ def _embedding(op: Op, graph: OpGraph, module: nn.Embedding, tp: int, sp: bool) 
             "embedding_rowwise", ins, "R", fwd=(("all_reduce", y.nbytes),),
             param_bytes=vocab_shard, act_bytes=y.nbytes, layouts={"weight": "S0"},
         ))
-    if module.num_embeddings % tp == 0:
+    if module.num_embeddings >= tp:  # the reduce-scatter cuts the sequence: an uneven vocabulary splits too
         for d in _seq_dims(y.shape, tp) if sp else []:
             out.append(Strategy(
                 "embedding_rowwise", ins, f"S{d}", fwd=(("reduce_scatter", y.nbytes),), bwd=(("all_gather", y.nbytes),),

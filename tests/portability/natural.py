@@ -158,3 +158,14 @@ def hf_llama_mqa() -> nn.Module:
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                         num_attention_heads=8, num_key_value_heads=1, max_position_embeddings=64))
+
+
+def hf_gpt2_odd_vocab() -> nn.Module:
+    """Hugging Face's GPT-2 (Conv1D projections, a fused ``c_attn`` cut by ``split``, learned
+    positions, a tied head) with a vocabulary no tp divides, as GPT-2's own 50257."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    # no dropout: a rank's heads draw other masks than the whole model's
+    return GPT2LMHeadModel(GPT2Config(vocab_size=509, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))

@@ -1,0 +1,176 @@
+"""Stand-ins: the local check of the code around the blocks, each block replaced by its plan.
+
+Contract
+--------
+``check_outer_code(graph, plan, placements, mesh=None)``, once the blocks passed
+:func:`~.localcheck.check_local_shapes`, runs the model's own forward, on meta
+tensors and sharded by ``plan``, with every block the local check runs on its own (and
+every folded copy of one) replaced by a stand-in. A stand-in compares each tensor it is
+handed with the local shape the plan expects there (the traced call's shape, 1/tp on a
+split dim) and returns the block's outputs as the plan hands them on. A mismatch is a
+:class:`~.localcheck.LocalShapeError` naming the block and the argument (``module`` None:
+no module of the model is at fault, the code between them is). So is any other failure of
+that code, unless the same run with nothing split fails too (code meta cannot run: then it
+is not the plan's to judge, and the ranks run it as before).
+
+Why it is needed: the blocks are checked one by one, on the inputs the trace recorded, so
+code outside them never ran sharded. Hugging Face's decoders compute positions from the
+embedding's output (``arange(inputs_embeds.shape[1])``); with that output on sequence shards
+each rank makes the positions of 1/tp of the sequence, and the first attention fails on the
+ranks (RoPE tables of s/tp rows beside s), not in planning. Stand-ins keep the run as cheap
+as the model without its blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from ..analyze.graph import OpGraph
+from ..analyze.snapshot import preserved
+from ..decide.placements import local_shape
+from ..decide.propagation import quiet_probes
+from ..analyze.values import nonzero_at_upper_bound
+from ..plan.model import Plan, expand_pattern
+from .emit import shard
+from .localcheck import (
+    LocalShapeError, _at_or_under, _check_mesh, _local_args, _meta_copy, _said, _targets, _user_frame,
+)
+
+__all__ = ["check_outer_code"]
+
+
+class _StandIn(nn.Module):
+    """A block's place in the model: checks what it is handed, returns what it would."""
+
+    def __init__(self, fqn: str, expected: tuple[tuple, dict], outputs: Any) -> None:
+        super().__init__()
+        self.fqn, self.expected, self.outputs = fqn, expected, outputs
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        want_args, want_kwargs = self.expected
+        handed = [(f"argument {i}", a, w) for i, (a, w) in enumerate(zip(args, want_args))]
+        handed += [(k, v, want_kwargs[k]) for k, v in kwargs.items() if k in want_kwargs]
+        for name, got, want in handed:
+            _compare(self.fqn, name, got, want)
+        return tree_map_only(tuple, _empty, self.outputs, is_leaf=_is_spec)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.dtype)
+
+
+def _empty(spec: tuple) -> torch.Tensor:
+    return torch.empty(spec[0], dtype=spec[1], device="meta") if _is_spec(spec) else spec
+
+
+def _compare(fqn: str, name: str, got: Any, want: Any) -> None:
+    got_leaves, got_spec = tree_flatten(got)
+    want_leaves, want_spec = tree_flatten(want)
+    if got_spec != want_spec:
+        return
+    for g, w in zip(got_leaves, want_leaves):
+        if isinstance(g, torch.Tensor) and isinstance(w, _Shape) and tuple(g.shape) != w.dims:
+            raise LocalShapeError(
+                f"{fqn}: the code around it hands it {name} of local shape {list(g.shape)} where the plan expects "
+                f"{list(w.dims)}: that code reads a size off a split tensor (positions or a mask made from a "
+                "sequence-split embedding output cover 1/tp of the sequence)", None)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A planned local shape, a leaf to pytree (a plain tuple would be flattened)."""
+
+    dims: tuple[int, ...]
+
+
+def _shapes(value: Any) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: _Shape(tuple(t.shape)), value)
+
+
+def _stand_in(graph: OpGraph, fqn: str, placements: dict[int, str], tp: int) -> _StandIn:
+    call = graph.traced.calls[graph.traced.folded.get(fqn, fqn)][0]
+    expected = _shapes(_local_args(call, placements, tp))
+
+    def spec(node: Any) -> Any:
+        value = graph.values[node.meta["shardplan_op"]]
+        return (local_shape(value.shape, placements.get(value.id, "R"), tp), value.dtype)
+
+    if call.items:
+        outputs: Any = tuple(spec(call.items[i]) if i in call.items else None for i in range(max(call.items) + 1))
+    else:
+        outputs = spec(call.outputs[0]) if call.outputs else None
+    return _StandIn(fqn, expected, outputs)
+
+
+def _outside(plan: Plan, blocks: list[str]) -> Plan:
+    """The plan's entries for modules in no stood-in block, as plain names."""
+    def keep(pattern: str) -> list[str]:
+        return [f for f in expand_pattern(pattern, plan.model.repeats) if not _at_or_under(f, blocks)]
+
+    update = {key: [e.model_copy(update={"module": m}) for e in getattr(plan, key) for m in keep(e.module)]
+              for key in ("rules", "regions", "attributes", "local_views")}
+    return plan.model_copy(update={**update, "model": plan.model.model_copy(update={"repeats": {}})})
+
+
+def _with_stand_ins(model: nn.Module, stand_ins: dict[str, _StandIn]) -> nn.Module:
+    """A meta copy of ``model`` with the stand-ins in place; ``model`` itself is left as it was."""
+    with preserved(model):
+        for fqn, stand_in in stand_ins.items():
+            parent, _, name = fqn.rpartition(".")
+            (model.get_submodule(parent) if parent else model)._modules[name] = stand_in
+        return _meta_copy(model)
+
+
+def _outermost(fqns: set[str]) -> list[str]:
+    return sorted(f for f in fqns if not any(f.startswith(o + ".") for o in fqns))
+
+
+def check_outer_code(graph: OpGraph, plan: Plan, placements: dict[int, str], *, mesh: Any = None) -> None:
+    """Run after :func:`~.localcheck.check_local_shapes` passed, on the same mesh."""
+    blocks = [t for t in _targets(graph) if t]
+    if plan.tp == 1 or not blocks or "" not in graph.traced.calls:
+        return  # nothing split, or the whole model is one block: its run covered this code
+    with _check_mesh(plan, mesh) as tp_mesh:
+        if tp_mesh is not None:
+            _check_on(graph, blocks, plan, placements, tp_mesh)
+
+
+def _check_on(graph: OpGraph, blocks: list[str], plan: Plan, placements: dict[int, str], mesh: Any) -> None:
+    stood = _outermost(set(graph.traced.folded) | set(blocks))
+    if any(graph.traced.folded.get(f, f) not in graph.traced.calls for f in stood):
+        return  # a block no call was recorded for: nothing to stand in with
+    try:
+        _run(graph, stood, plan, placements, mesh)
+    except LocalShapeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - judged by the same run unsharded
+        if _runs_unsharded(graph, stood):
+            raise LocalShapeError(
+                f"{type(graph.model).__name__}: the code between its blocks fails on its shards at "
+                f"{_user_frame(exc)}: {_said(exc)}", None) from None
+
+
+def _run(graph: OpGraph, stood: list[str], plan: Plan | None, placements: dict[int, str], mesh: Any) -> None:
+    """The model with its blocks stood in for, sharded by ``plan`` (None: unsharded), once."""
+    tp = plan.tp if plan is not None else 1
+    model = _with_stand_ins(graph.model, {f: _stand_in(graph, f, placements, tp) for f in stood})
+    if plan is not None:
+        shard(model, mesh, _outside(plan, stood))
+    args, kwargs = _local_args(graph.traced.calls[""][0], placements, tp)
+    with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound():
+        model(*args, **kwargs)
+
+
+def _runs_unsharded(graph: OpGraph, stood: list[str]) -> bool:
+    """Whether the code between the blocks runs on meta with nothing split (else meta, not
+    the plan, is what it cannot take)."""
+    try:
+        _run(graph, stood, None, {}, None)
+    except Exception:  # noqa: BLE001 - any failure: the code cannot run on meta here
+        return False
+    return True
