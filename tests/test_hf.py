@@ -550,6 +550,30 @@ def test_a_default_config_transformers_refuses_is_a_user_error_naming_the_type(m
         hf_config(transformers, "lamma", None)
 
 
+def test_an_unknown_model_type_is_answered_with_model_types() -> None:
+    """transformers' config mapping also holds a class name (EvollaModel), which is no
+    model type to suggest."""
+    import transformers
+
+    from shardplan.interop.hf_models import hf_config
+
+    with pytest.raises(ValueError) as info:
+        hf_config(transformers, "notamodel", None)
+    suggested = str(info.value).split("e.g. ")[-1].split("did you mean ")[-1]
+    assert all(name == name.lower() for name in re.findall(r"hf:(\w+)", suggested)), str(info.value)
+
+
+def test_a_loss_parallel_head_is_not_exported_as_plain_colwise() -> None:
+    """Under loss_parallel the head keeps its logits vocab-sharded (Shard(-1)); Hugging Face's
+    "colwise" would give each rank part of the vocabulary as the whole logits."""
+    model, inputs, _ = hf.build_hf_model("llama", tiny=True, device="meta")
+    plan = shardplan.plan_model(model, MESH, example_inputs=inputs, loss_parallel=True, explain=False)
+    assert plan.rule_for("lm_head").output_layouts == "Shard(-1)"
+    with pytest.raises(ValueError, match="lm_head keeps its output sharded.*loss_parallel=False"):
+        plan.to_hf_tp_plan()
+    assert tiny_plan("llama").to_hf_tp_plan()["lm_head"] == "colwise_gather_output"
+
+
 def test_a_position_table_looked_up_from_a_shape_is_vocab_parallel() -> None:
     """LED's learned positions take ``input_ids_shape`` (no tensor goes in) and make their
     own ids: the table is still split by rows (numerics: LED in the gloo families)."""

@@ -10,7 +10,7 @@ from torch import nn
 
 import shardplan
 from shardplan.apply.localviews import install_local_views
-from shardplan.plan.model import LocalViews, PlanFileError, SplitFix, ViewFix
+from shardplan.plan.model import CutFix, LocalViews, PlanFileError, ViewFix
 from shardplan.plan.validate import check_findings
 from shardplan.tools.verify import verify
 from tests.portability.research import NanoGPT, TimmViT
@@ -32,8 +32,8 @@ def test_nanogpt_attention_is_split_by_heads(tp: int) -> None:
     assert plan.rule_for("h.0.attn.c_attn").packed == 3
     # q, k and v viewed by the global head count, and y by the input's width: heads / tp and C / tp;
     # split(self.n_embd, dim=2) of the packed c_attn: its width / tp
-    assert [(v.module, v.fixes, v.splits) for v in plan.local_views] == [
-        ("h.*.attn", [ViewFix(dim=2, parts=tp)] * 4, [SplitFix(call=0, parts=tp)])]
+    assert [(v.module, v.fixes, v.cuts) for v in plan.local_views] == [
+        ("h.*.attn", [ViewFix(dim=2, parts=tp)] * 4, [CutFix(call=0, parts=tp)])]
     assert not plan.attributes
     assert not [w for w in plan.warnings if "attn" in w], plan.warnings
 

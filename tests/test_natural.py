@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardplan
-from shardplan.plan.model import Plan, SplitFix
+from shardplan.plan.model import CutFix, Plan
 from shardplan.tools.simulate import simulate
 from shardplan.tools.verify import verify
 from tests.portability import natural
@@ -36,7 +36,7 @@ def test_inline_block_reading_widths_off_its_input_is_split_by_heads(builder, tp
     assert {k: styles[k] for k in SPLIT_BY_HEADS} == SPLIT_BY_HEADS, plan.warnings
     # q, k, v = qkv(x).split(D, dim=-1), D read off the whole input: one split, D / tp
     (views,) = plan.local_views
-    assert views.module == "blocks.*" and views.splits == [SplitFix(call=0, parts=tp)]
+    assert views.module == "blocks.*" and views.cuts == [CutFix(call=0, parts=tp)]
     assert not plan.warnings, plan.warnings
 
 
@@ -155,3 +155,80 @@ def test_code_between_blocks_that_takes_sequence_shards_keeps_them() -> None:
     assert plan.module_styles()["blocks.0.norm1"] == "sequence_parallel", plan.warnings
     result = simulate(natural.split_attention(), plan, (torch.randint(0, 256, (2, 2048)),))
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("builder", [natural.rope_complex_lm, natural.rope_interleaved_lm, natural.rope_partial_lm,
+                                     natural.mqa_repeat_interleave, natural.rope_complex_gqa])
+def test_every_rope_spelling_keeps_heads_split(builder, tp: int) -> None:
+    """RoPE as a complex product, rotate-half, interleaved pairs or on part of each head, its
+    table made in forward; 4 kv heads, 2 (grouped at tp=4, also through view_as_complex) or 1
+    (MQA, repeated by repeat_interleave)."""
+    plan = _plan(builder, tp)
+    styles = _block_styles(plan, "blocks.0.attn.")
+    kv = {"colwise"} if builder().blocks[0].attn.kv >= tp else (
+        {"colwise_kv_gathered"} if builder().blocks[0].attn.kv > 1 else {"colwise_gather_output"})
+    assert (styles["wq"], styles["wo"], {styles["wk"], styles["wv"]}) == ("colwise", "rowwise", kv), plan.warnings
+    assert all("one kv head" in w for w in plan.warnings), plan.warnings
+
+
+@pytest.mark.parametrize(("spec", "nproc"), [("tests.portability.natural:mqa_repeat_interleave", 2),
+                                             ("tests.portability.natural:rope_complex_gqa", 4)])
+def test_rope_and_kv_heads_match_one_process_on_gloo(spec: str, nproc: int) -> None:
+    result = verify(spec, nproc=nproc, timeout_s=300)
+    assert result.plan.rule_for("blocks.0.attn.wq").style == "colwise"
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_grouped_complex_rope_collectives_equal_the_prediction() -> None:
+    plan = _plan(natural.rope_complex_gqa, 4)
+    result = simulate(natural.rope_complex_gqa(), plan, (torch.randint(0, 256, (2, 16)),))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
+def test_attention_run_whole_behind_rowwise_projections_is_said() -> None:
+    """A fused q/k/v cut into unequal parts (8 query heads, 2 kv heads) cannot be split by
+    heads yet; the plan that shards its weights anyway (q/k/v rowwise after a feature-split
+    embedding) runs attention whole on every rank, which the warnings must say, at the
+    attention, with the split that blocks it."""
+    plan = _plan(natural.fused_gqa, 2)
+    (said,) = [w for w in plan.warnings if "attention runs whole" in w]
+    assert said.startswith("layers.*: attention runs whole on every rank: `scaled_dot_product_attention`")
+    assert "layers.*.wqkv being " in said and "unequal parts [128, 32, 32]" in said, said
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("builder", [natural.cut_slice, natural.cut_narrow, natural.cut_unpack, natural.cut_unflatten])
+def test_a_packed_qkv_cut_any_way_is_split_by_heads(builder, tp: int) -> None:
+    """``qkv[..., :C]``, ``qkv.narrow(-1, C, C)`` (C read off the input: cut made local),
+    ``q, k, v = qkv.reshape(B, T, 3, heads, C // heads).permute(...)``, ``chunk`` then
+    ``unflatten``; the last two used to plan q/k/v rowwise behind a feature-split embedding,
+    attention whole on every rank, priced a few microseconds faster at this size."""
+    plan = _plan(builder, tp)
+    styles = _block_styles(plan, "attn.0.")
+    assert (styles["qkv"], styles["proj"]) == ("packed_colwise", "rowwise"), plan.warnings
+    assert not plan.warnings, plan.warnings
+
+
+@pytest.mark.parametrize("spec", ["tests.portability.natural:cut_slice", "tests.portability.natural:cut_narrow"])
+def test_packed_qkv_cuts_match_one_process_on_gloo(spec: str) -> None:
+    result = verify(spec, nproc=2, timeout_s=300)
+    assert [v.cuts for v in result.plan.local_views] == [[CutFix(call=k, parts=2) for k in range(3)]]
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    # all but the proj biases: emb, head (weight, bias), and per layer the packed qkv's weight and
+    # bias (a _StridedShard, whose is_shard() is False) and proj's weight
+    assert (result.sharded_params, result.num_params) == (9, 11)
+
+
+@pytest.mark.parametrize(("batch", "seq"), [(8, 16), (2, 8), (8, 8)])
+@pytest.mark.parametrize("builder", [natural.rope_complex_lm, natural.mqa_repeat_interleave, natural.cut_unpack])
+def test_a_head_count_equal_to_another_size_is_still_the_head_count(builder, batch: int, seq: int) -> None:
+    """8 heads of 16: head_dim / 2 (the RoPE pairs) is 8 too, and so is the batch, the
+    sequence or both here; the plan splits the heads, not the other 8s."""
+    with torch.device("meta"):
+        model = builder()
+    plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=(torch.zeros(batch, seq, dtype=torch.long, device="meta"),),
+                                explain=False)
+    attention = {k.rpartition(".")[2]: v for k, v in plan.module_styles().items() if ".0." in k and "attn" in k}
+    assert attention.get("wo", attention.get("proj")) == "rowwise", (attention, plan.warnings)
+    assert set(attention.values()) & {"colwise", "packed_colwise"}, attention

@@ -23,13 +23,13 @@ from ..analyze.graph import OpGraph
 from ..analyze.values import nonzero_at_upper_bound
 from ..decide.placements import groups_of, local_shape, shard_dim
 from ..decide.propagation import quiet_probes
-from ..plan.model import LocalAttributes, LocalViews, Plan, SplitFix, ViewFix, int_attributes
+from ..plan.model import CutFix, LocalAttributes, LocalViews, Plan, ViewFix, int_attributes
 from .emit import shard
 from .localcheck import (
     LocalShapeError, _ViewRecorder, _check_mesh, _expected_views, _local_args, _meta_copy, _sub_plan, _targets,
     _track_modules, _view_ops, check_local_shapes,
 )
-from .localviews import discover_fixes
+from .localviews import CUT_FUNCTIONS, discover_fixes, read_cut
 
 __all__ = ["find_local_attributes"]
 
@@ -83,9 +83,9 @@ def find_local_attributes(graph: OpGraph, plan: Plan, placements: dict[int, str]
             return attributes(subset), []
     for subset in islice(chain([()], _subsets(candidates)), _MAX_ATTRIBUTE_TRIALS):
         trial = plan.model_copy(update={"attributes": plan.attributes + attributes(subset)})
-        fixes, splits = _discover_views(graph, trial, placements, fqn, mesh)
-        views = [LocalViews(module=n, fixes=fixes, splits=splits, why=_views_why(fixes, splits))
-                 for n in names] if fixes or splits else []
+        fixes, cuts = _discover_views(graph, trial, placements, fqn, mesh)
+        views = [LocalViews(module=n, fixes=fixes, cuts=cuts, why=_views_why(fixes, cuts))
+                 for n in names] if fixes or cuts else []
         if views and _passes(graph, trial.model_copy(update={"local_views": plan.local_views + views}), placements, fqn, mesh):
             return attributes(subset), views
     return None
@@ -127,55 +127,76 @@ def _passes(graph: OpGraph, trial: Plan, placements: dict[int, str], fqn: str, m
 
 
 def _discover_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str,
-                    mesh: Any) -> tuple[list[ViewFix], list[SplitFix]]:
+                    mesh: Any) -> tuple[list[ViewFix], list[CutFix]]:
     """Run ``fqn``'s shards under ``plan`` and match each view that fails to the next local
-    shape the plan expects of ``fqn``'s own views, and each split to the chunk the plan
-    expects of the trace's split in the same place (:func:`.localviews.discover_fixes`);
-    what ran is what was found, and the check judges the rest."""
+    shape the plan expects of ``fqn``'s own views, and each cut (split, narrow, slice) to
+    the numbers the plan expects of the trace's cut in the same place
+    (:func:`.localviews.discover_fixes`); what ran is what was found, and the check judges
+    the rest."""
     expected = _expected_views(graph, placements, fqn, plan.tp).get(fqn, [])
-    splits = _expected_splits(graph, placements, fqn, plan.tp)
-    found: list[tuple[list[ViewFix], list[SplitFix]]] = []
+    cuts = _expected_cuts(graph, placements, fqn, plan.tp)
+    found: list[tuple[list[ViewFix], list[CutFix]]] = []
 
     def prepare(block: nn.Module, inner: str) -> contextlib.AbstractContextManager:
-        found.append(discover_fixes(block.get_submodule(inner), expected, splits))
+        found.append(discover_fixes(block.get_submodule(inner), expected, cuts))
         return contextlib.nullcontext()
 
-    if expected or any(s is not None for s in splits):
+    if expected or any(c is not None for c in cuts):
         _run_view_target(graph, plan, placements, fqn, mesh, prepare)
     return found[0] if found else ([], [])
 
 
-def _expected_splits(graph: OpGraph, placements: dict[int, str], fqn: str, tp: int) -> list[Any]:
-    """For each ``split`` the code under ``fqn`` makes, in trace order: the local sizes of its
-    chunks on the split dim where the plan splits that dim (``split(C)`` of a packed q/k/v
-    -> ``C / tp``), else None (nothing to fix)."""
+def _expected_cuts(graph: OpGraph, placements: dict[int, str], fqn: str, tp: int) -> list[Any]:
+    """For each cut the code under ``fqn`` makes, in trace order (the same calls
+    :func:`.localviews.read_cut` counts at run time): its numbers as the plan expects them on
+    a shard, where the plan splits the cut dim (``split(C)`` of a packed q/k/v -> ``C /
+    tp``), else None (nothing to fix)."""
     out: list[Any] = []
     for op in graph.ops:
-        if op.kind != "function" or op.target != "split" or not (op.owner == fqn or op.owner.startswith(fqn + ".")):
+        if op.kind != "function" or not (op.owner == fqn or op.owner.startswith(fqn + ".")) or not op.inputs:
             continue
-        out.append(_local_chunks(graph, op, placements.get(op.output, "R"), tp))
+        name = "__getitem__" if op.target == "getitem" else op.target
+        if name not in CUT_FUNCTIONS:
+            continue
+        cut = read_cut(name, tuple(op.node.args[1:]), dict(op.node.kwargs))
+        if cut is not None:
+            out.append(_local_numbers(graph, op, name, cut, placements, tp) if cut.fixable else None)
     return out
 
 
-def _local_chunks(graph: OpGraph, op: Any, placement: str, tp: int) -> Any:
-    sizes = op.node.args[1] if len(op.node.args) > 1 else op.node.kwargs.get("split_size")
-    dim = op.node.args[2] if len(op.node.args) > 2 else op.node.kwargs.get("dim", 0)
-    first = graph.values[op.output].shape
-    if not isinstance(dim, int) or not first:
+def _local_numbers(graph: OpGraph, op: Any, name: str, cut: Any, placements: dict[int, str], tp: int) -> Any:
+    """The cut's numbers divided by the shards of the dim it cuts (None when that dim is whole)."""
+    shape = graph.values[op.inputs[0]].shape
+    dim = _cut_dim(name, op, len(shape))
+    if dim is None:
         return None
-    dim %= len(first)
-    local = local_shape(first, placement, tp)[dim]
-    if local == first[dim] or local == 0 or first[dim] % local:
+    local = local_shape(shape, placements.get(op.inputs[0], "R"), tp)[dim]
+    if local in (0, shape[dim]) or shape[dim] % local:
         return None
-    factor = first[dim] // local
-    if isinstance(sizes, int):
-        return sizes // factor if sizes % factor == 0 else None
-    each = list(sizes) if isinstance(sizes, (list, tuple)) and all(isinstance(s, int) for s in sizes) else []
-    return [s // factor for s in each] if each and all(s % factor == 0 for s in each) else None
+    factor = shape[dim] // local
+    return [n // factor for n in cut.numbers] if all(n % factor == 0 for n in cut.numbers) else None
 
 
-def _views_why(fixes: list[ViewFix], splits: list[SplitFix]) -> str:
-    dims = ", ".join([f"dim {f.dim} / {f.parts}" for f in fixes] + [f"split {s.call} / {s.parts}" for s in splits])
+def _cut_dim(name: str, op: Any, ndim: int) -> int | None:
+    args, kwargs = op.node.args, op.node.kwargs
+    if name == "split":
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    elif name == "narrow":
+        dim = args[1]
+    else:
+        items = list(args[1]) if isinstance(args[1], tuple) else [args[1]]
+        if Ellipsis in items:
+            k = items.index(Ellipsis)
+            items = items[:k] + [slice(None)] * (ndim - sum(1 for i in items if i is not None and i is not Ellipsis)) + items[k + 1:]
+        at = [i for i, it in enumerate(items) if isinstance(it, slice) and it != slice(None)]
+        if len(at) != 1:
+            return None
+        dim = at[0] - sum(1 for it in items[:at[0]] if it is None)
+    return dim % ndim if isinstance(dim, int) else None
+
+
+def _views_why(fixes: list[ViewFix], cuts: list[CutFix]) -> str:
+    dims = ", ".join([f"dim {f.dim} / {f.parts}" for f in fixes] + [f"cut {c.call} / {c.parts}" for c in cuts])
     return f"its code sizes views by a width read off a whole tensor; on a shard: {dims}"
 
 

@@ -21,34 +21,37 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..plan.model import Plan, SplitFix, ViewFix, expand_pattern
+from ..plan.model import CutFix, Plan, ViewFix, expand_pattern
 
-__all__ = ["install_local_views", "discover_fixes", "VIEW_FUNCTIONS"]
+__all__ = ["install_local_views", "discover_fixes", "read_cut", "VIEW_FUNCTIONS", "CUT_FUNCTIONS"]
 
 VIEW_FUNCTIONS = frozenset({"view", "reshape"})
 
 # (index among the failing views, requested sizes, elements held) -> the fix, or None
 Chooser = Callable[[int, list[int], int], "ViewFix | None"]
-# (index among the module's splits, requested sizes, size of the split dim) -> parts, or None
-SplitChooser = Callable[[int, "int | list[int]", int], "int | None"]
+# (index among the module's cuts, the cut's numbers) -> parts, or None
+CutChooser = Callable[[int, list[int]], "int | None"]
 
 
 class _FixViews(TorchFunctionMode):
-    def __init__(self, choose: Chooser, choose_split: SplitChooser) -> None:
+    def __init__(self, choose: Chooser, choose_cut: CutChooser) -> None:
         super().__init__()
-        self.choose, self.choose_split = choose, choose_split
-        self.failing = self.splits = 0
+        self.choose, self.choose_cut = choose, choose_cut
+        self.failing = self.cuts = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name == "split" and args and isinstance(args[0], torch.Tensor):
-            return self._split(func, args, kwargs)
+        if name in CUT_FUNCTIONS and args and isinstance(args[0], torch.Tensor):
+            cut = read_cut(name, args[1:], kwargs)
+            if cut is not None:
+                return self._cut(func, args, kwargs, cut)
         if name in VIEW_FUNCTIONS and args and isinstance(args[0], torch.Tensor):
             sizes = _sizes(args[1:])
             if sizes is not None and -1 not in sizes and math.prod(sizes) != args[0].numel():
@@ -59,32 +62,68 @@ class _FixViews(TorchFunctionMode):
                     return func(args[0], sizes, **kwargs)
         return func(*args, **kwargs)
 
-    def _split(self, func, args: tuple, kwargs: dict):
-        """``x.split(C, dim)`` / ``torch.split(x, [a, b], dim)``: every call is counted (a
-        split by a global width runs, on fewer parts, so it cannot be told by failing), and
-        the one the plan names gets its sizes divided."""
-        rest = dict(kwargs)
-        sizes = args[1] if len(args) > 1 else rest.pop("split_size", rest.pop("split_size_or_sections", None))
-        dim = args[2] if len(args) > 2 else rest.pop("dim", 0)
-        if not isinstance(dim, int) or not _split_sizes(sizes):
+    def _cut(self, func, args: tuple, kwargs: dict, cut: "Cut"):
+        """Every cut is counted (one by a global width runs, on other parts, so it cannot be
+        told by failing), and the one the plan names gets its numbers divided."""
+        parts = self.choose_cut(self.cuts, cut.numbers) if cut.fixable else None
+        self.cuts += 1
+        if parts is None or any(n % parts for n in cut.numbers):
             return func(*args, **kwargs)
-        parts = self.choose_split(self.splits, sizes, args[0].shape[dim])
-        self.splits += 1
-        divided = _divided(sizes, parts) if parts else None
-        return func(*args, **kwargs) if divided is None else func(args[0], divided, dim, **rest)
+        return func(args[0], *cut.rebuild([n // parts for n in cut.numbers]), **cut.rest)
 
 
-def _split_sizes(sizes: Any) -> bool:
-    return isinstance(sizes, int) or (isinstance(sizes, (list, tuple)) and bool(sizes)
-                                      and all(isinstance(s, int) for s in sizes))
+# Cuts by a width: ``x.split(C, dim)`` / ``torch.split(x, [a, b], dim)`` (the sizes),
+# ``x.narrow(dim, start, length)`` (start and length), ``x[..., a:b]`` (the bounds of its one
+# slice with a number in it). Their numbers are what a width read off a whole tensor makes
+# global; on a shard of that dim each is 1/parts of it.
+CUT_FUNCTIONS = frozenset({"split", "narrow", "__getitem__"})
 
 
-def _divided(sizes: int | list[int], parts: int) -> int | list[int] | None:
-    """``sizes`` / ``parts`` when every size divides, else None (run as written)."""
-    each = [sizes] if isinstance(sizes, int) else list(sizes)
-    if any(s % parts for s in each):
+@dataclass(frozen=True)
+class Cut:
+    numbers: list[int]
+    rebuild: Callable[[list[int]], tuple]
+    rest: dict
+    fixable: bool = True
+
+
+def read_cut(name: str, rest: tuple, kwargs: dict) -> Cut | None:
+    """The numbers of a cut, called as ``name(x, *rest, **kwargs)``; None when it is no cut."""
+    if name == "split":
+        kw = dict(kwargs)
+        sizes = rest[0] if rest else kw.pop("split_size", kw.pop("split_size_or_sections", None))
+        dim = rest[1] if len(rest) > 1 else kw.pop("dim", 0)
+        if not isinstance(dim, int) or not _split_sizes(sizes):
+            return None
+        numbers = [sizes] if isinstance(sizes, int) else list(sizes)
+        return Cut(numbers, lambda n, one=isinstance(sizes, int), d=dim: (n[0] if one else n, d), kw)
+    if name == "narrow":
+        if len(rest) == 3 and not kwargs and all(isinstance(v, int) for v in rest):
+            return Cut([rest[1], rest[2]], lambda n, d=rest[0]: (d, n[0], n[1]), {})
         return None
-    return sizes // parts if isinstance(sizes, int) else [s // parts for s in each]
+    return _read_slice(rest[0]) if len(rest) == 1 and not kwargs else None
+
+
+def _read_slice(index: Any) -> Cut | None:
+    """``x[..., a:b]``: a cut when a slice of the index has a number for a bound; fixable when
+    exactly one does and its step is 1."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    bounded = [i for i, it in enumerate(items) if isinstance(it, slice)
+               and any(isinstance(b, int) and not isinstance(b, bool) for b in (it.start, it.stop))]
+    if not bounded:
+        return None
+    at = bounded[0]
+    sl = items[at]
+    ok = len(bounded) == 1 and sl.step in (None, 1) and all(b is None or isinstance(b, int) for b in (sl.start, sl.stop))
+    numbers = [b for b in (sl.start, sl.stop) if isinstance(b, int)]
+
+    def rebuild(n: list[int]) -> tuple:
+        it = iter(n)
+        bounds = [next(it) if isinstance(b, int) else b for b in (sl.start, sl.stop)]
+        new = items[:at] + [slice(bounds[0], bounds[1], sl.step)] + items[at + 1:]
+        return (tuple(new) if isinstance(index, tuple) else new[0],)
+
+    return Cut(numbers, rebuild, {}, fixable=ok)
 
 
 def _sizes(rest: tuple) -> list[int] | None:
@@ -94,12 +133,12 @@ def _sizes(rest: tuple) -> list[int] | None:
     return [int(s) for s in rest] if rest and all(isinstance(s, int) for s in rest) else None
 
 
-def _run_with(module: nn.Module, choose: Chooser, choose_split: SplitChooser) -> None:
+def _run_with(module: nn.Module, choose: Chooser, choose_cut: CutChooser) -> None:
     """Enter a fresh mode for every call of ``module``'s forward and leave it after."""
     live: list[_FixViews] = []
 
     def enter(_m, _args):
-        live.append(_FixViews(choose, choose_split))
+        live.append(_FixViews(choose, choose_cut))
         live[-1].__enter__()
 
     def leave(_m, _args, _out):
@@ -111,20 +150,20 @@ def _run_with(module: nn.Module, choose: Chooser, choose_split: SplitChooser) ->
 
 def install_local_views(model: nn.Module, plan: Plan) -> None:
     for entry in plan.local_views:
-        fixes, splits = list(entry.fixes), {s.call: s.parts for s in entry.splits}
+        fixes, cuts = list(entry.fixes), {c.call: c.parts for c in entry.cuts}
         for fqn in expand_pattern(entry.module, plan.model.repeats):
             _run_with(model.get_submodule(fqn), lambda k, _s, _n, f=fixes: f[k] if k < len(f) else None,
-                      lambda k, _s, _n, p=splits: p.get(k))
+                      lambda k, _n, p=cuts: p.get(k))
 
 
 def discover_fixes(module: nn.Module, expected: list[tuple[int, ...]],
-                   expected_splits: list[Any] = ()) -> tuple[list[ViewFix], list[SplitFix]]:
+                   expected_cuts: list[Any] = ()) -> tuple[list[ViewFix], list[CutFix]]:
     """Install the planner's chooser on ``module`` (run it afterwards); the returned lists
-    fill in as its failing views are matched to ``expected``, in order, and as its k-th
-    split asks ``parts`` times the chunk ``expected_splits[k]`` holds (the trace's splits
-    under the module, in order)."""
+    fill in as its failing views are matched to ``expected``, in order, and as its k-th cut
+    asks ``parts`` times the numbers ``expected_cuts[k]`` (the trace's cuts under the
+    module, in order, as the plan expects them locally; None: nothing to fix) holds."""
     found: list[ViewFix] = []
-    found_splits: list[SplitFix] = []
+    found_cuts: list[CutFix] = []
     cursor = [0]
 
     def choose(k: int, sizes: list[int], numel: int) -> ViewFix | None:
@@ -136,26 +175,29 @@ def discover_fixes(module: nn.Module, expected: list[tuple[int, ...]],
                 return fix
         return None
 
-    def choose_split(k: int, sizes: int | list[int], _size: int) -> int | None:
-        want = expected_splits[k] if k < len(expected_splits) else None
-        parts = _split_parts(sizes, want) if want is not None else None
+    def choose_cut(k: int, numbers: list[int]) -> int | None:
+        want = expected_cuts[k] if k < len(expected_cuts) else None
+        parts = _cut_parts(numbers, want) if want is not None else None
         if parts is not None:
-            found_splits.append(SplitFix(call=k, parts=parts))
+            found_cuts.append(CutFix(call=k, parts=parts))
         return parts
 
-    _run_with(module, choose, choose_split)
-    return found, found_splits
+    _run_with(module, choose, choose_cut)
+    return found, found_cuts
 
 
-def _split_parts(sizes: int | list[int], want: int | list[int]) -> int | None:
-    """The one factor ``parts >= 2`` with every asked size ``parts`` times the planned one."""
-    got = [sizes] if isinstance(sizes, int) else list(sizes)
-    wanted = [want] if isinstance(want, int) else list(want)
-    if len(got) != len(wanted) or not all(w > 0 and g % w == 0 for g, w in zip(got, wanted)):
+def _cut_parts(got: list[int], want: list[int]) -> int | None:
+    """The one factor ``parts >= 2`` with every asked number ``parts`` times the planned one."""
+    if len(got) != len(want) or any(g % w if w else g for g, w in zip(got, want)):
         return None
-    ratios = {g // w for g, w in zip(got, wanted)}
+    ratios = {g // w for g, w in zip(got, want) if w}
     parts = ratios.pop() if len(ratios) == 1 else 1
     return parts if parts >= 2 else None
+
+
+def _split_sizes(sizes: Any) -> bool:
+    return isinstance(sizes, int) or (isinstance(sizes, (list, tuple)) and bool(sizes)
+                                      and all(isinstance(s, int) for s in sizes))
 
 
 def _one_dim_divided(sizes: list[int], want: tuple[int, ...], numel: int) -> ViewFix | None:

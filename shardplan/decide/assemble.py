@@ -297,7 +297,41 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
     for fqn in _unused_modules(graph):
         reader = _parameter_reader(graph, fqn)
         out.append(f"{fqn}: {reader}; replicated" if reader else f"{fqn}: owns parameters but is not called in forward; replicated")
+    return out + _unsplit_heads(graph, solution, tp, pmap)
+
+
+def _unsplit_heads(graph: OpGraph, solution: Solution, tp: int, pmap: Any) -> list[str]:
+    """Attention that runs whole on every rank though no projection before it was gathered
+    (q/k/v ``rowwise`` after a feature-split embedding: the weights split, the heads not),
+    which no gathered-output warning reveals: said at the attention, with what blocks a
+    split by heads."""
+    from ..analyze.trace import _user_line
+
+    out = []
+    for op in graph.ops:
+        if op.target != "scaled_dot_product_attention" or shard_dim(solution.placements.get(op.output, "R")) is not None:
+            continue
+        source = _producer_module(graph, op.inputs[0])
+        if source is None or solution.strategies[source.index].name == "colwise_gather_output":
+            continue  # no projection, or its gather is said already
+        why = _blocking_op(graph, source, tp) if source.module_kind in ("linear", "conv1d") else ""
+        out.append(f"{patterned(op.owner, graph, pmap)[0]}: attention runs whole on every rank: "
+                   f"`scaled_dot_product_attention` ({_user_line(op.node)}) takes its query whole, "
+                   f"{patterned(source.target, graph, pmap)[0]} being {solution.strategies[source.index].name}"
+                   + (f": {why}" if why else ""))
     return out
+
+
+def _producer_module(graph: OpGraph, value: int, depth: int = 12):
+    """The weight module whose output ``value`` is, through the ops that reshape it."""
+    for _ in range(depth):
+        op = graph.ops[graph.values[value].producer]
+        if op.kind == "module":
+            return op
+        if op.kind != "function" or not op.inputs:
+            return None
+        value = op.inputs[0]
+    return None
 
 
 # a gathered output placed ``Rp``: one value every rank's heads read whole (a single kv head,

@@ -136,7 +136,7 @@ def partial_grad_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strateg
         ins = tuple("Rp" if p == "R" and v in graph.requires_grad else p for p, v in zip(s.inputs, op.inputs))
         if "Rp" in ins:
             out.append(Strategy(s.name, ins, "Rp" if s.output == "R" else s.output))
-    if op.target in ("expand", "expand_as") and len(op.inputs) >= 1:
+    if op.target in _BROADCASTS and len(op.inputs) >= 1:
         src = _shape_of(graph, op.inputs[0])
         lead = len(out_shape) - len(src)
         out += [Strategy("", ("Rp",) + ("R",) * (len(op.inputs) - 1), f"S{d + lead}") for d, n in enumerate(src)
@@ -196,12 +196,18 @@ def partial_grad_owners(graph: OpGraph, tp: int) -> frozenset[str]:
     if cached is None:
         found = set()
         for op in graph.ops:
-            if op.target in ("expand", "expand_as") and op.output is not None and op.inputs \
+            if op.target in _BROADCASTS and op.output is not None and op.inputs \
                     and op.inputs[0] in graph.requires_grad and _expands_to_split(op, graph, tp) \
                     and not _merged_after(op, graph):
                 found.add(op.owner)
         cached = graph.strategy_cache[key] = frozenset(found)
     return cached
+
+
+# ops that copy a size-1 dim of a value to every head: ``expand`` (MLA's shared key, HF's
+# repeat_kv of one kv head), and ``repeat_interleave``/``repeat`` of one kv head (MQA as
+# hand-written code spells it: ``k.repeat_interleave(n_head, dim=1)``)
+_BROADCASTS = ("expand", "expand_as", "repeat_interleave", "repeat")
 
 
 def under_partial_grad_owner(fqn: str, graph: OpGraph, tp: int) -> bool:

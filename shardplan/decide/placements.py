@@ -31,7 +31,7 @@ from typing import Any
 
 from ..analyze.graph import Op
 
-__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "one_slice", "sliced_part", "view_parts", "grouped", "groups_of", "group_counts",
+__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts",
            "view_groups", "VIEW_OPS",
            "local_shape"]
 
@@ -200,6 +200,14 @@ def sliced_part(index: Any, shape: tuple[int, ...]) -> tuple[int, int] | None:
     if step != 1 or width < 1 or shape[d] % width or start % width or shape[d] // width < 2:
         return None
     return d, shape[d] // width
+
+
+def narrow_index(args: tuple, ndim: int) -> tuple | None:
+    """``x.narrow(dim, start, length)`` as the index ``x[..., start:start + length, ...]``."""
+    if len(args) != 4 or not all(isinstance(a, int) and not isinstance(a, bool) for a in args[1:]):
+        return None
+    dim, start, length = args[1] % ndim, args[2], args[3]
+    return (slice(None),) * dim + (slice(start, start + length),)
 
 
 def view_parts(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[int, int] | None:

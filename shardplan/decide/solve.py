@@ -35,6 +35,7 @@ from . import cost
 from .milp import MilpModel, MilpView
 from ..analyze.graph import Op, OpGraph
 from .slices import is_slice, slice_rows
+from .placements import shard_dim
 from .strategies import Strategy, op_strategies
 from .weights import read_elsewhere
 
@@ -226,6 +227,7 @@ class _Matrices:
     params: np.ndarray
     acts: np.ndarray
     weights: np.ndarray
+    whole_heads: np.ndarray
 
 
 def _matrices(graph: OpGraph, ctx: SolveContext) -> _Matrices:
@@ -412,12 +414,14 @@ def _tied_second_owners(graph: OpGraph) -> set[int]:
     return repeats
 
 
-def _vectors(prog: _Program) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-column time, parameter bytes and activation bytes (multiplicity applied)."""
+def _vectors(prog: _Program) -> tuple[np.ndarray, ...]:
+    """Per-column time, parameter bytes, activation bytes, weight bytes and attention run
+    whole (multiplicity applied)."""
     time = np.zeros(prog.num_vars)
     params = np.zeros(prog.num_vars)
     weights = np.zeros(prog.num_vars)
     acts = np.zeros(prog.num_vars)
+    whole = np.zeros(prog.num_vars)
     tied = _tied_second_owners(prog.graph)
     for op in prog.graph.ops:
         for i, s in enumerate(prog.strategies[op.index]):
@@ -426,11 +430,20 @@ def _vectors(prog: _Program) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             params[col] = 0.0 if op.index in tied else s.param_bytes * op.multiplicity
             weights[col] = 0.0 if op.index in tied else s.weight_bytes * op.multiplicity
             acts[col] = s.act_bytes * op.multiplicity
+            whole[col] = op.multiplicity if _heads_whole(op, s) else 0.0
     for key, col in prog.entry_of.items():
         time[col] = prog.entry_cost[key]
     for group, col in prog.bucket_of.items():
         time[col] = cost.collective_time("all_reduce", 0, group_size=group, link=prog.ctx.link)
-    return time, params, acts, weights
+    return time, params, acts, weights, whole
+
+
+def _heads_whole(op: Op, s: Strategy) -> bool:
+    """Attention computed whole on every rank: ``scaled_dot_product_attention`` with a whole
+    output, an attention module (``nn.MultiheadAttention``) replicated."""
+    if op.kind == "module":
+        return op.module_kind == "attention" and s.name == "replicate"
+    return op.target == "scaled_dot_product_attention" and shard_dim(s.output or "R") is None
 
 
 def solve(graph: OpGraph, ctx: SolveContext) -> Solution:
@@ -454,15 +467,21 @@ def solve(graph: OpGraph, ctx: SolveContext) -> Solution:
 
 
 def _lexicographic(b: MilpView, m: _Matrices, tie: np.ndarray, memory: np.ndarray, device_bytes: float) -> np.ndarray | None:
-    """Least weight bytes first; then, among those plans, the fastest that fits the device
-    (sequence parallel, say, when activations would not fit), else the fastest."""
+    """Least weight bytes first; then the fewest attentions run whole (split by heads, as the
+    model's authors would, where any plan holding that few bytes can: at small sizes a plan
+    that runs attention whole behind rowwise q/k/v can price a few microseconds faster);
+    then, among those plans, the fastest that fits the device (sequence parallel, say, when
+    activations would not fit), else the fastest."""
     weights, time = m.weights, m.time
     first = b.minimize(b.scaled(weights) + 1e-9 * tie)
     if first is None:
         return None
-    least = (weights, _total(weights, first) * (1 + 1e-9) + 1.0)
-    fitting = b.minimize(b.scaled(time) + 1e-9 * tie, (least, (memory, float(device_bytes))))
-    return fitting if fitting is not None else b.minimize(b.scaled(time) + 1e-9 * tie, (least,))
+    bounds = [(weights, _total(weights, first) * (1 + 1e-9) + 1.0)]
+    if _total(m.whole_heads, first) > 0:
+        fewest = b.minimize(b.scaled(m.whole_heads) + 1e-9 * tie, tuple(bounds))
+        bounds.append((m.whole_heads, _total(m.whole_heads, fewest if fewest is not None else first) + 0.5))
+    fitting = b.minimize(b.scaled(time) + 1e-9 * tie, (*bounds, (memory, float(device_bytes))))
+    return fitting if fitting is not None else b.minimize(b.scaled(time) + 1e-9 * tie, tuple(bounds))
 
 
 def _total(v: np.ndarray, x: np.ndarray) -> float:

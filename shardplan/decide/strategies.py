@@ -38,7 +38,7 @@ from ..analyze.graph import Op, OpGraph
 from .folded import folded_factory_strategies, folded_values, folded_variants, folded_view_strategies
 from .heads import grouped_conversions, grouped_values, grouped_variants, partial_grad_twins, under_partial_grad_owner
 from .placements import (
-    VIEW_OPS, Strategy, chunk_count, expanded_dims, groups_of, packed, placement_str, shard_dim, sliced_part,
+    VIEW_OPS, Strategy, chunk_count, expanded_dims, groups_of, narrow_index, packed, placement_str, shard_dim, sliced_part,
     split_parts, view_groups, view_parts,
 )
 from .propagation import dtensor_strategies, in_place_strategies, metadata_only
@@ -152,6 +152,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
         ({"cat", "concat", "stack"}, _cat),
         ({"chunk", "split", "unbind", "tensor_split"}, _split),
         ({"getitem"}, _getitem),
+        ({"narrow"}, _narrow),
         ({"expand", "expand_as"}, _expand),
         ({"new_empty", "new_zeros", "new_ones", "new_full"}, _new_tensor),
     ]
@@ -168,6 +169,8 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
             strategies += _unary(op, graph, tp, out_shape)
         else:  # no hand rule: ask DTensor's sharding propagation (checked on local shapes)
             strategies += [Strategy("", ins, out) for ins, out in dtensor_strategies(op, graph, tp=tp)]
+            if grouped_in:  # on kv heads in groups too (RoPE's view_as_complex of a grouped k)
+                strategies += grouped_variants(op, graph, tp, out_shape, _propagated)
     if name in VIEWS:  # heads folded into the batch (fairseq's bmm attention) and back
         strategies += folded_view_strategies(op, graph, tp)
     elif not op.inputs or name == "expand":
@@ -450,6 +453,18 @@ def _getitem(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
     return result
 
 
+def _narrow(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    """``x.narrow(dim, start, length)``: one part of a packed projection, as ``x[..., a:b]``;
+    the dims it keeps whole keep their shards."""
+    src = _shape(graph, op.inputs[0])
+    index = narrow_index(op.node.args, len(src))
+    if index is None:
+        return []
+    dim = len(index) - 1
+    return _packed_slice(index, src, tp) + [Strategy("", (f"S{d}",), f"S{d}") for d in range(len(src))
+                                             if d != dim and src[d] % tp == 0 and src[d] >= tp]
+
+
 def _packed_slice(index: Any, src: tuple[int, ...], tp: int) -> list[Strategy]:
     """``qkv[..., :q_pos]`` of a packed projection: the rank holds its slice of every part
     [q_r; k_r; v_r], so slicing one part's local block gives that part's Shard(d)."""
@@ -490,6 +505,11 @@ def _index_dim_map(index: Any, src_shape: tuple[int, ...]) -> dict[int, int] | N
     return mapping
 
 
+def _propagated(op: Op, graph: OpGraph, n: int, out_shape) -> list[Strategy]:
+    """DTensor's answer on ``n`` shards, as a rule :func:`.heads.grouped_variants` can run."""
+    return [Strategy("", ins, out) for ins, out in dtensor_strategies(op, graph, tp=n)]
+
+
 def _spans(item: slice, size: int) -> bool:
     if item == slice(None):
         return True
@@ -526,5 +546,5 @@ def _expand(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
 
 
 
-_SHARD_LOCAL = {_unary, _broadcast, _view, _permute, _reduce, _getitem, _cat, _split}
+_SHARD_LOCAL = {_unary, _broadcast, _view, _permute, _reduce, _getitem, _narrow, _cat, _split}
 

@@ -59,7 +59,7 @@ from ..analyze.graph import Op, OpGraph
 from ..analyze.graph import module_kind as module_kind_of
 from .heads import grouped_values, under_partial_grad_owner, viewed_heads
 from .elementwise import scalar_elementwise_dims
-from .placements import Strategy, group_counts, grouped, packed, sliced_part, split_parts, view_parts
+from .placements import Strategy, group_counts, grouped, narrow_index, packed, sliced_part, split_parts, view_parts
 
 __all__ = ["module_strategies", "STYLE_NAMES"]
 
@@ -309,9 +309,11 @@ def _parts_taken(user: Op, graph: OpGraph, shape: tuple[int, ...], last: int) ->
         args = user.node.args
         dim = user.node.kwargs.get("dim", args[2] if len(args) > 2 else 0)
         return split_parts(user, shape[last]) if isinstance(dim, int) and dim % (last + 1) == last else None
-    if user.target == "getitem" and len(user.node.args) > 1:
+    index = user.node.args[1] if user.target == "getitem" and len(user.node.args) > 1 else (
+        narrow_index(user.node.args, len(shape)) if user.target == "narrow" else None)
+    if index is not None:
         # the parts' width is that of each slice: every slice must take one whole part
-        found = sliced_part(user.node.args[1], shape)
+        found = sliced_part(index, shape)
         return found[1] if found and found[0] == last else None
     if user.target in ("view", "reshape") and user.output is not None:
         found = view_parts(shape, graph.values[user.output].shape)

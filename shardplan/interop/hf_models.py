@@ -60,7 +60,8 @@ def hf_config(tf: Any, model_type: str | None, path: Path | None) -> Any:
             raise ValueError(f"cannot load Hugging Face config {str(path)!r}: {str(exc).splitlines()[0]}") from None
     known = list(tf.CONFIG_MAPPING.keys())
     if model_type not in known:
-        close = difflib.get_close_matches(model_type or "", known, n=3)
+        # model types are lower case; transformers' mapping also holds a class name (EvollaModel)
+        close = difflib.get_close_matches(model_type or "", [k for k in known if k == k.lower()], n=3)
         hint = f"; did you mean {', '.join('hf:' + c for c in close)}?" if close else "; e.g. hf:llama, hf:gpt2, hf:mistral"
         raise ValueError(f"unknown Hugging Face model type {model_type!r}: expected a transformers model_type{hint}")
     try:

@@ -27,7 +27,7 @@ from .fileio import PlanFileError, atomic_write, describe, load_mapping, read_te
 
 __all__ = [
     "int_attributes", "set_int_attribute",
-    "STYLES", "Rule", "Region", "LocalAttributes", "ViewFix", "SplitFix", "LocalViews", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
+    "STYLES", "Rule", "Region", "LocalAttributes", "ViewFix", "CutFix", "LocalViews", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
     "PlanOptions", "Plan", "load_plan", "load_plan_with_lines", "expand_braces", "brace_ranges", "brace_members", "fingerprint", "PlanFileError", "LAYOUT_RE", "portable", "SIGNIFICANT_DIGITS",
 ]
 
@@ -186,10 +186,11 @@ class ViewFix(_Strict):
     parts: Annotated[int, Field(strict=True, ge=2)]
 
 
-class SplitFix(_Strict):
-    """One ``split`` of a module's code sized by a global width (``qkv(x).split(C, dim=-1)``
-    with ``C`` read off the whole input): on one rank's shard, the ``call``-th split the
-    module's forward makes gets its sizes divided by ``parts``."""
+class CutFix(_Strict):
+    """One cut of a module's code by a global width (``qkv(x).split(C, dim=-1)``,
+    ``qkv[..., :C]``, ``qkv.narrow(-1, C, C)`` with ``C`` read off the whole input): on one
+    rank's shard, the ``call``-th cut the module's forward makes gets its numbers (the split
+    sizes, the slice's bounds, narrow's start and length) divided by ``parts``."""
 
     call: Annotated[int, Field(strict=True, ge=0)]
     parts: Annotated[int, Field(strict=True, ge=2)]
@@ -201,14 +202,14 @@ class LocalViews(_Strict):
     timm's ViT, fairseq). No attribute holds ``C``, so the planner records the views
     instead: while the module runs, the ``k``-th view or reshape whose sizes hold more
     elements than its tensor (by exactly ``parts``, no ``-1``) gets ``fixes[k]``. A view that
-    already fits is left as written; so does a ``split`` not named in ``splits`` (the same
-    width cut apart: ``q, k, v = qkv(x).split(C, dim=-1)``). The planner writes one only when
+    already fits is left as written; so does a cut (``split``, ``narrow``, a slice) not named
+    in ``cuts`` (the same width cut apart: ``q, k, v = qkv(x).split(C, dim=-1)``). The planner writes one only when
     the module's shards fail to run as written and run with these, every view giving its
     planned local shape."""
 
     module: ModulePattern
     fixes: list[ViewFix] = Field(default_factory=list)
-    splits: list[SplitFix] = Field(default_factory=list)
+    cuts: list[CutFix] = Field(default_factory=list)
     why: str = ""
 
 
@@ -318,7 +319,7 @@ class Plan(_Strict):
             if not data[key]:
                 del data[key]
         for entry in data.get("local_views", []):
-            for key in ("fixes", "splits"):
+            for key in ("fixes", "cuts"):
                 if not entry[key]:
                     del entry[key]
         return data
@@ -355,9 +356,17 @@ class Plan(_Strict):
         if alien:
             raise ValueError(
                 f"{alien[0]} (and {len(alien) - 1} more) use styles Hugging Face's tp_plan cannot express "
-                "(kv heads replicated in groups, torch's nn.MultiheadAttention split by heads, or MLA's latent "
-                "with a partial gradient); apply the plan with "
+                "(kv heads replicated in groups, torch's nn.MultiheadAttention split by heads, one kv head or MLA's "
+                "latent whole with a partial gradient); apply the plan with "
                 "shardplan.apply_plan instead, or plan for a tp that divides the kv heads")
+        sharded_out = [r for r in self.rules if r.style == "colwise" and r.output_layouts is not None]
+        if sharded_out:
+            # loss_parallel keeps the head's logits vocab-sharded; Hugging Face's "colwise" would
+            # hand each rank its own part of the vocabulary as if it were all of it
+            raise ValueError(
+                f"{sharded_out[0].module} keeps its output sharded ({sharded_out[0].output_layouts}: "
+                "loss_parallel), which Hugging Face's tp_plan cannot express (each rank's logits would cover part of "
+                "the vocabulary); plan with loss_parallel=False for Hugging Face, or apply it with shardplan.apply_plan")
         return {key: r.style for r in self.rules if r.style != "replicate" for key in expand_braces(r.module)}
 
 

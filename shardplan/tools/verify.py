@@ -474,6 +474,8 @@ def _verify_rank(rank: int, world_size: int, spec: str, plan_yaml: str, inputs: 
         problems += [p for p in res[q].pop("problems") if p not in problems]
     res["problems"] = problems
     res["num_params"] = len(common)
+    # a rank holding less than the whole: Shard, a packed weight's _StridedShard (is_shard()
+    # is False for it), kv heads held by their group
     res["sharded_params"] = sum(
-        1 for p in tp_params.values() if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))
+        1 for p in tp_params.values() if isinstance(p, DTensor) and p.to_local().numel() < p.numel())
     return res

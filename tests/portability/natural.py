@@ -4,7 +4,10 @@
 off the input (``B, T, D = x.shape``, ``qkv(x).split(D, dim=-1)``, ``reshape(B, T, D)``);
 ``split`` picks how the fused q/k/v is cut (a width, a list of widths, ``torch.split``).
 ``SplitAttentionLM``: the same reads inside an attention module of its own, next to an MLP
-module, with only the head count held as an attribute.
+module, with only the head count held as an attribute. ``MQALM``: one kv head broadcast by
+``expand``; ``RopeLM``: RoPE spelled four ways (``view_as_complex`` times a table,
+rotate-half, interleaved pairs, partial rotary), the table made in forward, kv heads
+repeated by ``repeat_interleave`` (one kv head: MQA).
 Small sizes, so they run on CPU; the builders at the end are specs for ``verify``.
 """
 
@@ -169,3 +172,221 @@ def hf_gpt2_odd_vocab() -> nn.Module:
     # no dropout: a rank's heads draw other masks than the whole model's
     return GPT2LMHeadModel(GPT2Config(vocab_size=509, n_positions=64, n_embd=64, n_layer=2, n_head=4,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+# RoPE as people write it: complex numbers, rotate-half, interleaved pairs, partial rotary
+
+def rope_complex(x, freqs):  # Meta's llama: view_as_complex times a [seq, hd/2] table
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    f = freqs[: x.shape[1]].view(1, x.shape[1], 1, -1)
+    return torch.view_as_real(xc * f).flatten(3).type_as(x)
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+def rope_half(x, cos, sin):  # HF style, x [b, h, s, d], cos [s, d]
+    return x * cos + rotate_half(x) * sin
+
+def rope_interleaved(x, cos, sin):  # GPT-J's interleaved pairs, x [b, s, h, d], cos [s, d/2]
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    c, s_ = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.stack((x1 * c - x2 * s_, x1 * s_ + x2 * c), dim=-1).flatten(-2)
+
+class RopeAttention(nn.Module):
+    """q, k, v projections, RoPE in one of four spellings, kv heads repeated by
+    ``repeat_interleave`` (one kv head: MQA)."""
+
+    def __init__(self, dim, heads, kv, style, partial=1.0):
+        super().__init__()
+        self.h, self.kv, self.hd, self.style = heads, kv, dim // heads, style
+        self.rot = int(self.hd * partial)
+        self.wq = nn.Linear(dim, heads * self.hd, bias=False)
+        self.wk = nn.Linear(dim, kv * self.hd, bias=False)
+        self.wv = nn.Linear(dim, kv * self.hd, bias=False)
+        self.wo = nn.Linear(heads * self.hd, dim, bias=False)
+        inv = 1.0 / (10000 ** (torch.arange(0, self.rot, 2).float() / self.rot))
+        self.register_buffer("inv_freq", inv, persistent=False)
+        if style == "complex":
+            t = torch.arange(256).float()
+            self.register_buffer("freqs", torch.polar(torch.ones(256, self.rot // 2), torch.outer(t, inv)), persistent=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.h, self.hd)
+        k = self.wk(x).view(b, s, self.kv, self.hd)
+        v = self.wv(x).view(b, s, self.kv, self.hd)
+        t = torch.arange(s, device=x.device).float()
+        ang = torch.outer(t, self.inv_freq)
+        if self.style == "complex":
+            q, k = rope_complex(q, self.freqs), rope_complex(k, self.freqs)
+        elif self.style == "interleaved":
+            q, k = rope_interleaved(q, ang.cos(), ang.sin()), rope_interleaved(k, ang.cos(), ang.sin())
+        elif self.style in ("half", "partial"):
+            emb = torch.cat((ang, ang), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            if self.rot < self.hd:
+                qr, qp = q[..., : self.rot], q[..., self.rot :]
+                kr, kp = k[..., : self.rot], k[..., self.rot :]
+                q = torch.cat((rope_half(qr, cos, sin), qp), dim=-1)
+                k = torch.cat((rope_half(kr, cos, sin), kp), dim=-1)
+            else:
+                q, k = rope_half(q, cos, sin), rope_half(k, cos, sin)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.kv != self.h:
+            k = k.repeat_interleave(self.h // self.kv, dim=1)
+            v = v.repeat_interleave(self.h // self.kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+class RopeBlock(nn.Module):
+    def __init__(self, dim, heads, kv, style, partial):
+        super().__init__()
+        self.n1, self.n2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.attn = RopeAttention(dim, heads, kv, style, partial)
+        self.w1, self.w2 = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(4 * dim, dim, bias=False)
+    def forward(self, x):
+        x = x + self.attn(self.n1(x))
+        return x + self.w2(F.silu(self.w1(self.n2(x))))
+
+class RopeLM(nn.Module):
+    def __init__(self, dim=128, heads=8, kv=4, style="half", partial=1.0, layers=2, vocab=256):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(RopeBlock(dim, heads, kv, style, partial) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim); self.out = nn.Linear(dim, vocab, bias=False)
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks: x = b(x)
+        return self.out(self.norm(x))
+
+
+def rope(style: str, **sizes) -> RopeLM:
+    torch.manual_seed(0)
+    return RopeLM(style=style, **sizes)
+
+
+def rope_complex_lm() -> RopeLM:
+    return rope("complex")
+
+
+def rope_interleaved_lm() -> RopeLM:
+    return rope("interleaved")
+
+
+def rope_partial_lm() -> RopeLM:
+    return rope("partial", partial=0.5)
+
+
+def mqa_repeat_interleave() -> RopeLM:
+    return rope("half", kv=1)
+
+
+def rope_complex_gqa() -> RopeLM:
+    """2 kv heads for 8 query heads: at tp=4 each kv head is held by the 2 ranks reading it."""
+    return rope("complex", kv=2)
+
+
+# A fused q/k/v of unequal widths (gpt-fast, litgpt): 8 query heads and 2 kv heads in one Linear
+
+
+class FusedGQAAttention(nn.Module):
+    def __init__(self, dim: int = 128, n_head: int = 8, n_local_heads: int = 2) -> None:
+        super().__init__()
+        self.n_head, self.n_local_heads, self.head_dim, self.dim = n_head, n_local_heads, dim // n_head, dim
+        self.wqkv = nn.Linear(dim, (n_head + 2 * n_local_heads) * self.head_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        bsz, seqlen, _ = x.shape
+        kv_size = self.n_local_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([self.dim, kv_size, kv_size], dim=-1)
+        q = q.view(bsz, seqlen, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(bsz, seqlen, self.n_local_heads, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim).transpose(1, 2)
+        k = k.repeat_interleave(self.n_head // self.n_local_heads, dim=1)
+        v = v.repeat_interleave(self.n_head // self.n_local_heads, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).contiguous().view(bsz, seqlen, self.dim))
+
+
+class FusedGQALM(nn.Module):
+    def __init__(self, vocab: int = 256, dim: int = 128, layers: int = 2) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(FusedGQAAttention(dim) for _ in range(layers))
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.output(x)
+
+
+def fused_gqa() -> FusedGQALM:
+    torch.manual_seed(0)
+    return FusedGQALM()
+
+
+# A packed q/k/v cut apart the other ways people write it, the width read off the input
+
+
+class CutAttention(nn.Module):
+    def __init__(self, dim: int = 128, heads: int = 8, cut: str = "slice") -> None:
+        super().__init__()
+        self.heads, self.cut = heads, cut
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        qkv = self.qkv(x)
+        if self.cut == "slice":
+            q, k, v = qkv[..., :C], qkv[..., C:2 * C], qkv[..., 2 * C:]
+        elif self.cut == "narrow":
+            q, k, v = qkv.narrow(-1, 0, C), qkv.narrow(-1, C, C), qkv.narrow(-1, 2 * C, C)
+        if self.cut in ("slice", "narrow"):
+            q, k, v = (t.reshape(B, T, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        elif self.cut == "unpack":  # iterating a [3, B, heads, T, hd] tensor
+            q, k, v = qkv.reshape(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        else:
+            q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class CutLM(nn.Module):
+    def __init__(self, cut: str, vocab: int = 256, dim: int = 128, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.attn = nn.ModuleList(CutAttention(dim, cut=cut) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for attn in self.attn:
+            x = x + attn(x)
+        return self.head(x)
+
+
+def cut_slice() -> CutLM:
+    torch.manual_seed(0)
+    return CutLM("slice")
+
+
+def cut_narrow() -> CutLM:
+    torch.manual_seed(0)
+    return CutLM("narrow")
+
+
+def cut_unpack() -> CutLM:
+    torch.manual_seed(0)
+    return CutLM("unpack")
+
+
+def cut_unflatten() -> CutLM:
+    torch.manual_seed(0)
+    return CutLM("unflatten")
