@@ -379,9 +379,10 @@ def _examples(plan: Any) -> str:
 def cmd_check(args: argparse.Namespace) -> int:
     from .plan.model import load_plan_with_lines
     from .plan.validate import check_findings
-    from .tools.sources import resolve_model
 
     plan, lines = load_plan_with_lines(args.plan)  # one parse gives the plan and each key's line
+    from .tools.sources import resolve_model  # torch: only once the file is known to be a plan
+
     model, _, name = resolve_model(args.model)
     findings = check_findings(plan, model, where=lambda key: f"{args.plan}:{lines.get(key, 1)}: ")
     for line in findings:

@@ -321,3 +321,15 @@ def test_python_m_ends_after_flushing_a_whole_output(tmp_path: Path) -> None:
     assert shardplan.load_plan(out).tp == 2
     refused = python_m("plan", "no-such-model")
     assert refused.returncode == 2 and refused.stderr.startswith("shardplan: error: unknown model")
+
+
+@pytest.mark.parametrize("argv", [["diff", "{a}", "{b}"], ["check", "{missing}", "llama3-debug"], ["--help"]])
+def test_commands_that_only_read_files_import_no_torch(argv: list[str], plan_files: dict[str, Path], tmp_path) -> None:
+    """``diff`` and a ``check`` of a file that is not there answer in a blink: torch (1.3 s
+    to import) is not imported for them."""
+    args = [x.format(a=plan_files["tp2"], b=plan_files["tp4"], missing=tmp_path / "missing.yaml") for x in argv]
+    code = ("import sys, contextlib, io\nfrom shardplan.cli import main\n"
+            f"with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            f"    main({args!r})\nprint('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

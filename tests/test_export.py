@@ -176,3 +176,32 @@ def test_a_data_dependent_size_without_an_upper_bound_is_a_trace_error_not_a_cra
         _concrete(unbounded)
     torch._check(unbounded <= 7)  # a bound export's shape environment knows: taken as the size
     assert _concrete(unbounded) == 7
+
+
+class _ShapeBug(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.a, self.b = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64), torch.nn.Linear(48, 32)
+
+    def forward(self, idx):
+        return self.b(self.a(self.emb(idx)))  # 64 features into a Linear of 48: the user's bug
+
+
+def shape_bug() -> torch.nn.Module:
+    return _ShapeBug()
+
+
+def test_a_shape_bug_in_the_users_model_is_one_short_line(capfd) -> None:
+    """Both front ends stop at the same error: said once, with the user's line and the
+    shapes, and none of torch's fake-tensor log (117 lines of it before)."""
+    with torch.device("meta"):
+        model = shape_bug()
+    with pytest.raises(TraceError) as err:
+        shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.zeros(2, 8, dtype=torch.long, device="meta"),))
+    message = str(err.value)
+    assert "test_export.py:" in message and "[48, 32]" in message and "Both front ends stop there" in message
+    assert "second front end" not in message and "\n" not in message
+    assert "fake_tensor" not in capfd.readouterr().err
+    with pytest.raises(TraceError):  # built on CPU: the kernels' messages differ, the log stays quiet
+        shardplan.plan_model(shape_bug(), {"tp": 2}, example_inputs=(torch.zeros(2, 8, dtype=torch.long),))
+    assert "fake_tensor" not in capfd.readouterr().err

@@ -580,3 +580,16 @@ def test_a_position_table_looked_up_from_a_shape_is_vocab_parallel() -> None:
     plan = tiny_plan("led")
     tables = {k: v for k, v in plan.module_styles().items() if k.endswith("embed_positions")}
     assert len(tables) == 2 and set(tables.values()) == {"embedding_rowwise"}, tables
+
+
+@pytest.mark.parametrize("model_type", ["clip", "siglip"])
+def test_text_and_image_models_verify_with_both_inputs(model_type: str) -> None:
+    """CLIP and SigLIP take token ids and pixel values: the example inputs carry both (the
+    image size from the vision config), and SigLIP's tiny text head projects onto the tiny
+    vision width."""
+    from shardplan.tools.verify import verify
+
+    model, inputs, kwargs = hf.build_hf_model(model_type, tiny=True, device="meta")
+    assert kwargs["pixel_values"].shape[0] == inputs[0].shape[0]
+    result = verify(f"hf-tiny:{model_type}", nproc=2, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

@@ -32,6 +32,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # hypothesis keeps caches and failure patches in ./.hypothesis unless told otherwise
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(__import__("tempfile").gettempdir(), "shardplan-hypothesis"))
 
+import copy  # noqa: E402
+import re  # noqa: E402
 import functools  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -297,6 +299,7 @@ def _base_texts() -> dict[str, str]:
 
 
 _file_rows: dict[str, str] = {}  # named plan-file case -> outcome
+_fuzz_counts = {"loaded": 0, "applied": 0}  # mutated files that loaded; of those, fitted and applied
 _leaks: dict[str, dict[str, str]] = {}  # hypothesis test -> exception type -> shortest text seen
 
 
@@ -306,7 +309,7 @@ def _load(text: str, *, record: str | None = None) -> shardplan.Plan | None:
     try:
         plan = shardplan.Plan.from_yaml(text, source="m.yaml")
     except shardplan.PlanFileError as exc:
-        assert "m.yaml" in str(exc), f"PlanFileError does not name the file: {exc}"
+        assert re.search(r"m\.yaml:\d+", str(exc)), f"PlanFileError does not name the file and line: {exc}"
         return None
     except Exception as exc:
         kind = f"{type(exc).__module__}.{type(exc).__name__}"
@@ -317,7 +320,35 @@ def _load(text: str, *, record: str | None = None) -> shardplan.Plan | None:
         raise AssertionError(f"Plan.from_yaml raised {kind}, not PlanFileError: {_first_line(exc)}") from exc
     again = shardplan.Plan.from_yaml(plan.to_yaml())
     assert again.to_yaml() == plan.to_yaml(), "a loaded plan does not round-trip through its own YAML"
+    if record is not None:
+        _validate_and_apply(plan)
     return plan
+
+
+@functools.cache
+def _base_models() -> dict[str, nn.Module]:
+    """The models the base plan files were made for, on meta, by fingerprint."""
+    models = [build(_SP_CFG, device="meta"), build(_PACKED_CFG, device="meta")]
+    return {shardplan.plan.model.fingerprint(m): m for m in models}
+
+
+def _validate_and_apply(plan: shardplan.Plan) -> None:
+    """A mutated file that loads is checked against its model as ``shardplan check`` does, and
+    one that fits is applied on the fake group: a plan either fits and applies, or ``check``
+    says why (a ValueError from apply is a finding check missed)."""
+    from shardplan.plan.validate import check_findings
+
+    model = _base_models().get(plan.model.fingerprint)
+    _fuzz_counts["loaded"] += 1
+    if model is None or check_findings(plan, model):
+        return
+    _fuzz_counts["applied"] += 1
+    world = 1
+    for n in plan.mesh.axes.values():
+        world *= n
+    with fake_process_group(world):
+        mesh = make_mesh(dict(plan.mesh.axes))
+        shardplan.apply_plan(copy.deepcopy(model), mesh, plan)
 
 
 def _edit(base: str, old: str, new: str) -> Callable[[dict[str, str]], str]:
@@ -465,7 +496,8 @@ def test_a_file_of_random_bytes_is_a_plan_file_error(tmp_path) -> None:
     _file_rows["load_plan on random bytes"] = "PlanFileError"
 
 
-_HYP = settings(max_examples=150, deadline=None, derandomize=True, database=None,
+# 4 fuzz tests x 500 mutated files per CI run; SHARDPLAN_FUZZ_EXAMPLES=5000 for a longer hunt
+_HYP = settings(max_examples=int(os.environ.get("SHARDPLAN_FUZZ_EXAMPLES", "500")), deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 _SCALARS = st.one_of(
@@ -594,6 +626,14 @@ def test_yaml_features_raise_only_plan_file_error(text: str) -> None:
     _load(text, record="YAML features")
 
 
+def test_zy_fuzzed_files_that_load_were_checked_and_applied() -> None:
+    """The mutated files above that load reached ``check`` and, where they fit, ``apply_plan``
+    on the fake group: the fuzz exercised the whole path, not only the loader."""
+    if _fuzz_counts["loaded"] == 0:
+        pytest.skip("the fuzz tests did not run in this session (-k)")
+    assert _fuzz_counts["applied"] > 0, _fuzz_counts
+
+
 # --------------------------------------------------------------- gloo: TP == one process
 
 GLOO_CASES = {
@@ -661,6 +701,7 @@ def test_zz_summary() -> None:
     out.append("-- plan outcomes: " + ", ".join(f"{v} x {k}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])))
     out.append("== plan files (case -> outcome) ==")
     out += [f"{name:40s} {outcome}" for name, outcome in _file_rows.items()]
+    out.append(f"== fuzzed plan files: {_fuzz_counts['loaded']} loaded, {_fuzz_counts['applied']} fitted their model and applied ==")
     out.append("== hypothesis plan-file tests: exception types other than PlanFileError (shortest input) ==")
     for test, kinds in _leaks.items():
         for kind, text in kinds.items():

@@ -115,17 +115,22 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> Any:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """torch.export prints the graph it gave up on and logs guard warnings; the failure
-    reaches the user once, as the TraceError's message."""
-    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    """torch.export prints the graph it gave up on, logs guard warnings, and fake tensors
+    log every failing kernel with its traceback (``log.exception``: 117 lines for one shape
+    bug in a user's model, through handlers that hold the real stderr); the failure reaches
+    the user once, as the TraceError's message."""
+    quiet = {"torch.fx.experimental.symbolic_shapes": logging.ERROR, "torch._subclasses.fake_tensor": logging.CRITICAL}
+    logs = {name: logging.getLogger(name) for name in quiet}
+    levels = {name: log.level for name, log in logs.items()}
+    for name, log in logs.items():
+        log.setLevel(quiet[name])
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        log.setLevel(level)
+        for name, log in logs.items():
+            log.setLevel(levels[name])
 
 
 def _meta_example(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

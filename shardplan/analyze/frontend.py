@@ -78,4 +78,15 @@ def _exported(model: nn.Module, example_inputs: tuple, example_kwargs: dict | No
     except TraceError as exc:
         if fx_exc is None:
             raise
-        raise TraceError(f"{fx_exc} (the fx tracer); {exc} (the second front end)") from fx_exc
+        raise TraceError(_both_failed(str(fx_exc), str(exc))) from fx_exc
+
+
+def _both_failed(fx: str, export: str) -> str:
+    """Both front ends' reasons; one short line when both stopped at the same error (a shape
+    bug in the user's model: the fx tracer says where, export only what)."""
+    core = export.split(": ", 1)[1].rstrip(".") if ": " in export else ""
+    if core and core in fx:
+        where = fx.split(core)[0].rstrip(": ")
+        return (f"{where}: {core}. Both front ends stop there: the model's forward fails on these example inputs "
+                "before any sharding; check its shapes and example_inputs")
+    return f"{fx} (the fx tracer); {export} (the second front end)"

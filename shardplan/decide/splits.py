@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 from ..plan.model import Plan
 from .cost import format_bytes
-from .solve import PlanningError
 
 __all__ = ["MeshCandidate", "MeshComparison", "dp_tp_splits", "choose", "axes_str"]
 
@@ -74,6 +73,8 @@ class MeshComparison:
     def plan(self) -> Plan:
         """The chosen split's plan; ``PlanningError`` when no split fits."""
         if self.plan_of_chosen is None:
+            from .solve import PlanningError  # torch comes with it: file-only commands read this module
+
             raise PlanningError(self.no_fit_message())
         return self.plan_of_chosen
 

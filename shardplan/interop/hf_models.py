@@ -128,7 +128,8 @@ TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 12
         "rotary_dim": 8}
 
 _SIZES: list[tuple[tuple[str, ...], str]] = [
-    (("hidden_size", "n_embd", "d_model", "dim", "n_embed", "embed_dim"), "hidden"),
+    (("hidden_size", "n_embd", "d_model", "dim", "n_embed", "embed_dim",
+      "projection_size"), "hidden"),  # SigLIP: the text head projects onto the vision width
     (("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "n_layers", "num_encoder_layers"), "layers"),
     (("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads", "decoder_attention_heads"), "heads"),
     (("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), "kv_heads"),
@@ -261,17 +262,26 @@ def _example_inputs(model: nn.Module, config: Any, *, device: Any, batch_size: i
         tokens = torch.randint(0, high, shape, generator=gen, device="cpu")
         return tokens if meta else tokens.to(device)
 
-    image = getattr(config, "image_size", None)
-    if "pixel_values" in forward_params and "input_ids" not in forward_params and image is not None:
+    def pixels() -> torch.Tensor | None:
+        # an image model's config, or a text+image model's vision config (CLIP, SigLIP)
+        vision = getattr(config, "vision_config", None) or config
+        image = getattr(vision, "image_size", None)
+        if "pixel_values" not in forward_params or image is None:
+            return None
         image = image[0] if isinstance(image, (list, tuple)) else image
-        channels = getattr(config, "num_channels", 3)
-        shape = (batch_size, channels, image, image)
-        x = torch.zeros(shape, device="meta") if meta else torch.randn(shape, generator=gen).to(device)
+        shape = (batch_size, getattr(vision, "num_channels", 3), image, image)
+        return torch.zeros(shape, device="meta") if meta else torch.randn(shape, generator=gen).to(device)
+
+    if "input_ids" not in forward_params and (x := pixels()) is not None:
         return (x,), {}
     # ids every token table takes (FSMT's source and target vocabularies differ)
     vocab = min((v for k in _VOCAB_KEYS if isinstance(v := getattr(config, k, None), int) and v > 0), default=2)
+    if vocab == 2 and (text := getattr(config, "text_config", None)) is not None:
+        vocab = getattr(text, "vocab_size", vocab)
     inputs = (ids((batch_size, seq_len), vocab),)
     kwargs = {}
+    if (x := pixels()) is not None:
+        kwargs["pixel_values"] = x
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in forward_params:
         kwargs["decoder_input_ids"] = ids((batch_size, seq_len), vocab)
     return inputs, kwargs

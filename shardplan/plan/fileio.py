@@ -64,17 +64,22 @@ def _compose(text: str, source: str) -> yaml.Node | None:
     try:
         return yaml.compose(text, Loader=_LOADER)
     except UnicodeError:
-        raise PlanFileError(f"{source}: holds characters that are not valid UTF-8 text (a lone surrogate); "
+        raise PlanFileError(f"{source}:{_first_surrogate_line(text)}: holds characters that are not valid UTF-8 text (a lone surrogate); "
                             "a plan file is YAML text written by `shardplan plan -o`") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
+        where = f":{mark.line + 1}" if mark else ":1"
         problem = str(getattr(exc, "problem", exc))
         if "nesting depth" in problem:  # libyaml 0.2.5+ stops there itself
             raise PlanFileError(f"{source}{where}: nested deeper than a plan file can be (at most {MAX_DEPTH} levels)") from None
         raise PlanFileError(f"{source}{where}: not valid YAML ({problem}); fix the syntax") from None
     except RecursionError:
-        raise PlanFileError(f"{source}: nested deeper than a plan file can be (at most {MAX_DEPTH} levels)") from None
+        raise PlanFileError(f"{source}:1: nested deeper than a plan file can be (at most {MAX_DEPTH} levels)") from None
+
+
+def _first_surrogate_line(text: str) -> int:
+    at = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), 0)
+    return text.count("\n", 0, at) + 1
 
 
 def _walk(root: yaml.Node, source: str) -> dict[tuple, int]:
@@ -125,13 +130,14 @@ def load_mapping(text: str, *, source: str = "<string>") -> tuple[dict, dict[tup
     root = _compose(text, source)
     if not isinstance(root, yaml.MappingNode):
         got = "nothing" if root is None else type(root).__name__.replace("Node", "").lower()
-        raise PlanFileError(f"{source}: a plan file is a YAML mapping with 'version', 'mesh', 'rules'; got {got}")
+        line = root.start_mark.line + 1 if root is not None else 1
+        raise PlanFileError(f"{source}:{line}: a plan file is a YAML mapping with 'version', 'mesh', 'rules'; got {got}")
     lines = _walk(root, source)
     try:
         return SafeConstructor().construct_document(root), lines
     except (yaml.YAMLError, ValueError, KeyError, TypeError, OverflowError) as exc:  # e.g. `!!int abc`
         mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
+        where = f":{mark.line + 1}" if mark else ":1"
         raise PlanFileError(f"{source}{where}: a value cannot be read ({type(exc).__name__}: "
                             f"{str(getattr(exc, 'problem', None) or exc)[:120]}); write plain values") from None
 

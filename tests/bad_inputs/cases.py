@@ -197,11 +197,11 @@ CASES: list[Case] = [
     # ---- plan files: syntax and structure (shardplan check PLAN MODEL)
     cli("pf-not-yaml", f"check {P} mlp", r"plan\.yaml:3: not valid YAML \(.+\); fix the syntax",
         files={P: "version: 1\nrules: [\n"}),
-    cli("pf-top-level-list", f"check {P} mlp", r"plan\.yaml: a plan file is a YAML mapping .*; got sequence",
+    cli("pf-top-level-list", f"check {P} mlp", r"plan\.yaml:\d+: a plan file is a YAML mapping .*; got sequence",
         files={P: "- version: 1\n- rules: []\n"}),
-    cli("pf-top-level-scalar", f"check {P} mlp", r"plan\.yaml: a plan file is a YAML mapping .*; got scalar",
+    cli("pf-top-level-scalar", f"check {P} mlp", r"plan\.yaml:\d+: a plan file is a YAML mapping .*; got scalar",
         files={P: "just some words\n"}),
-    cli("pf-empty-file", f"check {P} mlp", r"plan\.yaml: a plan file is a YAML mapping .*; got nothing", files={P: ""}),
+    cli("pf-empty-file", f"check {P} mlp", r"plan\.yaml:\d+: a plan file is a YAML mapping .*; got nothing", files={P: ""}),
     cli("pf-unknown-key-top", f"check {P} mlp", r"plan\.yaml:{line:^colour:}: colour: unknown key",
         files={P: Edit("mlp", ("regions: []\n", "regions: []\ncolour: red\n"))}),
     cli("pf-unknown-key-rule", f"check {P} mlp", r"plan\.yaml:{line:^  colour:}: rules\.0\.colour: unknown key",
@@ -302,7 +302,7 @@ CASES: list[Case] = [
     cli("check-unknown-model", f"check {P} nosuch-model", r"unknown model 'nosuch-model'", files={P: Edit("mlp")}),
     # ---- other plan-file commands
     cli("diff-missing-file", f"diff {P} missing.yaml", r"cannot read plan file 'missing\.yaml'", files={P: Edit("mlp")}),
-    cli("diff-not-a-plan", f"diff {P} list.yaml", r"list\.yaml: a plan file is a YAML mapping .*; got sequence",
+    cli("diff-not-a-plan", f"diff {P} list.yaml", r"list\.yaml:\d+: a plan file is a YAML mapping .*; got sequence",
         files={P: Edit("mlp"), "list.yaml": "- a\n- b\n"}),
     cli("plan-output-exists", f"plan mlp --mesh tp=2 -o {P}", r"plan\.yaml exists; pass --force to overwrite it",
         files={P: "keep me\n"}, bound=5),
