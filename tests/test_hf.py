@@ -593,3 +593,32 @@ def test_text_and_image_models_verify_with_both_inputs(model_type: str) -> None:
     assert kwargs["pixel_values"].shape[0] == inputs[0].shape[0]
     result = verify(f"hf-tiny:{model_type}", nproc=2, timeout_s=300)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_the_exported_tp_plan_names_what_transformers_matches_and_keeps_replicated_modules() -> None:
+    """Qwen3-MoE with a dense first layer: every key is a name transformers matches (layers
+    as "*"; per-layer keys "match nothing" there), and modules shardplan keeps whole are
+    exported as "replicate", so the model's own default plan does not split them."""
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+    from shardplan.plan.model import expand_braces
+
+    model, inputs, _ = hf.build_hf_model("qwen3_moe", tiny=True, device="meta")
+    model.config.mlp_only_layers = [0]
+    model, inputs, _ = hf.build_hf_model("qwen3_moe", tiny=True, device="meta", config=model.config)
+    plan = shardplan.plan_model(model, MESH, example_inputs=inputs, explain=False)
+    exported = plan.to_hf_tp_plan()
+    names = {replace_layer_number_by_wildcard(n) for n, _ in model.named_modules()}
+    assert set(exported) <= names, sorted(set(exported) - names)
+    assert exported["model.layers.*.mlp.gate_proj"] == "colwise" and exported["model.layers.*.mlp.experts"] == "moe_tp_experts"
+    kept = {replace_layer_number_by_wildcard(f) for r in plan.rules if r.style == "replicate" for f in expand_braces(r.module)}
+    assert kept and all(exported[m] == "replicate" for m in kept), kept
+
+
+def test_layers_that_take_different_styles_under_one_name_are_not_exported() -> None:
+    plan = tiny_plan("llama")
+    rules = [r.model_copy(update={"module": r.module.replace(".*.", ".0.")}) for r in plan.rules]
+    odd = [r.model_copy(update={"module": r.module.replace(".0.", ".1."), "style": "colwise_gather_output"})
+           for r in rules if r.module.endswith("q_proj")]
+    with pytest.raises(ValueError, match=r"model\.layers\.\*\.self_attn\.q_proj: layers of this stack take different styles"):
+        plan.model_copy(update={"rules": rules + odd}).to_hf_tp_plan()

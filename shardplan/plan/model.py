@@ -367,7 +367,19 @@ class Plan(_Strict):
                 f"{sharded_out[0].module} keeps its output sharded ({sharded_out[0].output_layouts}: "
                 "loss_parallel), which Hugging Face's tp_plan cannot express (each rank's logits would cover part of "
                 "the vocabulary); plan with loss_parallel=False for Hugging Face, or apply it with shardplan.apply_plan")
-        return {key: r.style for r in self.rules if r.style != "replicate" for key in expand_braces(r.module)}
+        # every rule, "replicate" too: transformers lays this dict over the model's own default
+        # plan, so a module left out would take HF's default style, not shardplan's; its keys
+        # name layers by "*" (layers.0.mlp would "match nothing"), one style per such name
+        out: dict[str, str] = {}
+        for rule in self.rules:
+            for key in expand_braces(rule.module):
+                wild = re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), key)
+                if out.setdefault(wild, rule.style) != rule.style:
+                    raise ValueError(
+                        f"{wild}: layers of this stack take different styles ({out[wild]} and {rule.style}), which "
+                        "Hugging Face's tp_plan cannot express (one style per name, the layer index written *); "
+                        "apply the plan with shardplan.apply_plan instead")
+        return out
 
 
 def _set_keys(item: dict, kind: type[BaseModel]) -> dict:
