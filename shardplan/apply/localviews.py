@@ -7,14 +7,18 @@ fixes while its forward runs (a ``TorchFunctionMode`` entered by a forward pre-h
 by an ``always_call`` forward hook, so an exception leaves no mode behind): the ``k``-th
 ``view``/``reshape`` whose explicit sizes hold ``parts`` times its tensor's elements gets
 dim ``fixes[k].dim`` divided by ``parts``. A view that fits, or one with a ``-1``, runs as
-written. ``discover_fixes(module, expected)`` is the planner's side: run under it, each
-failing view is matched to the next planned local shape in ``expected`` that it equals with
-one dim divided, and the fixes are recorded (the local check then proves the plan).
+written. Every cut (``split``, ``narrow``, a slice with a number for a bound) is counted,
+and the ``call``-th one ``cuts`` names gets its numbers divided by ``parts``.
+``discover_fixes(module, expected, expected_cuts)`` is the planner's side: run under it,
+each failing view is matched to the next planned local shape in ``expected`` that it equals
+with one dim divided, each cut to the local numbers the plan expects of the trace's cut in
+the same place, and the fixes are recorded (the local check then proves the plan).
 
 Why it is needed: nanoGPT's attention reads ``B, T, C = x.size()`` off its whole input and
-ends with ``y.transpose(1, 2).contiguous().view(B, T, C)``. On a rank, ``y`` holds its
-``H / tp`` heads, ``C / tp`` features, and no integer attribute holds ``C`` for
-:class:`~shardplan.plan.model.LocalAttributes` to make local.
+ends with ``y.transpose(1, 2).contiguous().view(B, T, C)``; a user's block cuts its fused
+q/k/v with ``qkv(x).split(C, dim=-1)`` or ``qkv[..., :C]``. On a rank, ``y`` holds its
+``H / tp`` heads, ``C / tp`` features, the packed q/k/v ``3 C / tp``, and no integer
+attribute holds ``C`` for :class:`~shardplan.plan.model.LocalAttributes` to make local.
 """
 
 from __future__ import annotations
