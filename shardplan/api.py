@@ -315,7 +315,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 where, said = (exc.module, str(exc).split(": ", 1)[1]) if exc.module is not None else (
                     type(model).__name__, str(exc))
                 notes.append(f"{where}: sequence parallel off: no local size lets its shards run on "
-                             f"sequence-split inputs (first failure: {said.split('. The code')[0][:240]})")
+                             f"sequence-split inputs (as written: {said.split('. The code')[0][:240]})")
                 continue
             if (exc.module is None or exc.module in whole) and not extra.get("strict"):
                 # it fails outside any weight-bearing submodule, or even with that module run
