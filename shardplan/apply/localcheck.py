@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from typing import Any, Collection, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 import torch.distributed as dist
@@ -119,12 +119,15 @@ def _sub_plan(plan: Plan, prefix: str) -> Plan:
         fqns = expand_pattern(pattern, plan.model.repeats)
         return sorted({f[len(prefix) + 1:] for f in fqns if f.startswith(prefix + ".")} | ({""} if prefix in fqns else set()))
 
-    rules = [r.model_copy(update={"module": m}) for r in plan.rules for m in rel(r.module)]
-    regions = [r.model_copy(update={"module": m}) for r in plan.regions for m in rel(r.module)]
-    attributes = [a.model_copy(update={"module": m}) for a in plan.attributes for m in rel(a.module)]
-    views = [v.model_copy(update={"module": m}) for v in plan.local_views for m in rel(v.module)]
-    return plan.model_copy(update={"rules": rules, "regions": regions, "attributes": attributes, "local_views": views,
-                                   "model": plan.model.model_copy(update={"repeats": {}})})
+    return renamed_plan(plan, rel)
+
+
+def renamed_plan(plan: Plan, names: Callable[[str], list[str]]) -> Plan:
+    """``plan`` with each rule, region, attribute set and view fix written once per name
+    ``names(its module pattern)`` gives (none: left out), its folds expanded."""
+    update = {key: [e.model_copy(update={"module": m}) for e in getattr(plan, key) for m in names(e.module)]
+              for key in ("rules", "regions", "attributes", "local_views")}
+    return plan.model_copy(update={**update, "model": plan.model.model_copy(update={"repeats": {}})})
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:

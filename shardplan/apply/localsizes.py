@@ -21,7 +21,7 @@ from torch import nn
 
 from ..analyze.graph import OpGraph
 from ..analyze.values import nonzero_at_upper_bound
-from ..decide.placements import groups_of, local_shape, shard_dim
+from ..decide.placements import groups_of, index_items, local_shape, one_slice, shard_dim
 from ..decide.propagation import quiet_probes
 from ..plan.model import CutFix, LocalAttributes, LocalViews, Plan, ViewFix, int_attributes
 from .emit import shard
@@ -184,14 +184,12 @@ def _cut_dim(name: str, op: Any, ndim: int) -> int | None:
     elif name == "narrow":
         dim = args[1]
     else:
-        items = list(args[1]) if isinstance(args[1], tuple) else [args[1]]
-        if Ellipsis in items:
-            k = items.index(Ellipsis)
-            items = items[:k] + [slice(None)] * (ndim - sum(1 for i in items if i is not None and i is not Ellipsis)) + items[k + 1:]
-        at = [i for i, it in enumerate(items) if isinstance(it, slice) and it != slice(None)]
-        if len(at) != 1:
+        cut = one_slice(args[1])
+        if cut is None:
             return None
-        dim = at[0] - sum(1 for it in items[:at[0]] if it is None)
+        items = index_items(args[1], ndim)
+        at = next(i for i, it in enumerate(items) if it is cut)
+        dim = at - sum(1 for it in items[:at] if it is None)
     return dim % ndim if isinstance(dim, int) else None
 
 

@@ -38,7 +38,7 @@ from ..analyze.values import nonzero_at_upper_bound
 from ..plan.model import Plan, expand_pattern
 from .emit import shard
 from .localcheck import (
-    LocalShapeError, _at_or_under, _check_mesh, _local_args, _meta_copy, _said, _targets, _user_frame,
+    LocalShapeError, _at_or_under, _check_mesh, _local_args, _meta_copy, _said, _targets, _user_frame, renamed_plan,
 )
 
 __all__ = ["check_outer_code"]
@@ -109,12 +109,8 @@ def _stand_in(graph: OpGraph, fqn: str, placements: dict[int, str], tp: int) -> 
 
 def _outside(plan: Plan, blocks: list[str]) -> Plan:
     """The plan's entries for modules in no stood-in block, as plain names."""
-    def keep(pattern: str) -> list[str]:
-        return [f for f in expand_pattern(pattern, plan.model.repeats) if not _at_or_under(f, blocks)]
-
-    update = {key: [e.model_copy(update={"module": m}) for e in getattr(plan, key) for m in keep(e.module)]
-              for key in ("rules", "regions", "attributes", "local_views")}
-    return plan.model_copy(update={**update, "model": plan.model.model_copy(update={"repeats": {}})})
+    return renamed_plan(plan, lambda pattern: [f for f in expand_pattern(pattern, plan.model.repeats)
+                                               if not _at_or_under(f, blocks)])
 
 
 def _with_stand_ins(model: nn.Module, stand_ins: dict[str, _StandIn]) -> nn.Module:

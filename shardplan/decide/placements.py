@@ -31,7 +31,7 @@ from typing import Any
 
 from ..analyze.graph import Op
 
-__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts",
+__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "index_items", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts",
            "view_groups", "VIEW_OPS",
            "local_shape"]
 
@@ -173,6 +173,17 @@ def split_parts(op: Op, size: int) -> int | None:
     return k if k > 1 and size % k == 0 else None
 
 
+def index_items(index: Any, ndim: int) -> list:
+    """The items of ``x[index]`` for an ``ndim``-dim ``x``, an ``...`` written out as the ``:``
+    it stands for (``None`` items add dims and take none)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        fill = ndim - sum(1 for i in items if i is not None and i is not Ellipsis)
+        items = items[:k] + [slice(None)] * fill + items[k + 1:]
+    return items
+
+
 def one_slice(index: Any) -> slice | None:
     """The only slice of ``x[index]`` that is not ``:``, when its bounds are plain ints (not
     values the trace computed); None for any other index."""
@@ -187,10 +198,7 @@ def sliced_part(index: Any, shape: tuple[int, ...]) -> tuple[int, int] | None:
     """``(d, k)`` when ``x[index]`` slices dim ``d`` to exactly one of ``k`` equal blocks, its
     width (phi3's ``qkv[..., :query_pos]``, ``qkv[..., q:q + kv]``), every other dim kept
     whole; None for any other index."""
-    items = list(index) if isinstance(index, tuple) else [index]
-    if Ellipsis in items:
-        k = items.index(Ellipsis)
-        items = items[:k] + [slice(None)] * (len(shape) - len(items) + 1) + items[k + 1:]
+    items = index_items(index, len(shape))
     cut = one_slice(index)
     if cut is None or len(items) > len(shape) or not all(isinstance(i, slice) for i in items):
         return None

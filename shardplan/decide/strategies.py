@@ -38,7 +38,7 @@ from ..analyze.graph import Op, OpGraph
 from .folded import folded_factory_strategies, folded_values, folded_variants, folded_view_strategies
 from .heads import grouped_conversions, grouped_values, grouped_variants, partial_grad_twins, under_partial_grad_owner
 from .placements import (
-    VIEW_OPS, Strategy, chunk_count, expanded_dims, groups_of, narrow_index, packed, placement_str, shard_dim, sliced_part,
+    VIEW_OPS, Strategy, chunk_count, expanded_dims, groups_of, index_items, narrow_index, packed, placement_str, shard_dim, sliced_part,
     split_parts, view_groups, view_parts,
 )
 from .propagation import dtensor_strategies, in_place_strategies, metadata_only
@@ -480,13 +480,9 @@ def _index_dim_map(index: Any, src_shape: tuple[int, ...]) -> dict[int, int] | N
     the dim: Hugging Face's ``hidden_states[:, slice(-0, None), :]`` of ``logits_to_keep=0``)
     -> their output dim."""
     ndim = len(src_shape)
-    items = list(index) if isinstance(index, tuple) else [index]
+    items = index_items(index, ndim)
     if any(isinstance(i, torch.fx.Node) for i in items):
         return None
-    if Ellipsis in items:
-        k = items.index(Ellipsis)
-        fill = ndim - sum(1 for i in items if i is not None and i is not Ellipsis)
-        items = items[:k] + [slice(None)] * fill + items[k + 1 :]
     mapping, src, out = {}, 0, 0
     for item in items:
         if item is None:
