@@ -43,9 +43,9 @@ from .analyze.snapshot import preserved
 from .decide import assemble
 from .apply.localcheck import LocalShapeError, check_local_shapes
 from .apply.localsizes import find_local_attributes
-from .apply.standins import check_outer_code
+from .apply.standins import OuterCodeError, check_outer_code, stood_blocks
 from .plan.model import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint, matches
-from .decide.regions import find_partial_blocks, find_regions
+from .decide.regions import find_handovers, find_partial_blocks, find_regions, handover_regions
 from .decide.solve import PlanningError, SolveContext, solve
 from .decide.splits import MeshCandidate, MeshComparison, choose, dp_tp_splits
 from .analyze.trace import TraceError, trace_model
@@ -269,6 +269,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
     attributes: list = []  # modules whose size attributes take their local value (a head count)
     views: list = []  # modules whose views spell a width read off a whole tensor (nanoGPT's view(B, T, C))
     notes: list[str] = []  # what the check made the planner give up (sequence parallel)
+    handover = False  # sequence shards reach the blocks as DTensors (code between them reads their sizes)
     squeezed, pending, assembled = 0, None, None
     while True:
         solution, pending = pending or _solve_explained(graph, ctx), None
@@ -278,7 +279,9 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 model, graph, solution, ctx, entries, blocks, opts=_record_shapes(opts, example_inputs), axes=axes,
                 tp_axis=tp_axis, strict=extra.get("strict", False), whole=whole))
         _, entries, blocks, base = assembled
-        plan = base.model_copy(update={"attributes": list(attributes), "local_views": list(views), "warnings": list(base.warnings) + notes})
+        handed = handover_regions(find_handovers(graph, solution.placements, stood_blocks(graph))) if handover else []
+        plan = base.model_copy(update={"attributes": list(attributes), "local_views": list(views),
+                                       "regions": list(base.regions) + handed, "warnings": list(base.warnings) + notes})
         over = plan.estimate.peak_memory_bytes - opts.memory_budget if opts.memory_budget else 0
         if over > 0 and squeezed < 3:
             # the program prices activations per op, the estimate per transformer block
@@ -295,6 +298,11 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 check_outer_code(graph, plan, solution.placements, mesh=mesh)
             break
         except LocalShapeError as exc:
+            if isinstance(exc, OuterCodeError) and not handover and _sequence_parallel(graph, solution):
+                # positions or a mask made from the sequence-split embedding output: hand it on
+                # as a DTensor, whose sizes are global (:func:`.decide.regions.find_handovers`)
+                handover, pending = True, solution
+                continue
             # its code sizes by a global count (a weight module then fails on what it was
             # handed: o_proj on twice its features): the local count makes its shards run
             found = find_local_attributes(graph, plan, solution.placements, exc.module, mesh=mesh) if (
@@ -416,13 +424,17 @@ def _solve_explained(graph: OpGraph, ctx: SolveContext):
         ) from None
 
 
+def _sequence_parallel(graph: OpGraph, solution: Any) -> bool:
+    return any(solution.strategies[op.index].name == "sequence_parallel" for op in graph.ops if op.kind == "module")
+
+
 def _drop_sequence_parallel(graph: OpGraph, solution: Any, ctx: SolveContext, exc: LocalShapeError) -> bool:
     """Under ``sequence_parallel=None``, when the plan put a norm on sequence shards: the
     program no longer may (``ctx`` changed in place). True when it changed. Asked for
     (``True``), code between the blocks that cannot take sequence shards is an error."""
     if ctx.opts is None or ctx.opts.sequence_parallel is False:
         return False
-    if not any(solution.strategies[op.index].name == "sequence_parallel" for op in graph.ops if op.kind == "module"):
+    if not _sequence_parallel(graph, solution):
         return False
     if ctx.opts.sequence_parallel is True:
         if exc.module is None:

@@ -125,28 +125,50 @@ def test_hf_gpt2_matches_one_process_on_gloo() -> None:
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
 
 
-@pytest.mark.parametrize(("builder", "line"), [
-    (natural.hf_llama_mqa, "model.layers.0: the code around it hands it"),
-    (natural.hf_gpt2_odd_vocab, "modeling_gpt2.py:"),
-])
-def test_sequence_parallel_asked_of_code_that_sizes_positions_off_the_embedding_is_refused(builder, line: str) -> None:
+HF_DECODERS = [natural.hf_llama_mqa, natural.hf_gpt2_odd_vocab]
+
+
+def _sp_plan(builder, tp: int, **options) -> Plan:
+    return shardplan.plan_model(builder(), {"tp": tp}, example_inputs=(torch.zeros(2, 16, dtype=torch.long),),
+                                explain=False, **options)
+
+
+@pytest.mark.parametrize("builder", HF_DECODERS)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_hf_decoders_take_sequence_parallel_with_the_embedding_handed_on_as_a_dtensor(builder, tp: int) -> None:
     """Hugging Face's decoders make positions and the mask from the embedding's output
-    (``arange(inputs_embeds.shape[1])``): on sequence shards they cover 1/tp of the sequence.
-    The code between the blocks is checked with each block stood in for, so the plan is
-    refused while planning, not on the ranks."""
-    with pytest.raises(shardplan.PlanningError, match="sequence_parallel=True") as info:
-        shardplan.plan_model(builder(), {"tp": 2}, example_inputs=(torch.zeros(2, 16, dtype=torch.long),),
-                             sequence_parallel=True, explain=False)
-    assert line in str(info.value) and "--sequence-parallel auto" in str(info.value)
+    (``arange(inputs_embeds.shape[1])``), and GPT-2 views its final norm's output by the
+    input's length: on local sequence shards both read s / tp. The check of the code between
+    the blocks finds it; the embeddings (and GPT-2's final norm) then hand their sequence
+    shards on as DTensors, whose sizes are global, and the first block takes its local part."""
+    plan = _sp_plan(builder, tp, sequence_parallel=True)
+    styles = plan.module_styles()
+    norms = [m for m in styles if m.rpartition(".")[2] in ("input_layernorm", "post_attention_layernorm", "norm",
+                                                           "ln_1", "ln_2", "ln_f")]
+    assert norms and all(styles[m] == "sequence_parallel" for m in norms), {m: styles[m] for m in norms}
+    handed = {(r.module, r.input): (r.input_layouts, r.desired_input_layouts, r.use_local_output)
+              for r in plan.regions if "DTensor" in r.why}
+    first = "model.layers.0" if any(m.startswith("model.") for m in styles) else "transformer.h.0"
+    assert handed[(first, 0)] == ("Shard(1)", "Shard(1)", True), handed
+    embeddings = [m for m, _ in handed if m.rpartition(".")[2] in ("embed_tokens", "wte", "wpe")]
+    assert embeddings and all(handed[(m, "output")] == ("Shard(1)", "Shard(1)", False) for m in embeddings), handed
+    assert all(h[0] == h[1] for h in handed.values()), "a handover moves no data"
+    result = simulate(builder(), plan, (torch.randint(0, 256, (2, 16)),))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
 
 
-def test_sequence_parallel_left_to_the_planner_is_turned_off_for_such_code() -> None:
-    """At seq 2048 the cost model would put HF Llama's norms on sequence shards; the check of
-    the code between the blocks turns it off, and says where."""
+@pytest.mark.parametrize("spec", ["tests.portability.natural:hf_llama_mqa", "tests.portability.natural:hf_gpt2_odd_vocab"])
+def test_hf_decoders_under_sequence_parallel_match_one_process_on_gloo(spec: str) -> None:
+    result = verify(spec, nproc=2, timeout_s=300, sequence_parallel=True)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    assert "sequence_parallel" in result.plan.module_styles().values(), result.plan.warnings
+
+
+def test_sequence_parallel_left_to_the_planner_is_kept_on_hf_decoders() -> None:
+    """At seq 2048 the cost model puts HF Llama's norms on sequence shards, and they stay there."""
     plan = _plan(natural.hf_llama_mqa, 2, seq=2048)
-    assert "sequence_parallel" not in plan.module_styles().values()
-    (note,) = [w for w in plan.warnings if "sequence parallel off" in w]
-    assert note.startswith("LlamaForCausalLM: sequence parallel off") and "model.layers.0: the code around it" in note
+    assert plan.module_styles()["model.norm"] == "sequence_parallel", plan.warnings
+    assert not [w for w in plan.warnings if "sequence parallel off" in w], plan.warnings
 
 
 def test_code_between_blocks_that_takes_sequence_shards_keeps_them() -> None:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..analyze.graph import OpGraph
@@ -41,7 +42,12 @@ from .localcheck import (
     LocalShapeError, _at_or_under, _check_mesh, _local_args, _meta_copy, _said, _targets, _user_frame, renamed_plan,
 )
 
-__all__ = ["check_outer_code"]
+__all__ = ["check_outer_code", "OuterCodeError", "stood_blocks"]
+
+
+class OuterCodeError(LocalShapeError):
+    """The code between the blocks fails on the plan's shards, or hands a block a tensor of
+    another local shape than the plan's (it read a size off a split tensor)."""
 
 
 class _StandIn(nn.Module):
@@ -74,8 +80,9 @@ def _compare(fqn: str, name: str, got: Any, want: Any) -> None:
     if got_spec != want_spec:
         return
     for g, w in zip(got_leaves, want_leaves):
+        g = g.to_local() if isinstance(g, DTensor) else g  # a handover: the block's entry makes it local
         if isinstance(g, torch.Tensor) and isinstance(w, _Shape) and tuple(g.shape) != w.dims:
-            raise LocalShapeError(
+            raise OuterCodeError(
                 f"{fqn}: the code around it hands it {name} of local shape {list(g.shape)} where the plan expects "
                 f"{list(w.dims)}: that code reads a size off a split tensor (positions or a mask made from a "
                 "sequence-split embedding output cover 1/tp of the sequence)", None)
@@ -126,27 +133,32 @@ def _outermost(fqns: set[str]) -> list[str]:
     return sorted(f for f in fqns if not any(f.startswith(o + ".") for o in fqns))
 
 
+def stood_blocks(graph: OpGraph) -> list[str]:
+    """The blocks the check stands in for (folded copies included); empty when the whole
+    model is one block or a block has no recorded call."""
+    blocks = [t for t in _targets(graph) if t]
+    stood = _outermost(set(graph.traced.folded) | set(blocks)) if blocks and "" in graph.traced.calls else []
+    return [] if any(graph.traced.folded.get(f, f) not in graph.traced.calls for f in stood) else stood
+
+
 def check_outer_code(graph: OpGraph, plan: Plan, placements: dict[int, str], *, mesh: Any = None) -> None:
     """Run after :func:`~.localcheck.check_local_shapes` passed, on the same mesh."""
-    blocks = [t for t in _targets(graph) if t]
-    if plan.tp == 1 or not blocks or "" not in graph.traced.calls:
+    stood = stood_blocks(graph)
+    if plan.tp == 1 or not stood:
         return  # nothing split, or the whole model is one block: its run covered this code
     with _check_mesh(plan, mesh) as tp_mesh:
         if tp_mesh is not None:
-            _check_on(graph, blocks, plan, placements, tp_mesh)
+            _check_on(graph, stood, plan, placements, tp_mesh)
 
 
-def _check_on(graph: OpGraph, blocks: list[str], plan: Plan, placements: dict[int, str], mesh: Any) -> None:
-    stood = _outermost(set(graph.traced.folded) | set(blocks))
-    if any(graph.traced.folded.get(f, f) not in graph.traced.calls for f in stood):
-        return  # a block no call was recorded for: nothing to stand in with
+def _check_on(graph: OpGraph, stood: list[str], plan: Plan, placements: dict[int, str], mesh: Any) -> None:
     try:
         _run(graph, stood, plan, placements, mesh)
     except LocalShapeError:
         raise
     except Exception as exc:  # noqa: BLE001 - judged by the same run unsharded
         if _runs_unsharded(graph, stood):
-            raise LocalShapeError(
+            raise OuterCodeError(
                 f"{type(graph.model).__name__}: the code between its blocks fails on its shards at "
                 f"{_user_frame(exc)}: {_said(exc)}", None) from None
 
@@ -159,7 +171,28 @@ def _run(graph: OpGraph, stood: list[str], plan: Plan | None, placements: dict[i
         shard(model, mesh, _outside(plan, stood))
     args, kwargs = _local_args(graph.traced.calls[""][0], placements, tp)
     with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound():
-        model(*args, **kwargs)
+        out = model(*args, **kwargs)
+    if plan is not None:
+        _compare_outputs(graph, out, placements, tp)
+
+
+def _compare_outputs(graph: OpGraph, out: Any, placements: dict[int, str], tp: int) -> None:
+    """The model's outputs have the local shapes the plan gives them: code after the blocks
+    that views a sequence-split tensor by a global size (GPT-2's ``view(-1, *input_shape[1:],
+    hidden)``) regroups the rows silently, with no error to catch."""
+    node = next(n for n in graph.traced.graph.nodes if n.op == "output")
+    traced = [n for n in tree_flatten(node.args[0])[0] if isinstance(n, torch.fx.Node) and "shardplan_op" in n.meta]
+    got = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if len(traced) != len(got):
+        return
+    for n, g in zip(traced, got):
+        value = graph.values.get(n.meta["shardplan_op"])
+        g = g.to_local() if isinstance(g, DTensor) else g
+        want = local_shape(value.shape, placements.get(value.id, "R"), tp) if value is not None else None
+        if want is not None and tuple(g.shape) != tuple(want):
+            raise OuterCodeError(
+                f"{type(graph.model).__name__}: the code around its blocks returns a tensor of local shape "
+                f"{list(g.shape)} where the plan expects {list(want)}: that code reads a size off a split tensor", None)
 
 
 def _runs_unsharded(graph: OpGraph, stood: list[str]) -> bool:

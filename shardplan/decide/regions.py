@@ -27,9 +27,12 @@ import torch
 from ..analyze.graph import OpGraph
 from .propagation import metadata_only
 from .slices import is_slice, place
+from ..plan.model import Region
 from .solve import Solution
+from .strategies import placement_str
 
-__all__ = ["RegionSite", "Entry", "PartialBlock", "find_regions", "find_partial_blocks"]
+__all__ = ["RegionSite", "Entry", "PartialBlock", "Handover", "find_regions", "find_partial_blocks", "find_handovers",
+           "handover_regions"]
 
 
 @dataclass(frozen=True)
@@ -242,3 +245,92 @@ def _reaches_a_shard(graph: OpGraph, solution: Solution, value: int, own: frozen
                 seen.add(out)
                 stack.append(out)
     return False
+
+
+@dataclass(frozen=True)
+class Handover:
+    """A sharded value that the code between the blocks reads: kept a DTensor from the module
+    that makes it to the block that takes it (``at``: that block's argument; None: the
+    producing module's output)."""
+
+    module: str
+    at: int | str | None
+    num_inputs: int
+    placement: str  # "S1": the value's placement, the same on both sides
+    read: bool = False  # an output the code after the blocks computes with (not one a block takes)
+
+
+def find_handovers(graph: OpGraph, placements: dict[int, str], blocks: list[str]) -> list[Handover]:
+    """Where sharded values cross from the code between ``blocks`` into them.
+
+    Hugging Face's decoders read the embedding output's sizes for positions and the mask
+    (``arange(inputs_embeds.shape[1])``); on a plain local tensor under sequence parallel that
+    is s / tp. As a DTensor the same code reads the global sizes, and DTensor's own ops run
+    what else it computes there (GPT-2's ``wte(x) + wpe(p)``, Gemma's scale). So each module
+    outside the blocks whose sharded output reaches a block keeps it a DTensor
+    (``PrepareModuleOutput``), and the block's entry turns it back into the local tensor its
+    code is checked on (``PrepareModuleInput``, ``use_local_output``). Same placements on
+    both sides: no collective."""
+    out: dict[tuple, Handover] = {}
+    for fqn in blocks:
+        if fqn not in graph.traced.calls:
+            continue  # a folded copy: its input is the block before it
+        call = graph.traced.calls[fqn][0]
+        handed = [(i, a) for i, a in enumerate(call.args)] + list(call.kwargs.items())
+        for at, node in handed:
+            v = getattr(node, "meta", {}).get("shardplan_op") if hasattr(node, "meta") else None
+            if v in graph.values and (p := placements.get(v, "R")).startswith("S"):
+                producers = _outside_producers(graph, v, placements, blocks)
+                for op in producers:
+                    out[(op.target, None)] = Handover(op.target, None, len(op.node.args), placements[op.output])
+                if producers:
+                    out[(fqn, at)] = Handover(fqn, at, len(call.args), p)
+    for op in _read_by_code_between(graph, placements, blocks):
+        out.setdefault((op.target, None), Handover(op.target, None, len(op.node.args), placements[op.output], read=True))
+    return sorted(out.values(), key=lambda h: (h.module, str(h.at)))
+
+
+def _read_by_code_between(graph: OpGraph, placements: dict[int, str], blocks: list[str]) -> list:
+    """Weight modules outside ``blocks`` whose sharded output the code between the blocks
+    computes with (GPT-2 views its final norm's output by the input's sequence length)."""
+    found = []
+    for op in graph.ops:
+        if op.kind != "module" or op.output is None or any(_inside(op.target, b) for b in blocks):
+            continue
+        if not placements.get(op.output, "R").startswith("S"):
+            continue
+        readers = [graph.ops[c] for c in graph.consumers.get(op.output, [])]
+        if any(r.kind == "function" and not metadata_only(r) and not any(_inside(r.owner, b) for b in blocks)
+               for r in readers):
+            found.append(op)
+    return found
+
+
+def _outside_producers(graph: OpGraph, value: int, placements: dict[int, str], blocks: list[str]) -> list:
+    """The weight modules outside ``blocks`` whose sharded outputs flow into ``value``
+    through the code between the blocks, modules included (Bloom's embedding norm: the mask
+    is made from the embedding's output before it)."""
+    op = graph.ops[graph.values[value].producer]
+    if any(_inside(place(op), b) for b in blocks) or not placements.get(value, "R").startswith("S"):
+        return []
+    if op.kind not in ("module", "function"):
+        return []
+    found = [p for v in op.inputs if v in graph.values for p in _outside_producers(graph, v, placements, blocks)]
+    return found + [op] if op.kind == "module" else found
+
+
+def handover_regions(handovers: list[Handover]) -> list[Region]:
+    out = []
+    for h in handovers:
+        layout = placement_str(h.placement).replace("()", "")
+        entry = h.at is not None
+        out.append(Region(
+            module=h.module, input=h.at if entry else "output", num_inputs=h.num_inputs, input_layouts=layout,
+            desired_input_layouts=layout, use_local_output=entry,
+            why=("its code is checked on local tensors: the DTensor handed to it becomes one here" if entry
+                 else "handed on as a DTensor, so the code after it computes with global sizes (a view by the "
+                      "input's length), not those of 1/tp of the sequence" if h.read
+                 else "handed on as a DTensor, so the code between the blocks reads global sizes off it (positions, "
+                      "the mask), not those of 1/tp of the sequence"),
+        ))
+    return out
