@@ -340,7 +340,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
             graph, solution, ctx, modules=_explained(plan, model, graph, extra.get("explain", True)))
         plan = plan.model_copy(update={"decisions": decisions, "rules": assemble.rules(
             graph, solution, decisions, entries, blocks)})
-    if graph.traced.front_end == "export":  # traced without folding: one rule per kind of block
+    if graph.traced.front_end == "export":  # copies export could not fold: one rule per kind of block
         merged, decisions = assemble.merge_repeated(plan.rules, plan.decisions, model)
         plan = plan.model_copy(update={"rules": merged, "decisions": decisions})
     return plan

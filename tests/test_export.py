@@ -205,3 +205,97 @@ def test_a_shape_bug_in_the_users_model_is_one_short_line(capfd) -> None:
     with pytest.raises(TraceError):  # built on CPU: the kernels' messages differ, the log stays quiet
         shardplan.plan_model(shape_bug(), {"tp": 2}, example_inputs=(torch.zeros(2, 8, dtype=torch.long),))
     assert "fake_tensor" not in capfd.readouterr().err
+
+
+def _decoder_ids(seq: int = 16) -> tuple[torch.Tensor]:
+    return (torch.zeros(2, seq, dtype=torch.long, device="meta"),)
+
+
+def _settings(plan) -> list[dict]:
+    """The rules without their prices' wording: a folded graph prices a style change for every
+    block it stands for, an unfolded one for the block whose rule is kept."""
+    return [r.model_dump(exclude={"why"}) for r in plan.rules]
+
+
+def test_repeated_blocks_fold_under_export_to_the_same_rules() -> None:
+    """Only torch.export traces this decoder; its 6 layers fold as the fx tracer folds them
+    (one traced, five single ops) and plan to the rules the unfolded graph gives."""
+    plans = {}
+    for fold in (True, False):
+        with torch.device("meta"):
+            model = untraceable.decoder(6)
+        plans[fold] = shardplan.plan_model(model, {"tp": 2}, example_inputs=_decoder_ids(), fold_repeated=fold)
+    assert _settings(plans[True]) == _settings(plans[False])
+    assert plans[True].module_styles() == plans[False].module_styles()
+    assert [(r.module, r.style) for r in plans[True].rules][1:6] == [
+        ("layers.*.attn_norm", "replicate"), ("layers.*.wq", "colwise"), ("layers.*.wk", "colwise"),
+        ("layers.*.wv", "colwise"), ("layers.*.wo", "rowwise")]
+
+
+def test_folded_copies_are_single_calls_of_the_representative() -> None:
+    from shardplan.analyze.export import export_trace
+
+    with torch.device("meta"):
+        model = untraceable.decoder(5)
+    traced = export_trace(model, _decoder_ids())
+    assert traced.folded == {f"layers.{i}": "layers.0" for i in range(1, 5)}
+    calls = [n for n in traced.graph.nodes if n.op == "call_module" and n.target in traced.folded]
+    assert [n.target for n in calls] == [f"layers.{i}" for i in range(1, 5)]
+    assert not [n for n in traced.graph.nodes if n.op == "call_module" and n.target.startswith("layers.1.")]
+    assert all(tuple(n.meta["val"].shape) == (2, 16, 64) and n.kwargs == {"causal": True} for n in calls)
+    rep = traced.calls["layers.0"][0]  # as the fx tracer records it: the hidden state, the rope tuple, the flag
+    assert rep.args[0] is not None and rep.args[1] is None and rep.outputs and calls[0].args[0] is rep.outputs[0]
+    assert rep.example[1] == {"causal": True} and rep.example[0][0].is_meta
+    unfolded = export_trace(model, _decoder_ids(), fold_repeated=False)
+    assert unfolded.folded == {} and list(unfolded.calls) == [""]
+    # the model is left as it was: no forward patched on the class or the instances
+    assert untraceable.DecoderLayer.forward.__qualname__ == "DecoderLayer.forward"
+    assert not [m for m in model.modules() if "forward" in vars(m)]
+
+
+def test_a_copy_called_with_other_inputs_is_traced_through() -> None:
+    """Folding reuses the representative's output only for inputs of its shapes."""
+    from shardplan.analyze.export import export_trace
+
+    class Widening(untraceable.Stack):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.layers[0](x)
+            x = self.layers[1](x[:, :4])  # a shorter sequence than layers.0 saw
+            return self.head(self.layers[2](x))
+
+    with torch.device("meta"):
+        model = Widening(untraceable.CallableArgument, layers=3)
+    traced = export_trace(model, X)
+    assert traced.folded == {}  # layers.1 and layers.2 both see [2, 4, 32], layers.0 [2, 8, 32]
+    leaves = {n.target for n in traced.graph.nodes if n.op == "call_module"}
+    assert {"layers.1.up", "layers.2.down"} <= leaves
+
+
+def test_the_forwards_are_put_back_when_the_export_fails() -> None:
+    class Failing(untraceable.CallableArgument):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = super().forward(x)
+            return h if h.sum() > 0 else -h  # a branch on values: torch.export stops here
+
+    with torch.device("meta"):
+        model = untraceable.Stack(Failing, layers=3)
+    with pytest.raises(TraceError):
+        shardplan.plan_model(model, {"tp": 2}, example_inputs=X, explain=False, front_end="export")
+    assert "forward" in vars(Failing) and Failing.forward.__qualname__.endswith("Failing.forward")
+    assert "forward" not in vars(untraceable.CallableArgument) or \
+        untraceable.CallableArgument.forward.__qualname__ == "CallableArgument.forward"
+
+
+def test_a_deep_export_only_model_plans_in_seconds() -> None:
+    """Llama-3-70B's shapes (80 layers of hidden 8192, 64 heads, 8 kv heads) that only
+    torch.export traces: one layer is traced and solved, not 80 (17 s before, 3 s here)."""
+    import time
+
+    with torch.device("meta"):
+        model = untraceable.decoder_70b(80)
+    start = time.perf_counter()
+    plan = shardplan.plan_model(model, {"tp": 8}, example_inputs=(torch.zeros(2, 2048, dtype=torch.long, device="meta"),))
+    elapsed = time.perf_counter() - start
+    assert plan.module_styles()["layers.79.wq"] == "colwise" and plan.module_styles()["layers.79.w2"] == "rowwise"
+    assert len(plan.rules) == 12
+    assert elapsed < 15, f"{elapsed:.1f} s"

@@ -607,8 +607,9 @@ def test_the_exported_tp_plan_names_what_transformers_matches_and_keeps_replicat
     model.config.mlp_only_layers = [0]
     model, inputs, _ = hf.build_hf_model("qwen3_moe", tiny=True, device="meta", config=model.config)
     plan = shardplan.plan_model(model, MESH, example_inputs=inputs, explain=False)
-    exported = plan.to_hf_tp_plan()
+    exported = plan.to_hf_tp_plan(model)  # moe_tp_experts: the model names the bank's weights' keys
     names = {replace_layer_number_by_wildcard(n) for n, _ in model.named_modules()}
+    names |= {replace_layer_number_by_wildcard(n) for n, _ in model.named_parameters()}
     assert set(exported) <= names, sorted(set(exported) - names)
     assert exported["model.layers.*.mlp.gate_proj"] == "colwise" and exported["model.layers.*.mlp.experts"] == "moe_tp_experts"
     kept = {replace_layer_number_by_wildcard(f) for r in plan.rules if r.style == "replicate" for f in expand_braces(r.module)}

@@ -19,10 +19,22 @@ rewrites the exported ATen graph into the meta tracer's form:
 * higher-order ops (``wrap_with_autocast``, ``wrap_with_set_grad_enabled``) are inlined;
 * ``node.meta["val"]`` holds meta tensors with the global shapes.
 
-Nothing is folded (every block is traced) and only the root's call is recorded, so no
-region is formed inside a block: the plan is valid, with the collectives of plain
-per-Linear styles. The meta tracer stays the fast path; :func:`shardplan.plan_model` uses
-this one only when that one fails.
+Repeated blocks fold as the meta tracer folds them (``fold_repeated``, the same
+:func:`~shardplan.analyze.trace._repeated_groups` rule): during the export every block of a
+group but the first (the representative) runs as one opaque op, ``shardplan::folded_block``,
+returning tensors shaped as the representative's outputs were for the same input shapes, so
+its body is never traced and an 80-layer model exports and solves as one layer. The rewrite
+makes each such op a ``call_module`` node of the copy (``Traced.folded`` maps it to the
+representative). The representative's tensor inputs and outputs pass through
+``shardplan::mark`` (an identity the rewrite drops), which says which graph values its call
+read and returned: its :class:`~shardplan.analyze.trace.ModuleCall`, as the meta tracer
+records it. A copy called with other input shapes or types than the representative's first
+call, or a representative whose output is not a tensor or a flat tuple of tensors and
+constants, is traced through instead. The wrapping is on the blocks' classes for the
+export only: their own ``forward`` is put back on success and on error.
+
+Apart from those blocks, only the root's call is recorded. The meta tracer stays the fast
+path; :func:`shardplan.plan_model` uses this one only when that one fails.
 """
 
 from __future__ import annotations
@@ -39,10 +51,11 @@ import torch
 import torch.fx
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_map_only, tree_unflatten
 
+from .exportfold import BlockCall, Folder, Slot, count_slots, filled, registered_ops
 from .snapshot import preserved
-from .trace import ModuleCall, Traced, TraceError, is_weight_leaf
+from .trace import ModuleCall, Traced, TraceError, _repeated_groups, is_weight_leaf
 from .values import UPPER_BOUND_NOTE
 
 __all__ = ["export_trace", "UPPER_BOUND_NOTE"]
@@ -51,22 +64,27 @@ __all__ = ["export_trace", "UPPER_BOUND_NOTE"]
 _DROPPED = {"_assert_tensor_metadata", "_assert_async", "sym_constrain_range_for_size", "_assert_scalar"}
 
 
-def export_trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None) -> Traced:
+def export_trace(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None, *,
+                 fold_repeated: bool = True) -> Traced:
     """``model`` through ``torch.export`` on fake tensors, as a :class:`Traced`."""
     kwargs = dict(example_kwargs or {})
+    folder = Folder(model, _repeated_groups(model) if fold_repeated else {})
     try:
-        ep = _export(model, tuple(example_inputs), kwargs)
+        ep = _export(model, tuple(example_inputs), kwargs, folder)
     except Exception as exc:  # noqa: BLE001 - torch.export's many error types, said in one line
         raise TraceError(f"torch.export could not trace {type(model).__name__}: {type(exc).__name__}: "
                          f"{str(exc).strip().splitlines()[0][:300]}") from exc
     flat = _inline(ep.graph_module)
     sig = ep.graph_signature
     state = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
-    graph, placeholders, outputs = _Rewriter(model, state).run(flat)
+    rewriter = _Rewriter(model, state, folder)
+    graph, placeholders, outputs = rewriter.run(flat)
     args, kw = _root_nodes(model, placeholders, tuple(example_inputs), kwargs)
-    call = ModuleCall("", args, kw, outputs, _meta_example(example_inputs, kwargs))
+    calls = {"": [ModuleCall("", args, kw, outputs, _meta_example(example_inputs, kwargs))]}
+    for fqn, found in rewriter.block_calls().items():
+        calls.setdefault(fqn, []).extend(found)
     notes = [UPPER_BOUND_NOTE] if _data_dependent(flat) else []
-    return Traced(graph=graph, model=model, calls={"": [call]}, folded={}, notes=notes, front_end="export")
+    return Traced(graph=graph, model=model, calls=calls, folded=rewriter.folded, notes=notes, front_end="export")
 
 
 def _data_dependent(graph: torch.fx.Graph) -> bool:
@@ -89,7 +107,7 @@ def _root_nodes(model: nn.Module, placeholders: list, args: tuple, kwargs: dict)
     return nodes, dict(zip(names, placeholders[len(positions):]))
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict) -> Any:
+def _export(model: nn.Module, args: tuple, kwargs: dict, folder: Folder | None = None) -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -109,7 +127,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict) -> Any:
     # x-transformers' ALiBi ``self.bias = ...``; a module registered under two names whose
     # restore wrote the fake back: a tied ``token_emb``) is undone, since a fake tensor left
     # in the model breaks every later copy of it and the user's next forward
-    with preserved(model), _reparametrize_module(model, state, tie_weights=True), _quiet():
+    with preserved(model), _reparametrize_module(model, state, tie_weights=True), _quiet(), \
+            (folder.installed() if folder is not None else contextlib.nullcontext()):
         return torch.export.export(model, fake_args, fake_kwargs, strict=False)
 
 
@@ -168,7 +187,7 @@ def _concrete(n: Any) -> Any:
     return int(upper)
 
 
-# --------------------------------------------------------------------------- inlining
+# --------------------------------------------------------------------------- folding
 
 
 def _inline(gm: torch.fx.GraphModule) -> torch.fx.Graph:
@@ -223,23 +242,37 @@ def _body(node: torch.fx.Node, env: dict) -> tuple[torch.fx.GraphModule, tuple] 
 class _Rewriter:
     """Copies the flat ATen graph, folding each weight leaf's ops into one call_module."""
 
-    def __init__(self, model: nn.Module, state: dict[str, str]) -> None:
+    def __init__(self, model: nn.Module, state: dict[str, str], folder: Folder | None = None) -> None:
         self.model, self.state = model, state
         self.graph = torch.fx.Graph()
         self.env: dict[torch.fx.Node, torch.fx.Node] = {}
         self.consts: dict[str, torch.fx.Node] = {}
         self.leaf_of: dict[str, bool] = {}
+        self.folder = folder or Folder(model, {})
+        self.marks: dict[tuple[int, int], torch.fx.Node] = {}  # (call id, slot) -> the value marked
+        self.copies: dict[torch.fx.Node, tuple[torch.fx.Node, BlockCall]] = {}  # folded_block -> its call_module
+        self.folded: dict[str, str] = {}  # copy -> representative, for the copies that folded
 
     def run(self, flat: torch.fx.Graph) -> tuple[torch.fx.Graph, list[torch.fx.Node], list[torch.fx.Node]]:
         users = {n: list(n.users) for n in flat.nodes}
         placeholders, outputs, group, leaf = [], [], [], None
+        ops = registered_ops()
+        mark, block = (ops[0]._opoverload, ops[1]._opoverload) if ops is not None else (None, None)
         for node in flat.nodes:
-            this = self._leaf(node) if node.op == "call_function" else None
+            special = node.op == "call_function" and node.target in (mark, block) and mark is not None
+            this = self._leaf(node) if node.op == "call_function" and not special else None
             if group and this != leaf:
                 self._emit_leaf(leaf, group, users)
                 group = []
             if this is not None:
                 group, leaf = group + [node], this
+            elif special and node.target == mark:
+                self.env[node] = self._arg(node.args[0])
+                self.marks[(node.args[1], node.args[2])] = self.env[node]
+            elif special:
+                self._emit_copy(node)
+            elif node.op == "call_function" and node.target is operator.getitem and node.args[0] in self.copies:
+                self._copy_item(node)
             elif node.op == "placeholder":
                 if node.name not in self.state:
                     placeholders.append(self._placeholder(node))
@@ -248,6 +281,59 @@ class _Rewriter:
             elif not _dropped(node):
                 self.env[node] = self._copy(node)
         return self.graph, placeholders, outputs
+
+    def _emit_copy(self, node: torch.fx.Node) -> None:
+        """A folded copy's ``shardplan::folded_block``: one call_module node of the copy, its
+        arguments as the call passed them, its value the representative's outputs."""
+        tensors, cid = node.args
+        call = self.folder.calls[cid]
+        args, kwargs = tree_unflatten(filled(call.leaves, [self._arg(n) for n in tensors]), call.spec)
+        new = self.graph.call_module(call.fqn, tuple(args), dict(kwargs))
+        stack = list((node.meta.get("nn_module_stack") or {}).items())
+        if stack and stack[-1][1][0] == call.fqn:  # the copy's own entry: the node is its call, made outside it
+            stack = stack[:-1]
+        new.meta["nn_module_stack"] = dict(stack)
+        new.meta["stack_trace"] = node.meta.get("stack_trace")
+        metas = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in call.out_metas]
+        new.meta["val"] = tree_unflatten(filled(call.out_leaves, metas), call.out_spec)
+        self.copies[node] = (new, call)
+        self.folded[call.fqn] = call.rep
+
+    def _copy_item(self, node: torch.fx.Node) -> None:
+        """``outputs[i]`` of a folded copy: the call itself where the block returns one tensor,
+        else the item of its tuple that held the ``i``-th tensor."""
+        new, call = self.copies[node.args[0]]
+        if not isinstance(new.meta["val"], (tuple, list)):
+            self.env[node] = new
+            return
+        index = next(k for k, v in enumerate(call.out_leaves) if v == Slot(node.args[1]))
+        item = self.graph.call_function(operator.getitem, (new, index))
+        item.meta = {"val": new.meta["val"][index], "nn_module_stack": new.meta["nn_module_stack"]}
+        self.env[node] = item
+
+    def block_calls(self) -> dict[str, list[ModuleCall]]:
+        """Each representative's and folded copy's calls, as the meta tracer records them."""
+        found: dict[str, list[ModuleCall]] = {}
+        copy_nodes = {id(call): new for new, call in self.copies.values()}
+        for cid, call in self.folder.calls.items():
+            if call.copy:  # as the meta tracer records a folded copy: its node is its output
+                new = copy_nodes.get(id(call))
+                if new is None:
+                    continue
+                args, kwargs, outputs, items = new.args, new.kwargs, [new], {}
+            else:
+                args, kwargs = tree_unflatten(
+                    filled(call.leaves, [self.marks.get((cid, i)) for i in range(count_slots(call.leaves))]), call.spec)
+                outs = [self.marks.get((cid, -1 - i)) for i in range(len(call.out_metas))]
+                outputs = [n for n in outs if n is not None]
+                items = {k: outs[v.index] for k, v in enumerate(call.out_leaves)
+                         if isinstance(v, Slot) and outs[v.index] is not None} \
+                    if call.out_spec is not None and call.out_spec.type in (tuple, list) else {}
+            arg_nodes = [a if isinstance(a, torch.fx.Node) else None for a in args]
+            kw_nodes = {k: v for k, v in kwargs.items() if isinstance(v, torch.fx.Node)}
+            example = _meta_example(*call.example)
+            found.setdefault(call.fqn, []).append(ModuleCall(call.fqn, arg_nodes, kw_nodes, outputs, example, items))
+        return found
 
     def _leaf(self, node: torch.fx.Node) -> str | None:
         stack = node.meta.get("nn_module_stack") or {}

@@ -4,12 +4,13 @@ Contract
 --------
 ``op_graph(model, example_inputs, example_kwargs, *, front_end="auto", fold=True)`` returns
 the :class:`~shardplan.analyze.graph.OpGraph` the planner solves. ``"fx"``: the meta fx
-tracer (:mod:`.trace`, folds repeated blocks, the fast path); ``"export"``: torch.export
-(:mod:`.export`); ``"auto"``: the tracer, then torch.export wherever the tracer or the graph
-built from it fails, and a :class:`~shardplan.analyze.trace.TraceError` carrying both
-reasons when both fail; torch.export starts from the model as it was before the tracer ran
-(:mod:`.snapshot`). Hugging Face models are traced with ``config.use_cache = False``
-(planning traces training). The result depends on the model and inputs only.
+tracer (:mod:`.trace`, the fast path); ``"export"``: torch.export (:mod:`.export`); both
+fold repeated blocks unless ``fold`` is False. ``"auto"``: the tracer, then torch.export
+wherever the tracer or the graph built from it fails, and a
+:class:`~shardplan.analyze.trace.TraceError` carrying both reasons when both fail;
+torch.export starts from the model as it was before the tracer ran (:mod:`.snapshot`).
+Hugging Face models are traced with ``config.use_cache = False`` (planning traces training).
+The result depends on the model and inputs only.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def op_graph(model: nn.Module, example_inputs: tuple, example_kwargs: dict | Non
         raise ValueError(f"front_end={front_end!r}; expected one of {FRONT_ENDS} ('auto': the meta fx tracer, "
                          "then torch.export where it fails)")
     if front_end == "export":
-        return _exported(model, example_inputs, example_kwargs, None)
+        return _exported(model, example_inputs, example_kwargs, None, fold)
     before = snapshot(model)
     try:
         with _training_trace(model):
@@ -65,16 +66,16 @@ def op_graph(model: nn.Module, example_inputs: tuple, example_kwargs: dict | Non
         # what the failed trace left on the model (a RoPE cache holding a proxy) would
         # answer the second front end's forward in place of the real one
         before.restore()
-        return _exported(model, example_inputs, example_kwargs, fx_exc)
+        return _exported(model, example_inputs, example_kwargs, fx_exc, fold)
 
 
 def _exported(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
-              fx_exc: Exception | None) -> OpGraph:
+              fx_exc: Exception | None, fold: bool = True) -> OpGraph:
     from .export import export_trace
 
     try:
         with _training_trace(model):
-            return build_graph(export_trace(model, example_inputs, example_kwargs))
+            return build_graph(export_trace(model, example_inputs, example_kwargs, fold_repeated=fold))
     except TraceError as exc:
         if fx_exc is None:
             raise

@@ -77,7 +77,7 @@ class Traced:
     # modules the local check cannot run on meta tensors: their output shape was assumed, or
     # their code reads values (a loop over the experts ``nonzero`` found)
     assumed: list[str] = field(default_factory=list)
-    front_end: str = "fx"  # "export": shardplan.analyze.export built it, unfolded
+    front_end: str = "fx"  # "export": shardplan.analyze.export built it (folded the same way)
 
     def module(self, fqn: str) -> nn.Module:
         return self.model.get_submodule(fqn)

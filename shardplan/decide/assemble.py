@@ -567,8 +567,8 @@ def repeats(graph: OpGraph) -> dict[str, int | list[str]]:
 def merge_repeated(plan_rules: list[Rule], decisions: list, model: nn.Module) -> tuple[list[Rule], list]:
     """Rules that differ only in a block index become one, ``layers.*.attn.wq`` (or an index
     set, ``layers.{0-2,5}...``, where the blocks chose differently). The meta tracer's
-    folding writes rules this way already; a graph traced without folding (torch.export)
-    has one rule per block until this pass. Decisions follow their rules (the first kept)."""
+    folding writes rules this way already; blocks torch.export traced through (copies it could
+    not fold) have one rule per block until this pass. Decisions follow their rules (the first kept)."""
     containers = _containers_of(model)
     renamed: dict[str, str] = {}
     merged: list[Rule] = []

@@ -30,7 +30,7 @@ ever downloaded; models are built from configs only.
   ``skip_unsupported=True`` (then they are left to ``fill`` and listed in the plan's
   warnings). Keys matching no module are listed in the plan's warnings, as Hugging Face
   logs unused rules.
-* ``to_hf_tp_plan(plan)`` is the reverse (``Plan.to_hf_tp_plan``).
+* ``to_hf_tp_plan(plan, model=None)`` is the reverse (``Plan.to_hf_tp_plan``).
 * ``agreement(model, plan)`` lists, for every Linear-like weight module (Linear, HF Conv1D,
   Embedding, and modules HF shards as MoE experts) that the HF plan covers, ``(fqn,
   hf_style, our_style, same_family, reason)``; ``reason`` is empty where the families
@@ -137,9 +137,12 @@ def style_family(style: str | None) -> str | None:
     return None if style is None else STYLE_FAMILY.get(style)
 
 
-def to_hf_tp_plan(plan: Plan) -> dict[str, str]:
-    """The plan as a Hugging Face ``tp_plan`` mapping (``Plan.to_hf_tp_plan``)."""
-    return plan.to_hf_tp_plan()
+def to_hf_tp_plan(plan: Plan, model: nn.Module | None = None) -> dict[str, str]:
+    """The plan as a Hugging Face ``tp_plan`` mapping (``Plan.to_hf_tp_plan``; ``model`` lets it
+    check module types, and is needed for packed_colwise and moe_tp_experts)."""
+    from ..plan.hf_export import to_hf_tp_plan as export
+
+    return export(plan, model)
 
 
 # --------------------------------------------------------------------------- reading HF's plan

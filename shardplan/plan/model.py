@@ -13,7 +13,6 @@ never runs code. Applying a plan is :mod:`shardplan.apply.emit`'s job.
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import json
 import re
@@ -24,6 +23,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .fileio import PlanFileError, atomic_write, describe, load_mapping, read_text
+from .patterns import brace_members, brace_ranges, expand_braces, expand_pattern, matches  # noqa: F401 - re-exported
 
 __all__ = [
     "int_attributes", "set_int_attribute",
@@ -346,40 +346,25 @@ class Plan(_Strict):
     def save(self, path: str | Path, *, force: bool = True) -> None:
         atomic_write(Path(path), self.to_yaml(), force=force)
 
-    def to_hf_tp_plan(self) -> dict[str, str]:
-        """Hugging Face ``tp_plan`` mapping (patterns use ``*`` for layer indices). Styles
-        Hugging Face has no counterpart for (kv heads in groups, ``attention_heads``, MLA's
-        partial-gradient latent) raise: its loader would shard them otherwise, or not at all."""
-        alien = [r.module for r in self.rules
-                 if r.style in ("colwise_kv_replicated", "colwise_kv_gathered", "attention_heads")
-                 or r.output_grad_partial or r.input_grad_partial]
-        if alien:
-            raise ValueError(
-                f"{alien[0]} (and {len(alien) - 1} more) use styles Hugging Face's tp_plan cannot express "
-                "(kv heads replicated in groups, torch's nn.MultiheadAttention split by heads, one kv head or MLA's "
-                "latent whole with a partial gradient); apply the plan with "
-                "shardplan.apply_plan instead, or plan for a tp that divides the kv heads")
-        sharded_out = [r for r in self.rules if r.style == "colwise" and r.output_layouts is not None]
-        if sharded_out:
-            # loss_parallel keeps the head's logits vocab-sharded; Hugging Face's "colwise" would
-            # hand each rank its own part of the vocabulary as if it were all of it
-            raise ValueError(
-                f"{sharded_out[0].module} keeps its output sharded ({sharded_out[0].output_layouts}: "
-                "loss_parallel), which Hugging Face's tp_plan cannot express (each rank's logits would cover part of "
-                "the vocabulary); plan with loss_parallel=False for Hugging Face, or apply it with shardplan.apply_plan")
-        # every rule, "replicate" too: transformers lays this dict over the model's own default
-        # plan, so a module left out would take HF's default style, not shardplan's; its keys
-        # name layers by "*" (layers.0.mlp would "match nothing"), one style per such name
-        out: dict[str, str] = {}
-        for rule in self.rules:
-            for key in expand_braces(rule.module):
-                wild = re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), key)
-                if out.setdefault(wild, rule.style) != rule.style:
-                    raise ValueError(
-                        f"{wild}: layers of this stack take different styles ({out[wild]} and {rule.style}), which "
-                        "Hugging Face's tp_plan cannot express (one style per name, the layer index written *); "
-                        "apply the plan with shardplan.apply_plan instead")
-        return out
+    def to_hf_tp_plan(self, model=None) -> dict[str, str]:
+        """Hugging Face ``tp_plan`` mapping (patterns use ``*`` for layer indices), for
+        ``from_pretrained(..., distributed_config=DistributedConfig(tp_plan=...))``.
+
+        Only what Hugging Face's registered styles reproduce exactly is exported: colwise,
+        rowwise, colwise_gather_output, rowwise_split_input, embedding_rowwise, replicate,
+        replicated_with_grad_allreduce, packed_colwise (two parts) and moe_tp_experts, each
+        with the layouts transformers gives that name. Anything else raises ``ValueError``
+        saying which module and what to do instead: kv heads in groups, ``attention_heads``,
+        MLA's partial-gradient latent, a loss-parallel head, sequence parallelism, other
+        layouts, per-rank attribute values or views, a container's own split parameters, and
+        layers that take different styles under one name. ``model`` (the module the plan was
+        made for; the meta device will do) lets the export check module types: Hugging Face's
+        styles split ``nn.Linear`` layouts only (GPT-2's ``Conv1D`` [in, out] is refused),
+        its packed_colwise cannot split a fused bias, and an expert bank's own parameters
+        need keys of their own; plans with packed_colwise or moe_tp_experts need it."""
+        from .hf_export import to_hf_tp_plan  # the module types it checks need torch: imported when asked
+
+        return to_hf_tp_plan(self, model)
 
 
 def _set_keys(item: dict, kind: type[BaseModel]) -> dict:
@@ -395,76 +380,6 @@ def load_plan(path: str | Path) -> Plan:
 def load_plan_with_lines(path: str | Path) -> tuple[Plan, dict[tuple, int]]:
     p = Path(path)
     return Plan.from_yaml_with_lines(read_text(p), source=str(p))
-
-
-_BRACES = re.compile(r"^\{(\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)\}$")
-
-
-def brace_members(part: str) -> list[str] | None:
-    """``{0-2,5}`` -> ``['0', '1', '2', '5']``: the layer indices a folded rule stands for
-    (a stack of several kinds of block writes one rule per kind); ``None`` for any other part."""
-    m = _BRACES.match(part)
-    if not m:
-        return None
-    out: list[str] = []
-    for item in m.group(1).split(","):
-        lo, _, hi = item.partition("-")
-        out += [str(i) for i in range(int(lo), int(hi or lo) + 1)]
-    return out
-
-
-def brace_ranges(indices: list[int]) -> str:
-    """The inverse: ``[0, 1, 2, 5]`` -> ``{0-2,5}``."""
-    runs: list[list[int]] = []
-    for i in sorted(set(indices)):
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return "{" + ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs) + "}"
-
-
-def expand_braces(pattern: str) -> list[str]:
-    """Every pattern a ``{...}`` segment stands for, other segments kept (``*`` included)."""
-    out = [""]
-    for part in pattern.split("."):
-        members = brace_members(part) or [part]
-        out = [f"{o}.{m}" if o else m for o in out for m in members]
-    return out if pattern else [""]
-
-
-def matches(pattern: str, fqn: str) -> bool:
-    """Segment-wise fnmatch, as ``parallelize_module`` resolves plan keys, plus ``{a-b,c}``
-    index sets."""
-    ps, fs = pattern.split("."), fqn.split(".")
-    return len(ps) == len(fs) and all(_segment(p, f) for p, f in zip(ps, fs))
-
-
-def _segment(part: str, name: str) -> bool:
-    members = brace_members(part)
-    return name in members if members is not None else fnmatch.fnmatchcase(name, part)
-
-
-def expand_pattern(pattern: str, repeats: dict[str, int | list[str]]) -> list[str]:
-    """Expand ``*`` segments through the container sizes recorded in ``repeats``, and
-    ``{a-b,c}`` segments to their indices."""
-    return [fqn for expanded in expand_braces(pattern) for fqn in _expand_stars(expanded, repeats)]
-
-
-def _expand_stars(pattern: str, repeats: dict[str, int | list[str]]) -> list[str]:
-    parts = pattern.split(".")
-    prefixes = [""]
-    for part in parts:
-        nxt = []
-        for prefix in prefixes:
-            if any(ch in part for ch in "*?["):
-                names = repeats.get(prefix, [])
-                names = [str(i) for i in range(names)] if isinstance(names, int) else names
-                nxt += [f"{prefix}.{n}" if prefix else n for n in names if fnmatch.fnmatchcase(n, part)]
-            else:
-                nxt.append(f"{prefix}.{part}" if prefix else part)
-        prefixes = nxt
-    return prefixes
 
 
 def _natural_key(fqn: str) -> list:

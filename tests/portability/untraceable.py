@@ -122,3 +122,74 @@ def autocast_off_around_scale() -> AutocastOffAroundScale:
 
 def autocast_off_around_scale_with_inputs() -> tuple[AutocastOffAroundScale, torch.Tensor]:
     return autocast_off_around_scale(), torch.zeros(2, 8, 32)
+
+
+class DecoderLayer(nn.Module):
+    """A Llama-style decoder layer (RMSNorm, grouped-query attention with RoPE, SwiGLU MLP)
+    whose code only torch.export follows: a config value resolved by ``callable()``, as
+    ``_resolve`` does. Its blocks take the RoPE tables and a flag beside the hidden state."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], *, causal: bool = True) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = _resolve(self.attn_norm(x))
+        q = self.wq(h).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(h).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(h).view(b, s, -1, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = (t * cos + _rotate_half(t) * sin for t in (q, k))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        x = x + self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        h = self.mlp_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+def _rotate_half(t: torch.Tensor) -> torch.Tensor:
+    a, b = t.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class Decoder(nn.Module):
+    def __init__(self, vocab: int = 256, dim: int = 64, heads: int = 4, kv_heads: int = 2, hidden: int = 128,
+                 layers: int = 4, max_seq: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(DecoderLayer(dim, heads, kv_heads, hidden) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        head_dim = dim // heads
+        freqs = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        angles = torch.outer(torch.arange(max_seq).float(), freqs).repeat(1, 2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        s = idx.shape[1]
+        x = self.embed(idx)
+        rope = (self.cos[:s], self.sin[:s])
+        for layer in self.layers:
+            x = layer(x, rope, causal=True)
+        return self.lm_head(self.norm(x))
+
+
+def decoder(layers: int = 6) -> Decoder:
+    """A small export-only decoder: 6 repeated layers."""
+    torch.manual_seed(0)
+    return Decoder(layers=layers)
+
+
+def decoder_70b(layers: int = 80) -> Decoder:
+    """Llama-3-70B's shapes (hidden 8192, 64 heads, 8 kv heads, MLP 28672, 80 layers):
+    build it on the meta device."""
+    return Decoder(vocab=128256, dim=8192, heads=64, kv_heads=8, hidden=28672, layers=layers, max_seq=8192)
