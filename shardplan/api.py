@@ -94,7 +94,15 @@ def _tp_axis(axes: dict[str, int], requested: str | None) -> str:
         return requested
     if "tp" in axes:
         return "tp"
-    others = [name for name in axes if name not in DATA_AXES]
+    others = [name for name in axes if name not in DATA_AXES and name not in _UNMODELLED]
+    unmodelled = [name for name in axes if name in _UNMODELLED and axes[name] > 1]
+    if not others and unmodelled:  # {"ep": 8} is not a tensor-parallel axis by another name
+        name = unmodelled[0]
+        what, instead = _UNMODELLED[name]
+        raise ValueError(f"mesh axis {name!r} (size {axes[name]}) is {what}, which the planner does not model, and "
+                         f"the mesh has no tensor-parallel axis; {instead} (e.g. {{'tp': {axes[name]}}}), or pass "
+                         f"tp_axis={name!r} to plan tensor parallelism on it")
+    others = others or [name for name in axes if name not in DATA_AXES]
     if not others:
         raise ValueError(f"mesh {axes} has no tensor-parallel axis, only data axes ({', '.join(DATA_AXES)}); add one, "
                          f"e.g. {({**axes, 'tp': 1})} for data parallelism alone, or name one with tp_axis=")

@@ -37,9 +37,8 @@ def test_equal_parts_are_packed(name: str, tp: int) -> None:
     plan = _plan(name, tp)
     qkv, proj = plan.rule_for("layers.0.attn.qkv"), plan.rule_for("layers.0.attn.proj")
     assert (qkv.style, qkv.packed, proj.style) == ("packed_colwise", 3, "rowwise"), (qkv, proj)
-    # the export front end (einops) does not fold the layers: one entry per layer
-    want = [(f"layers.{i}.attn", LOCAL[name](tp)) for i in (0, 1)] if name == "einops_three" else [
-        ("layers.*.attn", LOCAL[name](tp))]
+    # the export front end (einops) folds the layers too: one entry for the stack
+    want = [("layers.*.attn", LOCAL[name](tp))]
     assert [(a.module, a.values) for a in plan.attributes] == want
     assert not plan.warnings, plan.warnings
 

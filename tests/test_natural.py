@@ -254,3 +254,41 @@ def test_a_head_count_equal_to_another_size_is_still_the_head_count(builder, bat
     attention = {k.rpartition(".")[2]: v for k, v in plan.module_styles().items() if ".0." in k and "attn" in k}
     assert attention.get("wo", attention.get("proj")) == "rowwise", (attention, plan.warnings)
     assert set(attention.values()) & {"colwise", "packed_colwise"}, attention
+
+
+def test_sequence_parallel_asked_of_norms_over_all_heads_keeps_them_on_heads() -> None:
+    """OLMo 2 normalizes q and k over all heads (``q_norm`` of ``[b, s, heads * hd]``): asked
+    for sequence parallel, the residual stream's norms take it and q_norm/k_norm stay on the
+    gathered projections, handing on each rank's heads, as without it."""
+    result = verify("hf-tiny:olmo2", nproc=2, timeout_s=300, sequence_parallel=True)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    styles = result.plan.module_styles()
+    assert styles["model.layers.0.post_attention_layernorm"] == styles["model.norm"] == "sequence_parallel"
+    assert styles["model.layers.0.self_attn.q_norm"] == "replicate"
+    assert styles["model.layers.0.self_attn.o_proj"] == "rowwise", styles
+
+
+@pytest.mark.parametrize("spec", ["hf-tiny:mixtral", "hf-tiny:qwen3_moe"])
+def test_moe_decoders_under_sequence_parallel_match_one_process_on_gloo(spec: str) -> None:
+    """A MoE block flattens the tokens to route them (``view(-1, hidden)``) and reshapes them
+    back: it takes them gathered where it receives them and hands its experts' partial sums
+    back reduce-scattered onto sequence shards where it returns (torchtitan's
+    ``PrepareModuleInputOutput``): one all-gather and one reduce-scatter per MoE block."""
+    result = verify(spec, nproc=2, timeout_s=300, sequence_parallel=True)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    plan = result.plan
+    assert plan.module_styles()["model.layers.0.mlp.experts"] == "moe_tp_experts"
+    assert plan.rule_for("model.layers.0.mlp.experts").output_layouts == "Partial"
+    mlp = {r.input: (r.input_layouts, r.desired_input_layouts, r.use_local_output)
+           for r in plan.regions if r.module == "model.layers.*.mlp"}
+    assert mlp == {0: ("Shard(1)", "Replicate", True), "output": ("Partial", "Shard(1)", True)}, plan.regions
+
+
+def test_moe_sequence_parallel_collectives_equal_the_prediction() -> None:
+    from shardplan.interop.hf import build_hf_model
+
+    model, inputs, _ = build_hf_model("mixtral", tiny=True, device="cpu")
+    plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=inputs, sequence_parallel=True, explain=False)
+    result = simulate(model, plan, inputs)
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+    assert result.counted["forward"]["reduce_scatter"] >= 2  # each layer's MoE block returns sequence shards

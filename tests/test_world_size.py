@@ -142,6 +142,16 @@ def test_unmodelled_axes_are_refused(debug_model: nn.Module, axis: str, what: st
         shardplan.plan_model(debug_model, {axis: 2, "dp": 2, "tp": 2}, explain=False, seq_len=SEQ)
 
 
+@pytest.mark.parametrize("axes", [{"ep": 2}, {"dp": 2, "ep": 2}])
+def test_an_unmodelled_axis_alone_is_not_taken_for_the_tensor_parallel_one(debug_model: nn.Module, axes) -> None:
+    """``{"ep": 8}`` once planned tensor parallelism on 'ep' without a word; asked for by name it still may."""
+    with pytest.raises(ValueError, match=r"mesh axis 'ep' \(size 2\) is expert parallelism, which the planner does not "
+                                         r"model, and the mesh has no tensor-parallel axis.*tp_axis='ep'"):
+        shardplan.plan_model(debug_model, axes, explain=False, seq_len=SEQ)
+    named = shardplan.plan_model(debug_model, axes, tp_axis="ep", explain=False, seq_len=SEQ)
+    assert named.mesh.tp_axis == "ep"
+
+
 def test_unknown_axis_is_refused(debug_model: nn.Module) -> None:
     with pytest.raises(ValueError, match=r"mesh axis 'x' \(size 2\) is neither the tensor-parallel axis 'tp' nor a "
                                          r"data axis \(dp, dp_shard, dp_replicate, fsdp\).*tp_axis='x'"):

@@ -86,7 +86,7 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False, scala
     if rule.style in ("sequence_parallel", "replicated_with_grad_allreduce"):
         return SequenceParallel(sequence_dim=(inp or Shard(1)).dim, use_local_output=True)
     if rule.style == "moe_tp_experts":
-        return MoEExpertsParallel()
+        return MoEExpertsParallel(reduce_output=not isinstance(out, Partial))
     if rule.style == "attention_heads":
         return MultiheadAttentionParallel(input_layouts=inp, output_layouts=out)
     if rule.style == "replicate":

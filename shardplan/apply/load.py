@@ -62,9 +62,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .packed import distribute
 from .state import local_runs
 
 __all__ = ["materialize", "load_checkpoint"]
@@ -176,7 +177,7 @@ def _reset_all(model: nn.Module) -> None:
 def _full_slice(target: DTensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``full`` as ``target`` lays it out (a local cut: every rank has
     ``full``, so nothing is sent)."""
-    return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+    return distribute(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
 
 
 class _RandomToFull(TorchDispatchMode):

@@ -14,6 +14,8 @@ checkpoint (save at tp=a, load at tp=b) needs nothing from shardplan: DCP
 any placement, optimizer state included, because those views do not depend on tp.
 ``local_runs(t)`` says which global elements a rank holds, per dim, as DTensor itself cuts
 them; DCP's chunks of a packed weight and ``load_checkpoint``'s file reads both come from it.
+Packed weights of unequal parts (:class:`.packed.PackedShard`: GQA's fused [Q; K; V]) take
+the same paths: their global view is the module's own [Q; K; V], with one DCP chunk per part.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from .packed import PackedShard, distribute
 
 __all__ = ["full_state_dict", "load_full_state_dict", "local_runs"]
 
@@ -44,8 +48,8 @@ def full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Te
 
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
     """Copy an unsharded state dict into ``model``: each DTensor takes its own slice, cut
-    locally (``distribute_tensor(..., src_data_rank=None)``: every rank has the whole tensor,
-    so nothing is sent). ``strict`` refuses missing or unexpected keys and shape mismatches."""
+    locally (``distribute(..., src_data_rank=None)``, ``distribute_tensor`` keeping a packed
+    weight's unequal parts: every rank has the whole tensor, so nothing is sent). ``strict`` refuses missing or unexpected keys and shape mismatches."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"load_full_state_dict needs an nn.Module; got {type(model).__name__}")
     own = model.state_dict()
@@ -76,7 +80,7 @@ def _copy_into(name: str, target: torch.Tensor, value: torch.Tensor) -> None:
         raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(value.shape)}; the model's is "
                          f"{tuple(target.shape)} (the global shape, also for a sharded weight)")
     if isinstance(target, DTensor):
-        local = distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+        local = distribute(value.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
         target.to_local().copy_(local.to_local())
     else:
         target.copy_(value)
@@ -88,7 +92,8 @@ def _copy_into(name: str, target: torch.Tensor, value: torch.Tensor) -> None:
 # chunk (``__get_tensor_shard__``). torch answers with one contiguous chunk per rank, which is
 # right for Shard and for FSDP2's 2-D strided layouts, but a packed weight on the tp axis
 # alone (``_StridedShard(dim, split_factor=k)``: rank r holds row blocks r, n + r, ... of
-# k * n) is k separate chunks. torch 2.13 then reports overlapping chunks at save and, at load,
+# k * n) is k separate chunks (a ``PackedShard`` of unequal parts, GQA's [Q; K; V], is
+# one per part). torch 2.13 then reports overlapping chunks at save and, at load,
 # fills the wrong rows without an error. These three methods answer with the blocks
 # ``local_runs`` finds (the same per-dim index runs load_checkpoint reads by) wherever a
 # _StridedShard leaves more than one, and defer to torch for every other layout.
@@ -166,7 +171,7 @@ def local_runs(t: torch.Tensor, *, what: str = "load_checkpoint") -> list[list[t
         if all(p.is_replicate() for p in on_dim):
             out.append([(0, 0, size)])
             continue
-        index = distribute_tensor(torch.arange(size), t.device_mesh, on_dim, src_data_rank=None).to_local()
+        index = distribute(torch.arange(size), t.device_mesh, on_dim, src_data_rank=None).to_local()
         out.append(_runs(index.tolist()))
     local = tuple((t.to_local() if isinstance(t, DTensor) else t).shape)
     if tuple(sum(b - a for _, a, b in runs) for runs in out) != local:
@@ -179,6 +184,8 @@ def _on_dim0(p: Any, dim: int, ndim: int, *, what: str) -> Any:
     """Placement ``p`` as it acts on a 1-D index of tensor dim ``dim``."""
     if p.is_replicate():
         return p
+    if isinstance(p, PackedShard):  # unequal parts (GQA's [Q; K; V]): one run per part
+        return PackedShard(0, parts=p.parts) if p.dim % ndim == dim else Replicate()
     if isinstance(p, _StridedShard):
         return _StridedShard(0, split_factor=p.split_factor) if p.dim % ndim == dim else Replicate()
     if isinstance(p, Shard):

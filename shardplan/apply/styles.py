@@ -29,6 +29,7 @@ Each class here is a ``torch.distributed.tensor.parallel.style.ParallelStyle`` t
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -40,6 +41,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from .packed import PackedShard, check_parts, distribute
 
 __all__ = [
     "placement", "ReplicateParallel", "PackedColwise", "Conv1DColwise", "Conv1DRowwise", "MoEExpertsParallel",
@@ -210,7 +213,13 @@ class MoEExpertsParallel(ParallelStyle):
     whole are all-reduced in backward. A down bias [E, H] is added after the down projection,
     inside the sum: each rank adds bias / tp, so the sum adds it once, and its gradient (the
     same on every rank, the sum's backward being the identity) is the one-process gradient.
+    ``reduce_output=False`` (``output_layouts: Partial``) hands the partial sums on as they
+    are, for the MoE block's return to reduce-scatter onto sequence shards.
     """
+
+    def __init__(self, *, reduce_output: bool = True) -> None:
+        super().__init__()
+        self.reduce_output = reduce_output
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         from ..analyze.graph import expert_params
@@ -229,7 +238,7 @@ class MoEExpertsParallel(ParallelStyle):
         group = device_mesh.get_group().group_name
         enter = partial(_experts_enter, names=names, group=group, once=ep.down_bias, tp=device_mesh.size())
         module.register_forward_pre_hook(enter, with_kwargs=True)
-        module.register_forward_hook(partial(_experts_leave, group=group))
+        module.register_forward_hook(partial(_experts_leave, group=group if self.reduce_output else None))
         return module
 
 
@@ -253,18 +262,26 @@ class _ScaleForward(torch.autograd.Function):
         return grad, None
 
 
-def packed_placement(*, parts: int, dim: int) -> _StridedShard:
+def packed_placement(*, parts: int | Sequence[int], dim: int) -> _StridedShard:
     """The placement of a weight packing ``parts`` projections along ``dim`` ([gate; up]):
     split into its parts first, then each part into tp chunks, rank r keeping
     [gate_r; up_r], so the chunks a downstream ``chunk(parts)`` takes locally are each
     part's own shard. In DTensor's terms that is a right-to-left sharding, ``_StridedShard``
     with ``split_factor=parts``: the global view stays the module's own [gate; up] at every
     tp, so ``full_tensor()``, DCP (resharding to another tp) and full state dicts see the
-    weight as the unsharded model has it (DCP needs :mod:`.state`'s chunk methods for it)."""
+    weight as the unsharded model has it (DCP needs :mod:`.state`'s chunk methods for it).
+
+    ``parts`` a list of relative widths ([4, 1, 1]: a GQA [Q; K; V] of 8 q heads and 2 kv
+    heads) cuts unequal parts: :class:`.packed.PackedShard` (equal widths are the int form)."""
     from .state import _install_dcp_chunks
 
     _install_dcp_chunks()
-    return _StridedShard(dim, split_factor=parts)
+    if isinstance(parts, int):
+        return _StridedShard(dim, split_factor=parts)
+    parts = tuple(parts)
+    if len(set(parts)) == 1:  # [2, 2]: equal parts
+        return _StridedShard(dim, split_factor=len(parts))
+    return PackedShard(dim, parts=parts)
 
 
 class PackedColwise(ColwiseParallel):
@@ -272,13 +289,26 @@ class PackedColwise(ColwiseParallel):
     weight is ``packed_placement`` on its output features, so ``y = x W^T`` comes out
     ``_StridedShard(-1)`` with no collective, and its local tensor is [gate_r, up_r]: the
     slices the downstream ``chunk`` needs, handed on as they are (a redistribute to
-    ``Shard(-1)`` would be an all-to-all for nothing)."""
+    ``Shard(-1)`` would be an all-to-all for nothing).
 
-    def __init__(self, *, parts: int, conv1d: bool = False, **kwargs: Any) -> None:
+    ``parts`` a list of unequal relative widths (GQA's [Q; K; V] cut by ``split([h*hd,
+    kv*hd, kv*hd], -1)``): the weight (and bias) are :class:`.packed.PackedShard`, rank r
+    holding [q_r; k_r; v_r], and the module runs on its local tensors: its input is made
+    whole (``input_layouts`` -> Replicate; its gradient, partial on each rank, is summed
+    backward), its output is the local [q_r, k_r, v_r] (a DTensor placed ``PackedShard(-1)``
+    with ``use_local_output=False``), and the parameters' gradients keep their placement,
+    which a DTensor matmul would relabel as an equal-parts ``_StridedShard``."""
+
+    def __init__(self, *, parts: int | Sequence[int], conv1d: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.parts, self.conv1d = parts, conv1d
+        self.parts, self.conv1d = (parts if isinstance(parts, int) else tuple(parts)), conv1d
+
+    def _unequal(self) -> bool:
+        return not isinstance(self.parts, int) and len(set(self.parts)) > 1
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if self._unequal():
+            return self._apply_local(module, device_mesh)
         if not self.conv1d:
             return super()._apply(module, device_mesh)
         # HF's Conv1D (y = x W + b, W [in, out]): torch's colwise knows only nn.Linear
@@ -288,16 +318,64 @@ class PackedColwise(ColwiseParallel):
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )
 
+    def _out_dim(self, param: torch.Tensor) -> int:
+        # the output features: nn.Linear's weight dim 0, Conv1D's dim 1; a bias's dim 0
+        return 1 if self.conv1d and param.dim() == 2 else 0
+
     def _partition_linear_fn(self, name, module, device_mesh):
         for pname, param in list(module.named_parameters(recurse=False)):
-            # the output features: nn.Linear's weight dim 0, Conv1D's dim 1; a bias's dim 0
-            where = packed_placement(parts=self.parts, dim=1 if self.conv1d and param.dim() == 2 else 0)
-            dist = distribute_tensor(param.detach(), device_mesh, [where], src_data_rank=self.src_data_rank)
+            dim = self._out_dim(param)
+            if self._unequal():
+                check_parts(self.parts, param.shape[dim], device_mesh.size(),
+                            what=f"packed_colwise on {type(module).__name__}.{pname} {list(param.shape)}")
+            where = packed_placement(parts=self.parts, dim=dim)
+            dist = distribute(param.detach(), device_mesh, [where], src_data_rank=self.src_data_rank)
             module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+    def _apply_local(self, module: nn.Module, device_mesh) -> nn.Module:
+        self._partition_linear_fn("", module, device_mesh)
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        layout = self.input_layouts[0] if isinstance(self.input_layouts, tuple) else self.input_layouts
+        module.register_forward_pre_hook(partial(_packed_enter, names=names, mesh=device_mesh, layout=layout))
+        module.register_forward_hook(partial(_packed_leave, mesh=device_mesh, parts=self.parts,
+                                             use_local_output=self.use_local_output))
+        return module
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         return outputs.to_local() if use_local_output else outputs
+
+
+def _packed_enter(module, args, *, names, mesh, layout):
+    """The input whole on every rank (an all-gather from ``layout``; nothing from Replicate),
+    as a plain tensor whose gradient (each rank's share) is summed backward; the parameters
+    their local [q_r; k_r; v_r]."""
+    x, *rest = args
+    if isinstance(x, torch.Tensor):
+        dx = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [layout], run_check=False)
+        if not dx.placements[0].is_replicate():
+            dx = dx.redistribute(mesh, [Replicate()])
+        x = dx.to_local(grad_placements=[Partial()])
+    _swap_to_local(module, args, names=names)
+    return (x, *rest)
+
+
+def _packed_leave(module, args, output, *, mesh, parts, use_local_output):
+    _restore_params(module, args, output)
+    if use_local_output or not isinstance(output, torch.Tensor):
+        return output
+    shape = list(output.shape)
+    shape[-1] *= mesh.size()
+    return DTensor.from_local(output, mesh, [PackedShard(output.ndim - 1, parts=parts)], run_check=False,
+                              shape=torch.Size(shape), stride=_contiguous_strides(shape))
+
+
+def _contiguous_strides(shape: list[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def _experts_enter(module, args, kwargs, *, names, group, once, tp):
@@ -312,7 +390,7 @@ def _experts_enter(module, args, kwargs, *, names, group, once, tp):
 
 def _experts_leave(module, args, output, *, group):
     _restore_params(module, args, output)
-    return _ReduceFromTP.apply(output, group)
+    return _ReduceFromTP.apply(output, group) if group is not None else output
 
 
 class ContainerParams(ParallelStyle):

@@ -20,6 +20,7 @@ from . import cost
 from ..analyze.graph import OpGraph, router_like
 from ..plan.model import Region, Rule, brace_ranges
 from .regions import Entry, PartialBlock, partial_grad_params
+from .scatter import is_gather, is_scatter, scatter_target
 from .slices import is_slice, slice_target
 from .solve import Solution
 from .placements import one_slice, shard_dim
@@ -215,6 +216,21 @@ def regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
     for e in entries:
         if is_slice(e.kind):
             regions += _slice_regions(graph, e, pmap)
+            continue
+        if is_gather(e.kind):  # Shard(seq) -> Replicate where the module receives it, handed on local
+            shard = _layout(e.kind.split(">")[0])
+            regions += [Region(module=module, input="output" if site.input is None else site.input,
+                               num_inputs=site.num_inputs, input_layouts=shard, desired_input_layouts="Replicate",
+                               use_local_output=True,
+                               why="its code reads the tokens whole: gathered where it receives them, its gradient sliced back")
+                        for site, _ in e.sites for module in patterned(site.module, graph, pmap)]
+            continue
+        if is_scatter(e.kind):  # Partial -> Shard(seq) where the module returns: one reduce-scatter
+            want = _layout(scatter_target(e.kind))
+            regions += [Region(module=module, input="output", num_inputs=0, input_layouts="Partial",
+                               desired_input_layouts=want, use_local_output=True,
+                               why=f"its partial sums reduce-scattered onto sequence shards ({want}) where it returns")
+                        for site, _ in e.sites for module in patterned(site.module, graph, pmap)]
             continue
         for site, inside in e.sites:
             names = ", ".join(graph.ops[c].target.rpartition(".")[2] for c in inside)

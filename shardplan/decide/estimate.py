@@ -27,6 +27,7 @@ from ..plan.model import Collectives, Estimate, MeshInfo
 from .assemble import repeats
 from .fsdp import DataParallelEvent, data_parallel_events, fsdp_units, unit_of
 from .regions import Entry, PartialBlock, partial_grad_params
+from .scatter import is_gather, is_scatter
 from .solve import comm_time as op_comm_time
 from .solve import BUCKETED_GRAD_STYLES, Solution, SolveContext, _model_dtype_bytes, _tied_second_owners, strategy_time
 
@@ -78,7 +79,13 @@ def collective_list(
         n = graph.values[e.value].nbytes
         times = e.num_collectives * graph.ops[e.consumers[0]].multiplicity
         needs_grad = e.value in graph.requires_grad  # no gradient flows into model inputs
-        if e.kind == "R" and needs_grad:  # Partial input gradient -> Replicate
+        if is_gather(e.kind):  # gathered where its module receives it; the whole gradient sliced back
+            events[("forward", "all_gather", n, 0)] += times
+        elif is_scatter(e.kind):  # Partial -> Shard(seq) where the module returns; its gradient all-gathered back
+            events[("forward", "reduce_scatter", n, 0)] += times
+            if needs_grad:
+                events[("backward", "all_gather", n, 0)] += times
+        elif e.kind == "R" and needs_grad:  # Partial input gradient -> Replicate
             events[("backward", "all_reduce", n, 0)] += times
         elif e.kind != "R" and e.num_collectives:  # Shard(seq) -> Replicate on entry; its gradient reduce-scattered back
             events[("forward", "all_gather", n, 0)] += times

@@ -26,6 +26,7 @@ import torch
 
 from ..analyze.graph import OpGraph
 from .propagation import metadata_only
+from .scatter import is_gather, is_scatter, scatter_exits
 from .slices import is_slice, place
 from ..plan.model import Region
 from .solve import Solution
@@ -55,6 +56,10 @@ class Entry:
         slice none (Replicate -> Shard is local)."""
         if is_slice(self.kind):
             return 0
+        if is_gather(self.kind):
+            return len(self.sites)
+        if is_scatter(self.kind):  # one PrepareModuleOutput where the module returns
+            return len(self.sites)
         grouped = sum(len(c) for _, c in self.sites)
         return len(self.sites) + len(self.consumers) - grouped
 
@@ -133,6 +138,14 @@ def find_regions(graph: OpGraph, solution: Solution) -> list[Entry]:
         if not consumers:
             continue
         sequence = kind.startswith("S")
+        if is_gather(kind):  # gathered where the outermost module holding its readers receives it
+            sites = _choose_sites(_candidate_sites(graph, value, consumers, fewest=1), consumers, outermost=True)
+            entries.append(Entry(value, kind, consumers, sites))
+            continue
+        if is_scatter(kind):  # reduce-scattered where the module that computes the partial sum returns
+            site = RegionSite(scatter_exits(graph)[value], None, 0)
+            entries.append(Entry(value, kind, consumers, ((site, consumers),)))
+            continue
         if is_slice(kind):  # cut where the module receives it: the innermost module holding every reader
             sites = _choose_sites(_candidate_sites(graph, value, consumers, fewest=1), consumers)
             if sum(len(c) for _, c in sites) != len(consumers):
@@ -272,6 +285,10 @@ def find_handovers(graph: OpGraph, placements: dict[int, str], blocks: list[str]
     code is checked on (``PrepareModuleInput``, ``use_local_output``). Same placements on
     both sides: no collective."""
     out: dict[tuple, Handover] = {}
+    # a block checked by its parts (a MoE layer's attention beside experts whose shapes were
+    # assumed) still receives the value as the layer: the handover ends at the stack's layer
+    stacks = set(graph.traced.folded) | set(graph.traced.folded.values())
+    blocks = sorted({next((s for s in stacks if _inside(b, s) and s != ""), b) for b in blocks})
     for fqn in blocks:
         if fqn not in graph.traced.calls:
             continue  # a folded copy: its input is the block before it

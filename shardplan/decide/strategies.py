@@ -42,6 +42,7 @@ from .placements import (
     split_parts, view_groups, view_parts,
 )
 from .propagation import dtensor_strategies, in_place_strategies, metadata_only
+from .scatter import gather_twins, scatter_twins
 from .slices import slice_twins
 from .weights import module_strategies
 
@@ -98,7 +99,7 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
             return [Strategy("", (p,), None) for p in _candidates(_shape(graph, op.inputs[0]), tp) + folded]
         # a write into a sharded tensor (t[:, :, i] = v) stays on each rank's shard
         return [_all(op, "R", None)] + [Strategy("", ins, None) for ins in in_place_strategies(op, graph, tp=tp)]
-    return _function_strategies(op, graph, tp)
+    return _function_strategies(op, graph, tp, opts)
 
 
 def _container_param(graph: OpGraph, target: str) -> Any:
@@ -135,7 +136,7 @@ def _output_strategies(op: Op, graph: OpGraph, tp: int, opts: Any) -> list[Strat
     return out
 
 
-def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
+def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> list[Strategy]:
     name = op.target
     if name in ("max", "min") and len(op.inputs) == 2:  # torch.max(a, b): elementwise, not a reduction
         name = {"max": "maximum", "min": "minimum"}[name]
@@ -182,6 +183,9 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
     if under_partial_grad_owner(op.owner, graph, tp):
         strategies += partial_grad_twins(op, graph, tp, strategies, out_shape)
     strategies += slice_twins(op, graph, strategies)  # a whole bias cut where its module receives it
+    if getattr(opts, "sequence_parallel", None) is not False:
+        strategies += scatter_twins(op, graph, strategies)  # a partial sum reduce-scattered where its module returns
+        strategies += gather_twins(op, graph, strategies, tp)  # a sequence shard gathered where its module receives it
     seen: set[tuple] = set()
     result = []
     flops = _sdpa_flops(op, graph) if name == "scaled_dot_product_attention" else 0.0

@@ -109,9 +109,12 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
     elif kind == "norm" and len(op.inputs) == 1 and _acts_like_norm(op, graph, module):
         found = _norm(op, graph, module, tp, sp)
         if sp_opt is True and any(s.name != "replicate" for s in found):  # the user asked for sequence parallel norms
-            found = [s for s in found if s.name != "replicate"]
+            # a norm over all heads (OLMo 2's q_norm) may still hand on each rank's heads: its
+            # input is a projection's output, not the residual stream sequence parallel splits
+            projected = graph.ops[graph.values[op.inputs[0]].producer].kind == "module"
+            found = [s for s in found if s.name != "replicate" or (projected and s.output != "R")]
     elif kind == "experts":
-        found = _experts(op, graph, module, tp)
+        found = _experts(op, graph, module, tp, sp)
     elif kind == "attention":
         found = _attention(op, graph, module, tp, sp)
     elif dims := scalar_elementwise_dims(op, graph, tp):
@@ -395,7 +398,7 @@ def _sliced_replicate(op: Op, graph: OpGraph, module: nn.Module, tp: int) -> lis
     ]
 
 
-def _experts(op: Op, graph: OpGraph, module: nn.Module, tp: int) -> list[Strategy]:
+def _experts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool = False) -> list[Strategy]:
     """Tensor parallel inside every expert: the up (and gate) projections split on their
     output features, the down projection on its input features, as Megatron's MLP. Each
     rank's experts produce partial sums: one all-reduce forward; backward all-reduces the
@@ -421,6 +424,12 @@ def _experts(op: Op, graph: OpGraph, module: nn.Module, tp: int) -> list[Strateg
             param_bytes=_experts_param_bytes(module, ep.down_bias, tp), flops=flops / tp, act_bytes=y.nbytes,
             layouts={"weight": "experts"},
         ))
+        if sp:  # the partial sums handed on, for the MoE block's return to reduce-scatter onto sequence shards
+            out.append(Strategy(
+                "moe_tp_experts", tuple("R" for _ in op.inputs), "P", bwd=grads,
+                param_bytes=_experts_param_bytes(module, ep.down_bias, tp), flops=flops / tp, act_bytes=y.nbytes,
+                layouts={"weight": "experts", "output": "P"},
+            ))
     return out
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from .fileio import PlanFileError, atomic_write, describe, load_mapping, read_text
 from .patterns import brace_members, brace_ranges, expand_braces, expand_pattern, matches  # noqa: F401 - re-exported
@@ -74,6 +74,23 @@ def _check_module_pattern(value: str) -> str:
 ModulePattern = Annotated[str, AfterValidator(_check_module_pattern)]
 
 
+def _check_packed(value: object) -> object:
+    """``packed``: a count of equal parts (int >= 2) or the relative widths of unequal ones."""
+    if value is None:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 2:
+        return value
+    if (isinstance(value, list) and len(value) >= 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)):
+        return value
+    raise ValueError(f"packed {value!r} is neither a count of equal parts (an int >= 2) nor the widths of unequal ones "
+                     "(a list of two or more ints >= 1, relative or in rows: [4, 1, 1] for q, k, v of 8, 2 and 2 heads)")
+
+
+Packed = Annotated[Annotated[int, Field(ge=2)] | Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2)] | None,
+                   BeforeValidator(_check_packed)]
+
+
 class Rule(_Strict):
     module: ModulePattern  # fnmatch pattern per path segment, as parallelize_module matches; {0-2,5} index sets
     style: Style
@@ -82,7 +99,9 @@ class Rule(_Strict):
     # the output is modified in place downstream (``x += y``): hand on a copy, since the
     # local view of a DTensor cannot be modified in place
     copy_output: bool = False
-    packed: Annotated[int, Field(strict=True, ge=2)] | None = None  # packed_colwise: parts the output dim holds
+    # packed_colwise: how many equal parts the output dim holds, or the relative widths of
+    # unequal ones ([4, 1, 1]: a GQA [Q; K; V] of 8 q and 2 kv heads; rows [64, 16, 16] too)
+    packed: Packed = None
     # colwise_kv_replicated: the weight's rows form this many groups (one per kv head), each
     # held whole by tp / groups ranks; colwise_kv_gathered: each group gathered across them
     groups: Annotated[int, Field(strict=True, ge=2)] | None = None

@@ -91,6 +91,8 @@ def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) 
     if rule.style in _KV_STYLES and (rule.groups is None or tp % rule.groups or rule.groups >= tp):
         return [f"rule {rule.module} ({rule.style}): groups {rule.groups} must divide tp={tp} and be smaller "
                 "(one group per kv head, each on tp / groups ranks); set groups to the number of kv heads"]
+    if rule.style == "packed_colwise" and isinstance(rule.packed, list):
+        return _unequal_parts(rule, hits, modules, tp)
     parts = rule.groups if rule.style == "colwise_kv_replicated" else tp
     bad = []
     for fqn in hits:
@@ -108,6 +110,25 @@ def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) 
     more = f" (and {len(bad) - 1} more of its modules)" if len(bad) > 1 else ""
     by = f"its groups={parts}" if parts != tp else f"tp={tp}"
     return [f"{fqn}: {rule.style} splits weight dim {dim} of size {size}, which {by} does not divide{more}"]
+
+
+def _unequal_parts(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) -> list[str]:
+    """``packed: [4, 1, 1]``: the output features cut into parts of those relative widths,
+    each split tp ways (rank r keeps its slice of every part), so tp must divide every part."""
+    for fqn in hits:
+        mod = modules[fqn]
+        weight, dim = weight_of(mod), sharded_dim(rule.style, mod)
+        if weight is None or dim is None or dim >= weight.dim():
+            continue
+        size, total = int(weight.shape[dim]), sum(rule.packed)
+        if size % total:
+            return [f"{fqn}: packed {rule.packed} does not fit its {size} output features ({size} is not a multiple of "
+                    f"{total}); give each part's width, in rows or relative, so they sum to a divisor of {size}"]
+        rows = [p * (size // total) for p in rule.packed]
+        if any(r % tp for r in rows):
+            return [f"{fqn}: packed {rule.packed} cuts its {size} output features into parts of {rows} rows, which "
+                    f"tp={tp} does not divide; use a tp that divides every part, or plan it colwise_gather_output"]
+    return []
 
 
 # which kinds of module (analyze.graph.module_kind) each style can split; the rest need
