@@ -74,24 +74,44 @@ def test_rows_grouped_per_kv_head_are_colwise(tp: int) -> None:
     assert not plan.warnings, plan.warnings
 
 
-def test_unequal_gqa_parts_are_gathered_with_the_split_named() -> None:
+@pytest.mark.parametrize("tp", [2, 4])
+def test_unequal_gqa_parts_are_packed_by_parts(tp: int) -> None:
+    """``split([q_pos, kv_width, kv_width])`` of 8 query heads beside 4 kv heads: each rank
+    holds its heads of every part ([q_r; k_r; v_r], ``packed: [2, 1, 1]``), the split's
+    widths and head counts made local."""
     with torch.device("meta"):
         model = fused.split_gqa()
-    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=TOKENS)
+    plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=TOKENS)
+    qkv, proj = plan.rule_for("layers.0.attn.qkv"), plan.rule_for("layers.0.attn.proj")
+    assert (qkv.style, qkv.packed, proj.style) == ("packed_colwise", [2, 1, 1], "rowwise"), (qkv, proj)
+    assert [a.values for a in plan.attributes] == [{"kv_width": 32 // tp, "n_embd": 64 // tp, "n_kv_head": 4 // tp,
+                                                    "q_pos": 64 // tp, "n_head": 8 // tp}]
+    assert not plan.warnings, plan.warnings
+
+
+def test_unequal_gqa_parts_with_fewer_kv_heads_than_ranks_are_gathered_with_the_split_named() -> None:
+    with torch.device("meta"):
+        model = fused.split_gqa()
+    plan = shardplan.plan_model(model, {"tp": 8}, example_inputs=TOKENS)  # 4 kv heads on 8 ranks
     assert plan.rule_for("layers.0.attn.qkv").style == "colwise_gather_output"
     (warning,) = [w for w in plan.warnings if w.startswith("layers.*.attn.qkv")]
-    assert "`split` (tests/portability/fused.py:" in warning and "split([self.q_pos, self.kv_width" in warning, warning
-    assert "cuts its 128 features into unequal parts [64, 32, 32], which a packed split cannot hold" in warning, warning
-    assert "rows ordered per kv head" in warning, warning
+    assert "makes 4 groups (heads) of its 32 features, which tp=8 does not divide" in warning, warning
 
 
-def test_unequal_slices_of_phi3_with_fewer_kv_heads_are_named() -> None:
+def test_unequal_slices_of_phi3_are_packed_by_parts() -> None:
+    """Phi-3 slices its qkv_proj ``[..., :query_pos]``, ``[query_pos:query_pos + kv]``, ``[...:]``
+    (4 heads, 2 kv heads: q 64, k 32, v 32): the slices tile it, so each rank holds its heads of
+    every part ([2, 1, 1]); at tp=4 the 2 kv heads cannot stay whole and the view says so."""
     from shardplan.interop.hf_models import build_hf_model
 
-    model, inputs, kwargs = build_hf_model("phi3", tiny=True)  # 4 heads, 2 kv heads: q 64, k 32, v 32
+    model, inputs, kwargs = build_hf_model("phi3", tiny=True)
     plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, example_kwargs=kwargs)
+    qkv = plan.rule_for("model.layers.0.self_attn.qkv_proj")
+    assert (qkv.style, qkv.packed) == ("packed_colwise", [2, 1, 1]) and not plan.warnings, plan.warnings
+    assert plan.module_styles()["model.layers.0.self_attn.o_proj"] == "rowwise"
+    plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=inputs, example_kwargs=kwargs)
     (warning,) = [w for w in plan.warnings if w.startswith("model.layers.*.self_attn.qkv_proj")]
-    assert "modeling_phi3.py" in warning and "slices [0:64], [64:96], [96:128]" in warning, warning
+    assert "modeling_phi3.py" in warning and "2 groups (heads)" in warning and "tp=4 does not divide" in warning
 
 
 def _parallel_plan(seq: int) -> shardplan.Plan:

@@ -96,7 +96,10 @@ CASES = {
     "llama": ("llama", {}, {}, {"embedding_rowwise", "colwise", "rowwise", "colwise_gather_output", "replicate"}),
     "llama_tied": ("llama", {"tie_word_embeddings": True}, {}, {"embedding_rowwise", "colwise_gather_output"}),
     "llama_budget": ("llama", {}, {"memory_budget": 5_000_000}, {"colwise", "rowwise", "replicate"}),
-    "phi3": ("phi3", {"pad_token_id": 0}, {}, {"colwise_gather_output", "packed_colwise", "rowwise"}),
+    # shardplan packs Phi-3's q/k/v by unequal parts ([2, 1, 1]), which HF refuses (see below):
+    # pinned whole, as the refusal says, the export still carries the [gate; up] pack
+    "phi3": ("phi3", {"pad_token_id": 0}, {"_pinned": {"model.layers.*.self_attn.qkv_proj": "colwise_gather_output"}},
+             {"colwise_gather_output", "packed_colwise", "rowwise"}),
     "phi3_hf_plan": ("phi3", {"pad_token_id": 0}, _phi3_hf_plan, {"colwise_gather_output", "rowwise_split_input"}),
     "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 16,
                                 "decoder_sparse_step": 1, "mlp_only_layers": []}, {},
@@ -253,13 +256,21 @@ def test_gpt2_conv1d_weights_are_refused() -> None:
         plain.to_hf_tp_plan(model)
 
 
+def test_unequal_packed_parts_are_refused() -> None:
+    """Phi-3's q/k/v slices of 4 query and 2 kv heads: shardplan's PackedShard [2, 1, 1]."""
+    model, plan = _plan("phi3", _build("phi3", pad_token_id=0))
+    assert plan.rule_for("model.layers.0.self_attn.qkv_proj").packed == [2, 1, 1]
+    with pytest.raises(ValueError, match=r"qkv_proj: packed_colwise of \[2, 1, 1\] fused parts.*splits two"):
+        plan.to_hf_tp_plan(model)
+
+
 def test_a_packed_projection_with_a_bias_is_refused() -> None:
     """HF's packed_colwise cuts a 1-D bias in contiguous halves, not [gate_r; up_r]."""
     model = _build("phi3", pad_token_id=0)
     for layer in model.model.layers:
         old = layer.mlp.gate_up_proj
         layer.mlp.gate_up_proj = torch.nn.Linear(old.in_features, old.out_features, bias=True)
-    model, plan = _plan("phi3", model)
+    model, plan = _plan("phi3", model, **CASES["phi3"][2])
     assert plan.rule_for("model.layers.0.mlp.gate_up_proj").style == "packed_colwise"
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_up_proj: packed_colwise of a fused projection "
                                          r"with a bias.*contiguous halves"):
@@ -269,7 +280,7 @@ def test_a_packed_projection_with_a_bias_is_refused() -> None:
 @pytest.mark.parametrize("model_type", ["phi3", "qwen3_moe"])
 def test_packed_and_expert_styles_need_the_model(model_type: str) -> None:
     overrides = CASES["phi3" if model_type == "phi3" else "qwen3_moe"][1]
-    model, plan = _plan(model_type, _build(model_type, **overrides))
+    model, plan = _plan(model_type, _build(model_type, **overrides), **CASES[model_type][2])
     with pytest.raises(ValueError, match=r"needs the model.*plan\.to_hf_tp_plan\(model\)"):
         plan.to_hf_tp_plan()
     assert plan.to_hf_tp_plan(model)

@@ -208,15 +208,30 @@ def test_grouped_complex_rope_collectives_equal_the_prediction() -> None:
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
 
 
-def test_attention_run_whole_behind_rowwise_projections_is_said() -> None:
-    """A fused q/k/v cut into unequal parts (8 query heads, 2 kv heads) cannot be split by
-    heads yet; the plan that shards its weights anyway (q/k/v rowwise after a feature-split
-    embedding) runs attention whole on every rank, which the warnings must say, at the
-    attention, with the split that blocks it."""
+def test_a_fused_gqa_qkv_cut_into_unequal_parts_is_split_by_heads() -> None:
+    """gpt-fast's ``wqkv(x).split([dim, kv_size, kv_size])`` (8 query heads, 2 kv heads): each
+    rank holds its heads of every part, [q_r; k_r; v_r] (``packed: [4, 1, 1]``, a PackedShard
+    whose global view is the module's own [Q; K; V]), and the split's widths are local."""
     plan = _plan(natural.fused_gqa, 2)
+    wqkv = plan.rule_for("layers.0.wqkv")
+    assert (wqkv.style, wqkv.packed, plan.module_styles()["layers.0.wo"]) == ("packed_colwise", [4, 1, 1], "rowwise")
+    assert [a.values for a in plan.attributes] == [{"n_head": 4, "dim": 64, "n_local_heads": 1}]
+    assert not plan.warnings, plan.warnings
+    result = simulate(natural.fused_gqa(), plan, (torch.randint(0, 256, (2, 16)),))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+    run = verify("tests.portability.natural:fused_gqa", nproc=2, timeout_s=300)
+    assert run.passed and run.plan.rule_for("layers.0.wqkv").packed == [4, 1, 1], run.summary()
+
+
+def test_attention_run_whole_behind_rowwise_projections_is_said() -> None:
+    """At tp=4 the 2 kv heads cannot each stay on a rank; the plan that shards the weights
+    anyway (q/k/v rowwise after a feature-split embedding) runs attention whole on every
+    rank, which the warnings must say, at the attention, with the split that blocks it."""
+    plan = _plan(natural.fused_gqa, 4)
     (said,) = [w for w in plan.warnings if "attention runs whole" in w]
     assert said.startswith("layers.*: attention runs whole on every rank: `scaled_dot_product_attention`")
     assert "layers.*.wqkv being " in said and "unequal parts [128, 32, 32]" in said, said
+    assert "tp=4 divides every part's heads" in said, said
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -292,3 +307,11 @@ def test_moe_sequence_parallel_collectives_equal_the_prediction() -> None:
     result = simulate(model, plan, inputs)
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
     assert result.counted["forward"]["reduce_scatter"] >= 2  # each layer's MoE block returns sequence shards
+
+
+@pytest.mark.parametrize("nproc", [2])
+def test_phi3_slices_of_unequal_parts_match_one_process_on_gloo(nproc: int) -> None:
+    """Phi-3's q/k/v slices of a fused projection (4 query heads, 2 kv heads), packed by parts."""
+    result = verify("hf-tiny:phi3", nproc=nproc, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    assert result.plan.rule_for("model.layers.0.self_attn.qkv_proj").packed == [2, 1, 1]

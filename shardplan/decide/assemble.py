@@ -535,8 +535,11 @@ def _blocked_by(user, shape, dim: int, tp: int, *, graph: OpGraph, value: int) -
     if parts:
         hint = ("; a fused q/k/v splits when written as separate Linears, or with its rows ordered per kv head "
                 "(view(b, s, kv, q_per_kv + 2, head_dim))") if parts[1] == 3 else ""
-        return (f"{what} cuts its {shape[dim]} features into {parts[0]}, which a packed split cannot hold (DTensor's "
-                f"strided placement cuts equal parts), so they run whole{hint}")
+        # planned packed by parts (PackedShard) when the cut is a split of sections and each
+        # part keeps whole heads on a rank; a part of fewer heads than ranks cannot
+        return (f"{what} cuts its {shape[dim]} features into {parts[0]}: unequal parts split by heads only when cut by "
+                f"`split([...])` and tp={tp} divides every part's heads, so they run whole here; plan for a tp that "
+                f"divides the kv heads{hint}")
     return f"{what} needs its input whole where tp={tp} splits it (dim {dim}), and everything after it runs on the gathered tensor"
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from ..analyze.graph import Op
 
-__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "index_items", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts",
+__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "split_widths", "slice_range", "index_items", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts",
            "view_groups", "VIEW_OPS",
            "local_shape"]
 
@@ -173,6 +173,17 @@ def split_parts(op: Op, size: int) -> int | None:
     return k if k > 1 and size % k == 0 else None
 
 
+def split_widths(op: Op, size: int) -> tuple[int, ...] | None:
+    """The widths of the parts a ``split`` by a list of sections cuts a dim of ``size`` into
+    (GQA's ``split([h * hd, kv * hd, kv * hd])``), equal or not; None for any other op."""
+    if op.target != "split":
+        return None
+    arg = op.node.kwargs.get("split_size_or_sections", op.node.args[1] if len(op.node.args) > 1 else None)
+    if isinstance(arg, (list, tuple)) and len(arg) > 1 and all(type(w) is int and w > 0 for w in arg) and sum(arg) == size:
+        return tuple(arg)
+    return None
+
+
 def index_items(index: Any, ndim: int) -> list:
     """The items of ``x[index]`` for an ``ndim``-dim ``x``, an ``...`` written out as the ``:``
     it stands for (``None`` items add dims and take none)."""
@@ -192,6 +203,18 @@ def one_slice(index: Any) -> slice | None:
     if len(cut) != 1 or not all(isinstance(b, (int, type(None))) for b in (cut[0].start, cut[0].stop, cut[0].step)):
         return None
     return cut[0]
+
+
+def slice_range(index: Any, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """``(d, start, stop)`` when ``x[index]`` takes one contiguous range of dim ``d`` and keeps
+    every other dim whole; None for any other index."""
+    items = index_items(index, len(shape))
+    cut = one_slice(index)
+    if cut is None or len(items) > len(shape) or not all(isinstance(i, slice) for i in items):
+        return None
+    d = next(d for d, i in enumerate(items) if i is cut)
+    start, stop, step = cut.indices(shape[d])
+    return (d, start, stop) if step == 1 and stop > start else None
 
 
 def sliced_part(index: Any, shape: tuple[int, ...]) -> tuple[int, int] | None:

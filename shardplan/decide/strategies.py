@@ -39,12 +39,12 @@ from .folded import folded_factory_strategies, folded_values, folded_variants, f
 from .heads import grouped_conversions, grouped_values, grouped_variants, partial_grad_twins, under_partial_grad_owner
 from .placements import (
     VIEW_OPS, Strategy, chunk_count, expanded_dims, groups_of, index_items, narrow_index, packed, placement_str, shard_dim, sliced_part,
-    split_parts, view_groups, view_parts,
+    split_parts, split_widths, view_groups, view_parts,
 )
 from .propagation import dtensor_strategies, in_place_strategies, metadata_only
 from .scatter import gather_twins, scatter_twins
 from .slices import slice_twins
-from .weights import module_strategies
+from .weights import module_strategies, slice_partition
 
 __all__ = ["Strategy", "op_strategies", "shard_dim", "placement_str", "packed", "chunk_count", "param_only_values"]
 
@@ -438,6 +438,9 @@ def _split(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
     if k is not None:  # packed input: each rank holds its slice of every part, so local chunks
         if src[d] % (k * tp) == 0:  # are the parts' local slices
             result.append(Strategy("", (packed(d, k),), f"S{d}"))
+    widths = split_widths(op, src[d]) if d is not None and k is None else None
+    if widths and all(w % tp == 0 for w in widths):  # unequal parts, each its own rank's slice (PackedShard)
+        result.append(Strategy("", (packed(d, len(widths)),), f"S{d}"))
     return result
 
 
@@ -447,7 +450,7 @@ def _getitem(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
         # element of a tuple: carries the tuple's placement
         return [Strategy("", (p,), p) for p in _candidates(out_shape, tp) + ["P"] if p != "R"]
     src = _shape(graph, op.inputs[0])
-    result = _packed_slice(op.node.args[1], src, tp)
+    result = _packed_slice(op.node.args[1], src, tp) + _unequal_slice(op, graph, tp)
     mapping = _index_dim_map(op.node.args[1], src)
     if mapping is None:
         return result
@@ -465,7 +468,7 @@ def _narrow(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
     if index is None:
         return []
     dim = len(index) - 1
-    return _packed_slice(index, src, tp) + [Strategy("", (f"S{d}",), f"S{d}") for d in range(len(src))
+    return _packed_slice(index, src, tp) + _unequal_slice(op, graph, tp) + [Strategy("", (f"S{d}",), f"S{d}") for d in range(len(src))
                                              if d != dim and src[d] % tp == 0 and src[d] >= tp]
 
 
@@ -477,6 +480,17 @@ def _packed_slice(index: Any, src: tuple[int, ...], tp: int) -> list[Strategy]:
         return []
     d, k = found
     return [Strategy("", (packed(d, k),), f"S{d}")]
+
+
+def _unequal_slice(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
+    """One of the ranges that together tile a packed projection of unequal parts (Phi-3's
+    q, k, v slices): the rank holds its slice of every part (PackedShard), so its local
+    range, the bounds made local, is that part's Shard(last)."""
+    widths = slice_partition(graph, op.inputs[0])
+    if not widths or len(set(widths)) == 1 or any(w % tp for w in widths):
+        return []
+    last = len(_shape(graph, op.inputs[0])) - 1
+    return [Strategy("", (packed(last, len(widths)),), f"S{last}")]
 
 
 def _index_dim_map(index: Any, src_shape: tuple[int, ...]) -> dict[int, int] | None:

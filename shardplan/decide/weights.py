@@ -59,9 +59,12 @@ from ..analyze.graph import Op, OpGraph
 from ..analyze.graph import module_kind as module_kind_of
 from .heads import grouped_values, under_partial_grad_owner, viewed_heads
 from .elementwise import scalar_elementwise_dims
-from .placements import Strategy, group_counts, grouped, narrow_index, packed, sliced_part, split_parts, view_parts
+from .placements import (
+    Strategy, group_counts, grouped, narrow_index, packed, slice_range, sliced_part, split_parts, split_widths,
+    view_parts,
+)
 
-__all__ = ["module_strategies", "STYLE_NAMES"]
+__all__ = ["module_strategies", "STYLE_NAMES", "slice_partition"]
 
 STYLE_NAMES = (
     "colwise",
@@ -220,16 +223,21 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
                 "colwise", (f"S{d}",), f"S{last}", entry=(f"S{d}",), layouts={"weight": col_w, "input": f"S{d}"}, **col,
             ))
     k = _packed_into(op, graph)
-    if k and n_out % (k * tp) == 0 and module_kind_of(module) in ("linear", "conv1d"):
-        # the output features are weight dim 0 of nn.Linear ([out, in]), dim 1 of HF's Conv1D
-        w = f"{col_w}p{k}"
+    parts: int | list[int] | None = k if k and n_out % (k * tp) == 0 else None
+    if parts is None and module_kind_of(module) == "linear":
+        parts = _unequal_parts(op, graph, tp)
+    if parts and module_kind_of(module) in ("linear", "conv1d"):
+        # the output features are weight dim 0 of nn.Linear ([out, in]), dim 1 of HF's Conv1D;
+        # unequal parts (GQA's [Q; K; V]) are placed PackedShard, rank r holding [q_r; k_r; v_r]
+        n = parts if isinstance(parts, int) else len(parts)
+        w = f"{col_w}p{n}"
         out.append(Strategy(
-            "packed_colwise", ("R",), packed(last, k), entry=("R",), layouts={"weight": w, "packed": k}, **col,
+            "packed_colwise", ("R",), packed(last, n), entry=("R",), layouts={"weight": w, "packed": parts}, **col,
         ))
         for d in _seq_dims(x.shape, tp) if sp else []:  # a sequence-sharded input is all-gathered on entry
             out.append(Strategy(
-                "packed_colwise", (f"S{d}",), packed(last, k), entry=(f"S{d}",),
-                layouts={"weight": w, "packed": k, "input": f"S{d}"}, **col,
+                "packed_colwise", (f"S{d}",), packed(last, n), entry=(f"S{d}",),
+                layouts={"weight": w, "packed": parts, "input": f"S{d}"}, **col,
             ))
     if n_in % tp == 0:
         out += _rowwise(x, y, module, pbytes, flops, tp, sp, row_w)
@@ -305,6 +313,49 @@ def _packed_into(op: Op, graph: OpGraph) -> int | None:
     users = [graph.ops[c] for c in graph.consumers.get(op.output, [])]
     counts = {_parts_taken(u, graph, shape, last) for u in users}
     return counts.pop() if len(counts) == 1 and None not in counts else None
+
+
+def slice_partition(graph: OpGraph, value: int) -> tuple[int, ...] | None:
+    """The widths of the parts the consumers of ``value`` slice its last dim into, when every
+    one takes one contiguous range and together they tile it (Phi-3's ``qkv[..., :q_pos]``,
+    ``qkv[..., q_pos:q_pos + kv]``, ``qkv[..., q_pos + kv:]``; ``narrow`` alike)."""
+    shape = graph.values[value].shape
+    ranges = set()
+    for c in graph.consumers.get(value, []):
+        user = graph.ops[c]
+        index = user.node.args[1] if user.target == "getitem" and len(user.node.args) > 1 else (
+            narrow_index(user.node.args, len(shape)) if user.target == "narrow" else None)
+        found = slice_range(index, shape) if index is not None and shape else None
+        if found is None or found[0] != len(shape) - 1:
+            return None
+        ranges.add(found[1:])
+    bounds = sorted(ranges)
+    if len(bounds) < 2 or bounds[0][0] != 0 or bounds[-1][1] != shape[-1] or any(
+            a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
+        return None
+    return tuple(b - a for a, b in bounds)
+
+
+def _unequal_parts(op: Op, graph: OpGraph, tp: int) -> list[int] | None:
+    """The relative widths of unequal parts, when every consumer cuts the output's last dim
+    by the same ``split`` of sections (GQA: ``split([h * hd, kv * hd, kv * hd], -1)``), or
+    slices it into ranges that tile it (:func:`slice_partition`), and tp divides each part;
+    ``[4, 1, 1]`` for 8 query heads beside 2 kv heads."""
+    shape = graph.values[op.output].shape
+    last = len(shape) - 1
+    found = set()
+    for c in graph.consumers.get(op.output, []):
+        user = graph.ops[c]
+        args = user.node.args
+        dim = user.node.kwargs.get("dim", args[2] if len(args) > 2 else 0)
+        widths = split_widths(user, shape[last]) if isinstance(dim, int) and dim % (last + 1) == last else None
+        found.add(widths)
+    widths = found.pop() if len(found) == 1 else None
+    widths = widths or slice_partition(graph, op.output)
+    if widths is None or len(set(widths)) == 1 or any(w % tp for w in widths):
+        return None
+    unit = math.gcd(*widths)
+    return [w // unit for w in widths]
 
 
 def _parts_taken(user: Op, graph: OpGraph, shape: tuple[int, ...], last: int) -> int | None:
