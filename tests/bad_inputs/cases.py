@@ -229,9 +229,9 @@ CASES: list[Case] = [
         r"plan\.yaml:({line:^- module: layers\.\*\.attention$}|{line:^  input: 5}): regions\.0: "
         r".*input 5 is not one of the call's 3 positional arguments",
         files={P: Edit("llama", ("  input: 0\n  num_inputs: 3\n", "  input: 5\n  num_inputs: 3\n"))}),
-    cli("pf-packed-0", f"check {P} mlp", r"plan\.yaml:{line:packed: 0}: rules\.0\.packed: .*greater than or equal to 2; got 0",
+    cli("pf-packed-0", f"check {P} mlp", r"plan\.yaml:{line:packed: 0}: rules\.0\.packed: .*packed 0 is neither a count of equal parts \(an int >= 2\) nor the widths of unequal ones",
         files={P: Edit("mlp", ("  style: colwise\n", "  style: packed_colwise\n  packed: 0\n"))}),
-    cli("pf-packed-1", f"check {P} mlp", r"plan\.yaml:{line:packed: 1}: rules\.0\.packed: .*greater than or equal to 2; got 1",
+    cli("pf-packed-1", f"check {P} mlp", r"plan\.yaml:{line:packed: 1}: rules\.0\.packed: .*packed 1 is neither a count of equal parts \(an int >= 2\) nor the widths of unequal ones",
         files={P: Edit("mlp", ("  style: colwise\n", "  style: packed_colwise\n  packed: 1\n"))}),
     cli("pf-tp-0", f"check {P} mlp", r"plan\.yaml:{line:^    tp:}: mesh\.axes\.tp: .*greater than or equal to 1; got 0",
         files={P: Edit("mlp", ("    tp: 2\n", "    tp: 0\n"))}),
