@@ -56,3 +56,14 @@ def assert_parameter_checks(ck: dict[str, Any], where: str) -> None:
     assert ck["sharded_params"], f"{where}: apply_plan sharded no parameter at all"
     assert not ck["bad_local_shapes"], f"{where}: local shards are not 1/tp: {ck['bad_local_shapes']}"
     assert ck["tied_tp"] == ck["tied_ref"], f"{where}: tied weights {ck['tied_ref']} became {ck['tied_tp']}"
+
+
+def flat_state(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """A nested state dict (an optimizer's) as ``{"a.b.c": tensor}``."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out.update(flat_state(v, f"{prefix}{k}."))
+        elif isinstance(v, torch.Tensor):
+            out[f"{prefix}{k}"] = v.detach()
+    return out

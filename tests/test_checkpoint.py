@@ -33,6 +33,7 @@ pytest.importorskip("transformers")
 import shardplan  # noqa: E402
 from shardplan.tools.launch import run_on_gloo  # noqa: E402
 from tests import _checkpoint_workers as w  # noqa: E402
+from tests._checks import flat_state
 
 TYPES = ["phi3", "mixtral", "qwen3_moe", "gpt2"]
 
@@ -52,18 +53,8 @@ def _plan(model_type: str, tp: int) -> str:
     return plan.to_yaml()
 
 
-def _flat(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in state.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        elif isinstance(v, torch.Tensor):
-            out[f"{prefix}{k}"] = v.detach()
-    return out
-
-
 def _assert_equal(got: dict, want: dict, what: str) -> None:
-    got, want = _flat(got), _flat(want)
+    got, want = flat_state(got), flat_state(want)
     assert sorted(got) == sorted(want), f"{what}: keys differ"
     bad = [k for k in want if not torch.equal(got[k], want[k])]
     assert not bad, f"{what}: {len(bad)} of {len(want)} tensors differ, e.g. {bad[:3]}"

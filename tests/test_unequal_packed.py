@@ -27,6 +27,7 @@ from shardplan.apply.state import local_runs
 from shardplan.plan.model import PlanFileError
 from shardplan.tools.launch import run_on_gloo
 from tests import _unequal_packed_workers as w
+from tests._checks import flat_state
 
 HD = w.HEAD_DIM
 
@@ -148,16 +149,6 @@ def _exact(got: dict, want: dict, what: str) -> None:
     assert not bad, f"{what}: {len(bad)} of {len(want)} tensors differ, e.g. {bad[:3]}"
 
 
-def _flat(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in state.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        elif isinstance(v, torch.Tensor):
-            out[f"{prefix}{k}"] = v.detach()
-    return out
-
-
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_checkpoints_reshard_exactly(tmp_path) -> None:
     import safetensors.torch
@@ -182,7 +173,7 @@ def test_checkpoints_reshard_exactly(tmp_path) -> None:
     dcp.load(state, checkpoint_id=folder)
     set_optimizer_state_dict(plain, opt, state["optim"])
     _exact(plain.state_dict(), saved["model"], "unsharded DCP load vs the tp=2 model")
-    _exact(_flat(get_optimizer_state_dict(plain, opt)), _flat(saved["optim"]), "unsharded optimizer state")
+    _exact(flat_state(get_optimizer_state_dict(plain, opt)), flat_state(saved["optim"]), "unsharded optimizer state")
 
     # the same one step in one process gives the same weights: the checkpoint is [Q; K; V]
     ref = w.build(0)
@@ -201,7 +192,7 @@ def test_checkpoints_reshard_exactly(tmp_path) -> None:
     safetensors.torch.save_file({k: v.contiguous() for k, v in saved["model"].items()}, file)
     loaded = run_on_gloo(w.load_sharded, world_size=2, args=(yaml, folder, saved["model"], file), timeout_s=240)[0]
     _exact(loaded["dcp"], saved["model"], "DCP load at tp=2")
-    _exact(_flat(loaded["dcp_optim"]), _flat(saved["optim"]), "optimizer state loaded at tp=2")
+    _exact(flat_state(loaded["dcp_optim"]), flat_state(saved["optim"]), "optimizer state loaded at tp=2")
     _exact(loaded["from_full"], saved["model"], "load_full_state_dict at tp=2")
     _exact(loaded["from_file"], saved["model"], "load_checkpoint at tp=2")
     with torch.no_grad():

@@ -221,14 +221,12 @@ def sliced_part(index: Any, shape: tuple[int, ...]) -> tuple[int, int] | None:
     """``(d, k)`` when ``x[index]`` slices dim ``d`` to exactly one of ``k`` equal blocks, its
     width (phi3's ``qkv[..., :query_pos]``, ``qkv[..., q:q + kv]``), every other dim kept
     whole; None for any other index."""
-    items = index_items(index, len(shape))
-    cut = one_slice(index)
-    if cut is None or len(items) > len(shape) or not all(isinstance(i, slice) for i in items):
+    found = slice_range(index, shape)
+    if found is None:
         return None
-    d = next(d for d, i in enumerate(items) if i is cut)
-    start, stop, step = cut.indices(shape[d])
+    d, start, stop = found
     width = stop - start
-    if step != 1 or width < 1 or shape[d] % width or start % width or shape[d] // width < 2:
+    if shape[d] % width or start % width or shape[d] // width < 2:
         return None
     return d, shape[d] // width
 

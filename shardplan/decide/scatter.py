@@ -25,9 +25,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..analyze.graph import Op, OpGraph
+from ..analyze.graph import Op, OpGraph, _inside
 from .placements import Strategy
 from .propagation import metadata_only
+from .slices import entry_twins, received_values
 
 __all__ = ["scatter_exits", "scatter_twins", "scatter_rows", "is_scatter", "scatter_target", "gather_entries",
            "gather_twins", "gather_rows", "is_gather"]
@@ -63,35 +64,32 @@ def scatter_exits(graph: OpGraph) -> dict[int, str]:
 
 def scatter_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Strategy]:
     exits = scatter_exits(graph)
-    slots = [i for i, v in enumerate(op.inputs) if v in exits]
-    out = []
-    for s in strategies:
-        if s.name or s.entry:
-            continue
-        for i in slots:
-            p = s.inputs[i] if i < len(s.inputs) else None
-            if p is not None and re.fullmatch(r"S\d+", p):
-                inputs = s.inputs[:i] + ("P",) + s.inputs[i + 1:]
-                entry = tuple(f"P>{p}" if j == i else None for j in range(len(s.inputs)))
-                out.append(Strategy("", inputs, s.output, entry=entry))
-    return out
+    return entry_twins(strategies, [i for i, v in enumerate(op.inputs) if v in exits], reads="P")
 
 
 def scatter_rows(prog: Any, rows: list, lo: list, hi: list) -> None:
     """For each chosen scatter of a value and each reader of it: ``entry + plain P reads <= 1``."""
+    _one_way_rows(prog, rows, lo, hi, chosen=is_scatter, plain=lambda entry: "P", within=lambda value: None)
+
+
+def _one_way_rows(prog: Any, rows: list, lo: list, hi: list, *, chosen, plain, within) -> None:
+    """The conversion an entry makes happens once, for every reader (within the modules
+    ``within(value)`` gives; None: all of them): when the entry is chosen, no reader takes the
+    value as it was before it (``plain(entry)``) without that entry."""
     graph = prog.graph
     for (value, entry), col in prog.entry_of.items():
-        if not is_scatter(entry):
+        if not chosen(entry):
             continue
+        before, modules = plain(entry), within(value)
         for c in graph.consumers.get(value, []):
-            if metadata_only(graph.ops[c]):
+            op = graph.ops[c]
+            owner = op.target if op.kind == "module" else op.owner
+            if metadata_only(op) or (modules is not None and not any(_inside(owner, m) for m in modules)):
                 continue
             row = {col: 1.0}
-            for slot, v in enumerate(graph.ops[c].inputs):
-                if v != value:
-                    continue
-                for i, st in enumerate(prog.strategies[c]):
-                    if st.inputs[slot] == "P" and not (slot < len(st.entry) and st.entry[slot]):
+            for slot, v in enumerate(op.inputs):
+                for i, st in enumerate(prog.strategies[c] if v == value else ()):
+                    if st.inputs[slot] == before and not (slot < len(st.entry) and st.entry[slot]):
                         row[prog.var_of[(c, i)]] = 1.0
             rows.append(row)
             lo.append(float("-inf"))
@@ -114,22 +112,7 @@ def is_gather(entry: str | None) -> bool:
 def gather_entries(graph: OpGraph) -> dict[int, tuple[str, ...]]:
     """Value -> the container modules (called once, or representatives) that receive it as an
     argument, made outside them."""
-    cached = graph.strategy_cache.get("gather entries")
-    if cached is None:
-        found: dict[int, list[str]] = {}
-        for fqn, calls in graph.traced.calls.items():
-            if not fqn or fqn in graph.traced.folded or len(calls) != 1:
-                continue
-            for a in list(calls[0].args) + list(calls[0].kwargs.values()):
-                v = getattr(a, "meta", {}).get("shardplan_op") if hasattr(a, "meta") else None
-                if v in graph.values and not _inside(graph.ops[graph.values[v].producer].owner, fqn):
-                    found.setdefault(v, []).append(fqn)
-        cached = graph.strategy_cache["gather entries"] = {v: tuple(sorted(m)) for v, m in found.items()}
-    return cached
-
-
-def _inside(fqn: str, module: str) -> bool:
-    return fqn == module or fqn.startswith(module + ".")
+    return received_values(graph)
 
 
 def gather_twins(op: Op, graph: OpGraph, strategies: list[Strategy], tp: int) -> list[Strategy]:
@@ -158,24 +141,5 @@ def gather_twins(op: Op, graph: OpGraph, strategies: list[Strategy], tp: int) ->
 def gather_rows(prog: Any, rows: list, lo: list, hi: list) -> None:
     """A gather at a module's entry hands every reader inside it the whole value: when chosen,
     no reader inside that module takes the shard as it is (``entry + plain S reads <= 1``)."""
-    graph = prog.graph
-    for (value, entry), col in prog.entry_of.items():
-        if not is_gather(entry):
-            continue
-        shard = entry.split(">")[0]
-        modules = gather_entries(graph).get(value, ())
-        for c in graph.consumers.get(value, []):
-            op = graph.ops[c]
-            owner = op.target if op.kind == "module" else op.owner
-            if metadata_only(op) or not any(_inside(owner, m) for m in modules):
-                continue
-            row = {col: 1.0}
-            for slot, v in enumerate(op.inputs):
-                if v != value:
-                    continue
-                for i, st in enumerate(prog.strategies[c]):
-                    if st.inputs[slot] == shard and not (slot < len(st.entry) and st.entry[slot]):
-                        row[prog.var_of[(c, i)]] = 1.0
-            rows.append(row)
-            lo.append(float("-inf"))
-            hi.append(1.0)
+    _one_way_rows(prog, rows, lo, hi, chosen=is_gather, plain=lambda entry: entry.split(">")[0],
+                  within=lambda value: gather_entries(prog.graph).get(value, ()))

@@ -26,7 +26,7 @@ from ..analyze.graph import Op, OpGraph, _inside
 from .placements import Strategy
 from .propagation import metadata_only
 
-__all__ = ["slice_entries", "slice_twins", "slice_rows", "is_slice", "slice_target", "place"]
+__all__ = ["received_values", "slice_entries", "slice_twins", "entry_twins", "slice_rows", "is_slice", "slice_target", "place"]
 
 _SLICE = re.compile(r"R>(S\d+)")
 
@@ -45,10 +45,10 @@ def place(op: Op) -> str:
     return op.target if op.kind == "module" else op.owner
 
 
-def slice_entries(graph: OpGraph) -> dict[int, tuple[str, ...]]:
+def received_values(graph: OpGraph) -> dict[int, tuple[str, ...]]:
     """Value -> the modules (called once, not a folded copy) that receive it as an argument,
-    made outside them and needing no gradient."""
-    cached = graph.strategy_cache.get("slice entries")
+    made outside them."""
+    cached = graph.strategy_cache.get("received values")
     if cached is None:
         found: dict[int, list[str]] = {}
         for fqn, calls in graph.traced.calls.items():
@@ -57,18 +57,30 @@ def slice_entries(graph: OpGraph) -> dict[int, tuple[str, ...]]:
             call = calls[0]
             for a in list(call.args) + list(call.kwargs.values()):
                 v = getattr(a, "meta", {}).get("shardplan_op") if hasattr(a, "meta") else None
-                if v not in graph.values or v in graph.requires_grad:
+                if v not in graph.values:
                     continue
                 producer = graph.ops[graph.values[v].producer]
                 if not _inside(producer.owner, fqn) and producer.target != fqn:
                     found.setdefault(v, []).append(fqn)
-        cached = graph.strategy_cache["slice entries"] = {v: tuple(sorted(m)) for v, m in found.items()}
+        cached = graph.strategy_cache["received values"] = {v: tuple(sorted(m)) for v, m in found.items()}
     return cached
+
+
+def slice_entries(graph: OpGraph) -> dict[int, tuple[str, ...]]:
+    """:func:`received_values` that need no gradient."""
+    return {v: m for v, m in received_values(graph).items() if v not in graph.requires_grad}
 
 
 def slice_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Strategy]:
     entries = slice_entries(graph)
     slots = [i for i, v in enumerate(op.inputs) if any(_inside(op.owner, m) for m in entries.get(v, ()))]
+    return entry_twins(strategies, slots, reads="R")
+
+
+def entry_twins(strategies: list[Strategy], slots: list[int], *, reads: str) -> list[Strategy]:
+    """For each plain strategy that reads input ``i`` (in ``slots``) as ``Shard(d)``, a twin
+    that reads it ``reads`` (``R``: a whole value cut; ``P``: a partial sum reduce-scattered)
+    with the entry ``{reads}>S{d}`` that makes it the shard there."""
     out = []
     for s in strategies:
         if s.name or s.entry:
@@ -76,8 +88,8 @@ def slice_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Stra
         for i in slots:
             p = s.inputs[i] if i < len(s.inputs) else None
             if p is not None and re.fullmatch(r"S\d+", p):
-                inputs = s.inputs[:i] + ("R",) + s.inputs[i + 1:]
-                entry = tuple(f"R>{p}" if j == i else None for j in range(len(s.inputs)))
+                inputs = s.inputs[:i] + (reads,) + s.inputs[i + 1:]
+                entry = tuple(f"{reads}>{p}" if j == i else None for j in range(len(s.inputs)))
                 out.append(Strategy("", inputs, s.output, entry=entry))
     return out
 
