@@ -153,9 +153,9 @@ def train_sharded(rank: int, world_size: int, yaml: str, foreach: bool | None) -
     return train(sharded(0, world_size, yaml), foreach=foreach)
 
 
-def save_sharded(rank: int, world_size: int, yaml: str, folder: str) -> dict[str, Any]:
+def save_sharded(rank: int, world_size: int, yaml: str, folder: str, n_kv: int = 2) -> dict[str, Any]:
     """One AdamW step at tp, then DCP save of model and optimizer; the gathered state back."""
-    model = sharded(0, world_size, yaml)
+    model = sharded(0, world_size, yaml, n_kv=n_kv)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loss_of(model, tokens()).backward()
     opt.step()
@@ -167,12 +167,12 @@ def save_sharded(rank: int, world_size: int, yaml: str, folder: str) -> dict[str
 
 
 def load_sharded(rank: int, world_size: int, yaml: str, folder: str, full: dict[str, torch.Tensor],
-                 file: str) -> dict[str, Any]:
+                 file: str, n_kv: int = 2) -> dict[str, Any]:
     """At tp: a DCP load (model and optimizer), a ``load_full_state_dict`` and a
     ``load_checkpoint`` of a safetensors file, each into a model of another seed."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    model = sharded(1, world_size, yaml)
+    model = sharded(1, world_size, yaml, n_kv=n_kv)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loss_of(model, tokens()).backward()
     opt.step()  # state to overwrite
@@ -180,10 +180,10 @@ def load_sharded(rank: int, world_size: int, yaml: str, folder: str, full: dict[
     dcp.load(state, checkpoint_id=folder)
     set_optimizer_state_dict(model, opt, state["optim"])
     out = {"dcp": shardplan.full_state_dict(model), "dcp_optim": get_optimizer_state_dict(model, opt, options=FULL)}
-    other = sharded(2, world_size, yaml)
+    other = sharded(2, world_size, yaml, n_kv=n_kv)
     shardplan.load_full_state_dict(other, full)
     out["from_full"] = shardplan.full_state_dict(other)
-    third = sharded(3, world_size, yaml)
+    third = sharded(3, world_size, yaml, n_kv=n_kv)
     shardplan.load_checkpoint(third, file)
     out["from_file"] = shardplan.full_state_dict(third)
     with torch.no_grad():

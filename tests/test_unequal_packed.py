@@ -197,3 +197,21 @@ def test_checkpoints_reshard_exactly(tmp_path) -> None:
     _exact(loaded["from_file"], saved["model"], "load_checkpoint at tp=2")
     with torch.no_grad():
         torch.testing.assert_close(loaded["logits"], one(w.tokens()), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_tp2_checkpoint_loads_at_tp4(tmp_path) -> None:
+    """8 query heads beside 4 kv heads ([2, 1, 1]): saved at tp=2, each of 4 ranks reads its
+    own rows of every part back (DCP, model and AdamW state; load_checkpoint of the file)."""
+    import safetensors.torch
+
+    folder, file = str(tmp_path / "ckpt"), str(tmp_path / "model.safetensors")
+    saved = run_on_gloo(w.save_sharded, world_size=2, args=(w.plan_yaml(2, n_kv=4), folder, 4), timeout_s=240)[0]
+    safetensors.torch.save_file({k: v.contiguous() for k, v in saved["model"].items()}, file)
+    loaded = run_on_gloo(w.load_sharded, world_size=4, args=(w.plan_yaml(4, n_kv=4), folder, saved["model"], file, 4),
+                         timeout_s=240)
+    for rank, got in enumerate(loaded):
+        _exact(got["dcp"], saved["model"], f"rank {rank}: DCP load at tp=4")
+        _exact(got["from_file"], saved["model"], f"rank {rank}: load_checkpoint at tp=4")
+    # the full optimizer state is gathered to rank 0 (cpu_offload)
+    _exact(flat_state(loaded[0]["dcp_optim"]), flat_state(saved["optim"]), "optimizer state at tp=4")
