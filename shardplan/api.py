@@ -40,7 +40,7 @@ from .decide.explain import explain_decisions
 from .analyze.frontend import op_graph
 from .analyze.graph import OpGraph
 from .analyze.snapshot import preserved
-from .decide import assemble
+from .decide import assemble, shortfalls
 from .apply.localcheck import LocalShapeError, check_local_shapes
 from .apply.localsizes import find_local_attributes
 from .apply.standins import OuterCodeError, check_outer_code, stood_blocks
@@ -480,7 +480,7 @@ def _replicate_module(graph: OpGraph, module: str) -> dict[int, str]:
 def _assemble(model, graph, solution, ctx, entries, blocks, *, opts, axes, tp_axis, strict: bool,
               whole: dict[str, str]) -> Plan:
     leaves = {op.target for op in graph.ops if op.kind == "module"}
-    notes = assemble.plan_warnings(graph, solution, ctx.tp, budget=opts.memory_budget is not None, kept=set(whole)) + [
+    notes = shortfalls.plan_warnings(graph, solution, ctx.tp, budget=opts.memory_budget is not None, kept=set(whole)) + [
         f"{module}: replicated, since its own forward fails on its shards: {why.splitlines()[0]}" if module in leaves
         else f"{module}: runs on whole activations, its weights still sharded: {why.splitlines()[0]}"
         for module, why in whole.items()
