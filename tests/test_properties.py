@@ -202,7 +202,10 @@ tp ways), an Embedding
         dim = 0 if emb else (1 if pname == "weight" else None)
     else:
         dim = None
-    if dim is not None and dim < len(out):
+    if dim is not None and dim < len(out) and style == "packed_colwise" and isinstance(packed, list):
+        # unequal parts (a GQA [Q; K; V]): rank 0 keeps its piece of each
+        out[dim] = sum(_rank0_piece(w * out[dim] // sum(packed), tp) for w in packed)
+    elif dim is not None and dim < len(out):
         parts = (packed or 2) if style == "packed_colwise" else 1
         out[dim] = parts * _rank0_piece(out[dim] // parts, tp)
     return tuple(out)
