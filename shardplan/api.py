@@ -41,6 +41,7 @@ from .analyze.frontend import op_graph
 from .analyze.graph import OpGraph
 from .analyze.snapshot import preserved
 from .decide import assemble, shortfalls
+from .decide.axes import DATA_AXES, check_axes, mesh_axes, state_shards, tp_axis_of  # noqa: F401 - mesh_axes re-exported
 from .apply.localcheck import LocalShapeError, check_local_shapes
 from .apply.localsizes import find_local_attributes
 from .apply.standins import OuterCodeError, check_outer_code, stood_blocks
@@ -57,76 +58,6 @@ __all__ = [
 
 _EXTRA_OPTIONS = ("explain", "tp_axis", "fold_repeated", "strict", "check", "front_end", "_pinned")
 _OPTION_NAMES = set(PlanOptions.model_fields) | set(_EXTRA_OPTIONS)
-
-
-def mesh_axes(mesh: Any) -> dict[str, int]:
-    """Axis sizes from a DeviceMesh or a mapping, validated."""
-    if isinstance(mesh, Mapping):
-        axes = {str(k): v for k, v in mesh.items()}
-    elif hasattr(mesh, "mesh_dim_names"):
-        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-        axes = dict(zip(names, mesh.mesh.shape))
-    else:
-        raise ValueError(f"mesh must be a DeviceMesh or axis sizes like {{'tp': 8}}; got {type(mesh).__name__}")
-    bad = {k: v for k, v in axes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 1}
-    if not axes or bad:
-        raise ValueError(f"mesh axis sizes must be positive integers, e.g. {{'tp': 8}}; got {axes}")
-    return {k: int(v) for k, v in axes.items()}
-
-
-# Mesh axes the planner prices as data parallel: each holds a replica of the tp group's
-# model working on its own batch. Under FSDP the last of them shards parameter, gradient and
-# optimizer state and any before it replicate (HSDP: what fully_shard does on a 2-D mesh);
-# ``dp_replicate`` (torchtitan's name for that outer axis) never shards, even alone (DDP).
-DATA_AXES = ("dp", "dp_shard", "dp_replicate", "fsdp")
-_REPLICATE_AXES = ("dp_replicate",)
-_UNMODELLED = {  # axes people name in torchtitan-style meshes, and what to do instead
-    "pp": ("pipeline parallelism", "plan one pipeline stage's module on the remaining axes"),
-    "cp": ("context parallelism", "plan without it (activation memory is then that of the whole sequence)"),
-    "ep": ("expert parallelism", "put those ranks on 'tp' (experts are split there, moe_tp_experts) or on 'dp'"),
-}
-
-
-def _tp_axis(axes: dict[str, int], requested: str | None) -> str:
-    if requested is not None:
-        if requested not in axes:
-            raise ValueError(f"tp_axis {requested!r} is not a mesh axis; the mesh has {list(axes)}")
-        return requested
-    if "tp" in axes:
-        return "tp"
-    others = [name for name in axes if name not in DATA_AXES and name not in _UNMODELLED]
-    unmodelled = [name for name in axes if name in _UNMODELLED and axes[name] > 1]
-    if not others and unmodelled:  # {"ep": 8} is not a tensor-parallel axis by another name
-        name = unmodelled[0]
-        what, instead = _UNMODELLED[name]
-        raise ValueError(f"mesh axis {name!r} (size {axes[name]}) is {what}, which the planner does not model, and "
-                         f"the mesh has no tensor-parallel axis; {instead} (e.g. {{'tp': {axes[name]}}}), or pass "
-                         f"tp_axis={name!r} to plan tensor parallelism on it")
-    others = others or [name for name in axes if name not in DATA_AXES]
-    if not others:
-        raise ValueError(f"mesh {axes} has no tensor-parallel axis, only data axes ({', '.join(DATA_AXES)}); add one, "
-                         f"e.g. {({**axes, 'tp': 1})} for data parallelism alone, or name one with tp_axis=")
-    return others[-1]
-
-
-def _check_axes(axes: dict[str, int], tp_axis: str) -> None:
-    """Every axis but the tensor-parallel one must be a data axis the cost model prices;
-    an axis of size 1 does nothing, so its name does not matter."""
-    for name, size in axes.items():
-        if name == tp_axis or name in DATA_AXES or size == 1:
-            continue
-        rest = {k: v for k, v in axes.items() if k != name}
-        what, instead = _UNMODELLED.get(name, (None, None))
-        if what is None:
-            raise ValueError(
-                f"mesh axis {name!r} (size {size}) is neither the tensor-parallel axis {tp_axis!r} nor a data axis "
-                f"({', '.join(DATA_AXES)}), so the planner cannot price it; name data-parallel axes one of those "
-                f"(e.g. {{'dp': {size}, {tp_axis!r}: {axes[tp_axis]}}}; mesh_dim_names= for a DeviceMesh), or pass "
-                f"tp_axis={name!r} if it is the tensor-parallel one")
-        raise ValueError(
-            f"mesh axis {name!r} (size {size}) is {what}, which the planner does not model: it plans tensor "
-            f"parallelism on {tp_axis!r} and prices {', '.join(DATA_AXES)} as data parallel, and would misprice "
-            f"{name!r} as either; {instead}, e.g. on {rest}")
 
 
 def infer_example_inputs(model: nn.Module, *, batch_size: int, seq_len: int) -> tuple:
@@ -196,15 +127,6 @@ def _options(opts: dict[str, Any]) -> tuple[PlanOptions, dict[str, Any]]:
         raise ValueError(f"plan_model option {name}={err.get('input')!r}: {err['msg']}") from None
 
 
-def _state_shards(axes: dict[str, int], tp_axis: str, data_parallel: str) -> int:
-    """Ranks that split parameter, gradient and optimizer state beyond tp: the last data axis
-    under FSDP (see DATA_AXES), none under DDP."""
-    data = [name for name in axes if name != tp_axis and name in DATA_AXES]
-    if data_parallel == "ddp" or not data or data[-1] in _REPLICATE_AXES:
-        return 1
-    return axes[data[-1]]
-
-
 def plan_model(
     model: nn.Module, mesh: Any = None, *, example_inputs: tuple | None = None, example_kwargs: dict | None = None,
     world_size: int | None = None, **options: Any,
@@ -224,8 +146,8 @@ def plan_model(
         _check_model(model)
         opts, extra = _options(dict(options))
         axes = mesh_axes(mesh)
-        tp_axis = _tp_axis(axes, extra.get("tp_axis"))
-        _check_axes(axes, tp_axis)
+        tp_axis = tp_axis_of(axes, extra.get("tp_axis"))
+        check_axes(axes, tp_axis)
         _check_tp_size(model, axes[tp_axis])
         opts, example_inputs = _defaults(model, opts, example_inputs)
         graph = _graph(model, example_inputs, example_kwargs, extra)
@@ -270,7 +192,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
     ctx = SolveContext(
         tp=axes[tp_axis], hardware=hardware, link=cost.axis_links(hardware, axes)[tp_axis],
         dtype=opts.dtype, memory_budget=opts.memory_budget, opts=opts,
-        state_shards=_state_shards(axes, tp_axis, opts.data_parallel),
+        state_shards=state_shards(axes, tp_axis, opts.data_parallel),
         forced=_pin(graph, extra.get("_pinned") or {}) if axes[tp_axis] > 1 else _replicate_all(graph),
     )
     whole: dict[str, str] = {}  # module -> why it runs on whole activations

@@ -19,7 +19,7 @@ producer and consumer) and solves it with HiGHS (:mod:`.milp`, the solver backen
 weight bytes per device first, then the fastest plan among those. :mod:`.regions` finds values whose collective several Linears
 can share; :mod:`.estimate` predicts memory, bytes, collectives and step time;
 :mod:`.explain` prices each rejected alternative; :mod:`.assemble` writes the rules and
-regions of the :class:`~shardplan.plan.Plan` and :mod:`.shortfalls` its warnings. :mod:`.fsdp` lists the FSDP2
+regions of the :class:`~shardplan.plan.Plan` and :mod:`.shortfalls` its warnings. :mod:`.axes` says what each named mesh axis is (tensor parallel, data, or refused); :mod:`.fsdp` lists the FSDP2
 units of a plan (what ``fully_shard_plan`` wraps and the estimate prices on the data axes),
 and :mod:`.splits` compares the dp x tp splits of a world size. Everything here is a pure
 function of the graph and the options: no process group, no rank, no BLAS-dependent sums.
