@@ -41,29 +41,18 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
-__all__ = ["PackedShard", "distribute", "part_rows", "check_parts"]
+from ..plan.validate import packed_parts_problem, part_rows
 
-
-def part_rows(parts: Sequence[int], size: int) -> list[int] | None:
-    """The rows of each part of a dim of ``size`` cut in relative widths ``parts``; ``None``
-    when ``size`` is not a whole multiple of their sum."""
-    total = sum(parts)
-    if total <= 0 or size % total:
-        return None
-    return [p * (size // total) for p in parts]
+__all__ = ["PackedShard", "distribute", "check_parts"]
 
 
 def check_parts(parts: Sequence[int], size: int, tp: int, *, what: str) -> list[int]:
-    """The rows of each part; ``ValueError`` (one line) unless tp divides every part."""
-    rows = part_rows(parts, size)
-    if rows is None:
-        raise ValueError(f"{what}: packed {list(parts)} does not fit {size} output features ({size} is not a multiple "
-                         f"of {sum(parts)}); give each part's width (in rows, or relative) so they sum to a divisor of {size}")
-    if any(r % tp for r in rows):
-        raise ValueError(f"{what}: packed {list(parts)} cuts its {size} output features into parts of {rows} rows, which "
-                         f"tp={tp} does not divide; each rank keeps 1/tp of every part, so use a tp that divides every "
-                         "part (the heads of each), or plan it colwise_gather_output")
-    return rows
+    """The rows of each part; ``ValueError`` (one line) unless tp divides every part (the
+    plan check's own words, :func:`~shardplan.plan.validate.packed_parts_problem`)."""
+    problem = packed_parts_problem(tuple(parts), size, tp)
+    if problem:
+        raise ValueError(f"{what}: {problem}")
+    return part_rows(tuple(parts), size)
 
 
 class PackedShard(_StridedShard):

@@ -120,15 +120,33 @@ def _unequal_parts(rule: Any, hits: list[str], modules: dict[str, Any], tp: int)
         weight, dim = weight_of(mod), sharded_dim(rule.style, mod)
         if weight is None or dim is None or dim >= weight.dim():
             continue
-        size, total = int(weight.shape[dim]), sum(rule.packed)
-        if size % total:
-            return [f"{fqn}: packed {rule.packed} does not fit its {size} output features ({size} is not a multiple of "
-                    f"{total}); give each part's width, in rows or relative, so they sum to a divisor of {size}"]
-        rows = [p * (size // total) for p in rule.packed]
-        if any(r % tp for r in rows):
-            return [f"{fqn}: packed {rule.packed} cuts its {size} output features into parts of {rows} rows, which "
-                    f"tp={tp} does not divide; use a tp that divides every part, or plan it colwise_gather_output"]
+        problem = packed_parts_problem(rule.packed, int(weight.shape[dim]), tp)
+        if problem:
+            return [f"{fqn}: {problem}"]
     return []
+
+
+def part_rows(parts: list[int] | tuple[int, ...], size: int) -> list[int] | None:
+    """The rows of each part of a dim of ``size`` cut in relative widths ``parts``; ``None``
+    when ``size`` is not a whole multiple of their sum."""
+    total = sum(parts)
+    if total <= 0 or size % total:
+        return None
+    return [p * (size // total) for p in parts]
+
+
+def packed_parts_problem(parts: list[int] | tuple[int, ...], size: int, tp: int) -> str | None:
+    """What keeps ``size`` output features from being cut into ``parts`` each split tp ways
+    (the plan check and the style at apply time say the same); None when nothing does."""
+    rows = part_rows(parts, size)
+    if rows is None:
+        return (f"packed {list(parts)} does not fit its {size} output features ({size} is not a multiple of "
+                f"{sum(parts)}); give each part's width, in rows or relative, so they sum to a divisor of {size}")
+    if any(r % tp for r in rows):
+        return (f"packed {list(parts)} cuts its {size} output features into parts of {rows} rows, which tp={tp} does "
+                "not divide; each rank keeps 1/tp of every part, so use a tp that divides every part (the heads of "
+                "each), or plan it colwise_gather_output")
+    return None
 
 
 # which kinds of module (analyze.graph.module_kind) each style can split; the rest need
