@@ -315,3 +315,54 @@ def test_phi3_slices_of_unequal_parts_match_one_process_on_gloo(nproc: int) -> N
     result = verify("hf-tiny:phi3", nproc=nproc, timeout_s=300)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
     assert result.plan.rule_for("model.layers.0.self_attn.qkv_proj").packed == [2, 1, 1]
+
+
+@pytest.mark.parametrize("spec", ["hf-tiny:deepseek_v3", "hf-tiny:gpt_oss"])
+def test_moe_blocks_with_shared_experts_or_tuples_under_sequence_parallel_match_one_process_on_gloo(spec: str) -> None:
+    """DeepSeek-V3's router is called on ``[b, s, h]`` and flattens the tokens itself, and its
+    shared experts' ``down_proj`` leaves its partial sums unreduced, so that ``routed +
+    shared`` is reduce-scattered once where the block returns; gpt-oss's block returns
+    ``(hidden, router_scores)``, reduce-scattered at the element that is the partial sum."""
+    result = verify(spec, nproc=2, timeout_s=300, sequence_parallel=True)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    plan = result.plan
+    styles = plan.module_styles()
+    assert styles["model.norm"] == styles["model.layers.1.post_attention_layernorm"] == "sequence_parallel", styles
+    exits = [r for r in plan.regions if r.input == "output" and r.input_layouts == "Partial"]
+    assert exits and all(r.desired_input_layouts == "Shard(1)" for r in exits), plan.regions
+    if spec.endswith("deepseek_v3"):
+        down = plan.rule_for("model.layers.1.mlp.shared_experts.down_proj")
+        assert (down.style, down.output_layouts, down.use_local_output) == ("rowwise", "Partial", None), down
+        assert plan.rule_for("model.layers.1.self_attn.q_b_proj").style == "colwise", styles
+    else:
+        assert [(r.output_index, r.num_outputs) for r in exits] == [(0, 2)], exits
+
+
+def test_moe_shared_experts_collectives_equal_the_prediction() -> None:
+    from shardplan.interop.hf import build_hf_model
+
+    model, inputs, _ = build_hf_model("deepseek_v3", tiny=True, device="cpu")
+    plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=inputs, sequence_parallel=True, explain=False)
+    result = simulate(model, plan, inputs)
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
+def test_a_gate_computed_from_the_tokens_does_not_scale_a_partial_sum() -> None:
+    """Qwen2-MoE's ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``: were the shared
+    expert's output a partial sum, the gate's gradient would be one too, and nothing would sum
+    it; so no strategy of that ``mul`` reads the gated value ``P`` beside a gate that needs a
+    gradient."""
+    from shardplan.analyze.frontend import op_graph
+    from shardplan.decide.strategies import op_strategies
+    from shardplan.interop.hf import build_hf_model
+
+    model, inputs, kwargs = build_hf_model("qwen2_moe", tiny=True)
+    graph = op_graph(model, inputs, kwargs)
+    gated = [op for op in graph.ops if op.kind == "function" and op.target == "mul" and op.owner == "model.layers.0.mlp"
+             and any(graph.ops[graph.values[v].producer].target == "model.layers.0.mlp.shared_expert.down_proj"
+                     for v in op.inputs)]
+    assert gated, "qwen2_moe's gated shared expert was not traced as a mul"
+    for op in gated:
+        partial = [s for s in op_strategies(op, graph, tp=2) if "P" in s.inputs]
+        assert partial == [] or all(v not in graph.requires_grad
+                                    for s in partial for v, p in zip(op.inputs, s.inputs) if p == "R"), partial

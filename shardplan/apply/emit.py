@@ -37,7 +37,10 @@ from .agree import agree
 from .attention_style import MultiheadAttentionParallel
 from .gradsync import install_gradient_sync
 from .localviews import install_local_views
-from .head_styles import ColwiseKVGathered, ColwiseKVReplicated, ColwisePartialInput, GatherPartialGrad, ReplicatePartialGrad
+from .head_styles import (
+    ColwiseKVGathered, ColwiseKVReplicated, ColwisePartialInput, Conv1DRowwisePartialSums, GatherPartialGrad,
+    ReplicatePartialGrad, RowwisePartialSums,
+)
 from .styles import (
     AsLinear, Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, LocalVocabParallel, MoEExpertsParallel, PackedColwise,
     ReplicateParallel,
@@ -75,7 +78,9 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False, scala
         return ColwiseKVGathered(groups=rule.groups, input_layouts=inp)
     if rule.style == "colwise_gather_output":
         return col(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
-    if rule.style == "rowwise":  # a Partial output stays a DTensor for the block's exit to sum
+    if rule.style == "rowwise" and isinstance(out, Partial) and rule.use_local_output is not False:
+        return (Conv1DRowwisePartialSums if conv1d else RowwisePartialSums)(input_layouts=inp or Shard(-1), output_layouts=out)
+    if rule.style == "rowwise":  # a Partial output kept a DTensor for the block's exit to sum
         return row(input_layouts=inp or Shard(-1), output_layouts=out or Replicate(), use_local_output=not isinstance(out, Partial))
     if rule.style == "rowwise_split_input":  # Replicate -> Shard(-1) is a local slice
         return row(input_layouts=Replicate(), output_layouts=out or Replicate())
@@ -96,6 +101,11 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False, scala
 
 def _region_style(region: Region) -> ParallelStyle:
     layout, desired = placement(region.input_layouts), placement(region.desired_input_layouts)
+    if region.input == "output" and region.output_index is not None:  # one element of a returned tuple
+        layouts, wanted = [None] * region.num_outputs, [None] * region.num_outputs
+        layouts[region.output_index], wanted[region.output_index] = layout, desired
+        return PrepareModuleOutput(output_layouts=tuple(layouts), desired_output_layouts=tuple(wanted),
+                                   use_local_output=region.use_local_output)
     if region.input == "output":
         return PrepareModuleOutput(output_layouts=layout, desired_output_layouts=desired, use_local_output=region.use_local_output)
     if isinstance(region.input, int):

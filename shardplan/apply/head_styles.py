@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from .styles import _distribute_own, _restore_params, _swap_to_local
+from .styles import Conv1DRowwise, _distribute_own, _restore_params, _swap_to_local
 
 __all__ = ["grouped_mesh", "ColwiseKVReplicated", "ColwiseKVGathered", "GatherPartialGrad", "ReplicatePartialGrad", "ColwisePartialInput"]
 
@@ -130,6 +130,26 @@ def _local_with_partial_grad(x: torch.Tensor, tp_mesh: Any, layout: Any) -> torc
     if not x.placements[0].is_replicate():
         x = x.redistribute(placements=[Replicate()])
     return x.to_local(grad_placements=(Partial(),))
+
+
+class _PartialSumsOut:
+    """A rowwise output left as each rank's partial sum, a plain tensor, for the module around
+    it to add to other partial sums (a MoE block's routed experts) and reduce-scatter once
+    where it returns. The gradient that comes back is the whole dL/dy on every rank (y is the
+    sum of the ranks' summands), so it is declared Replicate: torch's default for a Partial
+    output, Partial, would sum it again."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.redistribute(placements=output_layouts).to_local(grad_placements=(Replicate(),))
+
+
+class RowwisePartialSums(_PartialSumsOut, RowwiseParallel):
+    pass
+
+
+class Conv1DRowwisePartialSums(_PartialSumsOut, Conv1DRowwise):
+    pass
 
 
 class GatherPartialGrad(ColwiseParallel):

@@ -20,7 +20,7 @@ from . import cost
 from ..analyze.graph import OpGraph
 from ..plan.model import Region, Rule, brace_ranges
 from .regions import Entry, PartialBlock, partial_grad_params
-from .scatter import is_gather, is_scatter, scatter_target
+from .scatter import is_gather, is_scatter, scatter_exits, scatter_target
 from .slices import is_slice, slice_target
 from .solve import Solution
 from .strategies import placement_str
@@ -92,6 +92,7 @@ def rules(
                 module=module, style=s.name,
                 input_layouts=inp, output_layouts=_rule_output(op, s, partial, returned),
                 copy_output=s.name != "replicate" and _modified_in_place(graph, op),
+                use_local_output=False if op.index in partial else None,
                 packed=s.layouts.get("packed"), groups=s.layouts.get("groups"),
                 output_grad_partial=s.layouts.get("output_grad") == "P", input_grad_partial=s.layouts.get("input_grad") == "P",
                 read_outside=op.target in read_elsewhere(graph),
@@ -225,9 +226,10 @@ def regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
                         for site, _ in e.sites for module in patterned(site.module, graph, pmap)]
             continue
         if is_scatter(e.kind):  # Partial -> Shard(seq) where the module returns: one reduce-scatter
-            want = _layout(scatter_target(e.kind))
+            want, at = _layout(scatter_target(e.kind)), scatter_exits(graph)[e.value]
             regions += [Region(module=module, input="output", num_inputs=0, input_layouts="Partial",
                                desired_input_layouts=want, use_local_output=True,
+                               output_index=at.index, num_outputs=at.count if at.index is not None else None,
                                why=f"its partial sums reduce-scattered onto sequence shards ({want}) where it returns")
                         for site, _ in e.sites for module in patterned(site.module, graph, pmap)]
             continue

@@ -143,7 +143,7 @@ def find_regions(graph: OpGraph, solution: Solution) -> list[Entry]:
             entries.append(Entry(value, kind, consumers, sites))
             continue
         if is_scatter(kind):  # reduce-scattered where the module that computes the partial sum returns
-            site = RegionSite(scatter_exits(graph)[value], None, 0)
+            site = RegionSite(scatter_exits(graph)[value].module, None, 0)
             entries.append(Entry(value, kind, consumers, ((site, consumers),)))
             continue
         if is_slice(kind):  # cut where the module receives it: the innermost module holding every reader

@@ -23,6 +23,7 @@ return can.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..analyze.graph import Op, OpGraph, _inside
@@ -30,7 +31,7 @@ from .placements import Strategy
 from .propagation import metadata_only
 from .slices import entry_twins, received_values
 
-__all__ = ["scatter_exits", "scatter_twins", "scatter_rows", "is_scatter", "scatter_target", "gather_entries",
+__all__ = ["Exit", "scatter_exits", "scatter_twins", "scatter_rows", "is_scatter", "scatter_target", "gather_entries",
            "gather_twins", "gather_rows", "is_gather"]
 
 _SCATTER = re.compile(r"P>(S\d+)")
@@ -45,19 +46,34 @@ def scatter_target(entry: str) -> str:
     return _SCATTER.fullmatch(entry).group(1)
 
 
-def scatter_exits(graph: OpGraph) -> dict[int, str]:
-    """Value -> the container module whose call returns exactly that value."""
+@dataclass(frozen=True)
+class Exit:
+    """Where a module returns a value: its one output (``index`` None), or element ``index`` of
+    the ``count`` it returns as a tuple (gpt-oss's and Llama 4's ``(hidden, router_scores)``)."""
+
+    module: str
+    index: int | None = None
+    count: int = 1
+
+
+def scatter_exits(graph: OpGraph) -> dict[int, Exit]:
+    """Value -> where a container module (called once, or a folded stack's representative)
+    returns exactly that value, alone or as one element of its tuple."""
     cached = graph.strategy_cache.get("scatter exits")
     if cached is None:
         cached = {}
         for fqn, calls in graph.traced.calls.items():
-            if not fqn or fqn in graph.traced.folded or len(calls) != 1 or len(calls[0].outputs) != 1:
+            if not fqn or fqn in graph.traced.folded or len(calls) != 1:
                 continue
-            node = calls[0].outputs[0]
-            value = getattr(node, "meta", {}).get("shardplan_op")
-            producer = graph.ops[graph.values[value].producer] if value in graph.values else None
-            if producer is not None and producer.kind != "module":  # a weight module's own style converts its output
-                cached.setdefault(value, fqn)
+            call = calls[0]
+            items = sorted(call.items.items()) if call.items else [(None, n) for n in call.outputs[:1]]
+            if not items or (not call.items and len(call.outputs) != 1):
+                continue
+            for index, node in items:
+                value = getattr(node, "meta", {}).get("shardplan_op")
+                producer = graph.ops[graph.values[value].producer] if value in graph.values else None
+                if producer is not None and producer.kind != "module":  # a weight module's own style converts its output
+                    cached.setdefault(value, Exit(fqn, index, len(items) if index is not None else 1))
         graph.strategy_cache["scatter exits"] = cached
     return cached
 
@@ -69,13 +85,15 @@ def scatter_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[St
 
 def scatter_rows(prog: Any, rows: list, lo: list, hi: list) -> None:
     """For each chosen scatter of a value and each reader of it: ``entry + plain P reads <= 1``."""
-    _one_way_rows(prog, rows, lo, hi, chosen=is_scatter, plain=lambda entry: "P", within=lambda value: None)
+    _one_way_rows(prog, rows, lo, hi, chosen=is_scatter, plain=lambda entry: "P", within=lambda value: None,
+                  own=lambda entry, theirs: bool(theirs))
 
 
-def _one_way_rows(prog: Any, rows: list, lo: list, hi: list, *, chosen, plain, within) -> None:
+def _one_way_rows(prog: Any, rows: list, lo: list, hi: list, *, chosen, plain, within, own) -> None:
     """The conversion an entry makes happens once, for every reader (within the modules
     ``within(value)`` gives; None: all of them): when the entry is chosen, no reader takes the
-    value as it was before it (``plain(entry)``) without that entry."""
+    value as it was before it (``plain(entry)``) unless ``own(entry, its entry)`` says the
+    reader converts it itself."""
     graph = prog.graph
     for (value, entry), col in prog.entry_of.items():
         if not chosen(entry):
@@ -89,7 +107,7 @@ def _one_way_rows(prog: Any, rows: list, lo: list, hi: list, *, chosen, plain, w
             row = {col: 1.0}
             for slot, v in enumerate(op.inputs):
                 for i, st in enumerate(prog.strategies[c] if v == value else ()):
-                    if st.inputs[slot] == before and not (slot < len(st.entry) and st.entry[slot]):
+                    if st.inputs[slot] == before and not own(entry, st.entry[slot] if slot < len(st.entry) else None):
                         row[prog.var_of[(c, i)]] = 1.0
             rows.append(row)
             lo.append(float("-inf"))
@@ -110,31 +128,55 @@ def is_gather(entry: str | None) -> bool:
 
 
 def gather_entries(graph: OpGraph) -> dict[int, tuple[str, ...]]:
-    """Value -> the container modules (called once, or representatives) that receive it as an
-    argument, made outside them."""
-    return received_values(graph)
+    """Value -> the modules (called once, or representatives) that receive it as an argument,
+    made outside them, and hold an op that flattens its tokens."""
+    cached = graph.strategy_cache.get("gather entries")
+    if cached is None:
+        cached = {}
+        for v, modules in received_values(graph).items():
+            flat = [op for op in (graph.ops[c] for c in graph.consumers.get(v, [])) if _flattens_tokens(op, graph)]
+            keep = tuple(m for m in modules if any(_reads_inside(op, m) for op in flat))
+            if keep:
+                cached[v] = keep
+        graph.strategy_cache["gather entries"] = cached
+    return cached
+
+
+def _flattens_tokens(op: Op, graph: OpGraph) -> bool:
+    """A view ``[b, s, h]`` -> ``[b * s, h]`` (routing's ``view(-1, hidden)``), or a module
+    returning per-token rows (DeepSeek-V3's router, called on ``[b, s, h]``, flattens them
+    itself): no sequence shard passes either."""
+    if op.output is None or len(graph.values[op.output].shape) >= 3:
+        return False
+    return op.kind == "module" or (op.kind == "function" and op.target in ("view", "reshape", "flatten"))
+
+
+def _reads_inside(op: Op, module: str) -> bool:
+    return _inside(op.target, module) if op.kind == "module" else _inside(op.owner, module)
 
 
 def gather_twins(op: Op, graph: OpGraph, strategies: list[Strategy], tp: int) -> list[Strategy]:
-    """Only for a view that flattens the tokens (``[b, s, h]`` -> ``[b * s, h]``, routing's
-    ``view(-1, hidden)``), where no sequence shard can pass: elsewhere the module's own ops
-    keep the shards, and gathering for them would run the block whole."""
-    if op.kind != "function" or op.target not in ("view", "reshape", "flatten") or op.output is None:
-        return []
-    if len(graph.values[op.output].shape) >= 3:
+    """For every reader of a sequence shard inside a module that receives it and flattens its
+    tokens: once gathered there, each reader takes it whole, so each strategy reading it
+    ``R`` gets a twin reading ``S{d}`` with the entry ``S{d}>R``. A Linear's own ``R`` entry
+    summed its Partial input gradient; it still does (its style's all-reduce), so the twin
+    keeps that cost. Elsewhere the module's own ops keep the shards, and gathering for them
+    would run the block whole."""
+    if op.kind not in ("module", "function") or metadata_only(op):
         return []
     entries = gather_entries(graph)
-    slots = [i for i, v in enumerate(op.inputs) if any(_inside(op.owner, m) for m in entries.get(v, ()))]
+    slots = [i for i, v in enumerate(op.inputs) if any(_reads_inside(op, m) for m in entries.get(v, ()))]
     out = []
     for s in strategies:
-        if s.name or s.entry:
-            continue
         for i in slots:
             shape = graph.values[op.inputs[i]].shape
-            if i < len(s.inputs) and s.inputs[i] == "R" and len(shape) == 3 and shape[1] % tp == 0:
-                inputs = s.inputs[:i] + ("S1",) + s.inputs[i + 1:]
-                entry = tuple("S1>R" if j == i else None for j in range(len(s.inputs)))
-                out.append(Strategy("", inputs, s.output, entry=entry))
+            own = s.entry[i] if i < len(s.entry) else None
+            if i >= len(s.inputs) or s.inputs[i] != "R" or own not in (None, "R") or len(shape) != 3 or shape[1] % tp:
+                continue
+            inputs = s.inputs[:i] + ("S1",) + s.inputs[i + 1:]
+            entry = tuple("S1>R" if j == i else (s.entry[j] if j < len(s.entry) else None) for j in range(len(s.inputs)))
+            bwd = s.bwd + (("all_reduce", graph.values[op.inputs[i]].nbytes),) if own == "R" else s.bwd
+            out.append(replace(s, inputs=inputs, entry=entry, bwd=bwd))
     return out
 
 
@@ -142,4 +184,6 @@ def gather_rows(prog: Any, rows: list, lo: list, hi: list) -> None:
     """A gather at a module's entry hands every reader inside it the whole value: when chosen,
     no reader inside that module takes the shard as it is (``entry + plain S reads <= 1``)."""
     _one_way_rows(prog, rows, lo, hi, chosen=is_gather, plain=lambda entry: entry.split(">")[0],
-                  within=lambda value: gather_entries(prog.graph).get(value, ()))
+                  within=lambda value: gather_entries(prog.graph).get(value, ()),
+                  # a Linear gathering the shard on its own entry would gather the gathered value again
+                  own=lambda entry, theirs: theirs == entry)

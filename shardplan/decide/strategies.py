@@ -87,7 +87,10 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
     if op.kind == "output":
         return _output_strategies(op, graph, tp, opts)
     if op.kind == "module":
-        return module_strategies(op, graph, tp=tp, opts=opts)
+        found = module_strategies(op, graph, tp=tp, opts=opts)
+        if getattr(opts, "sequence_parallel", None) is not False:
+            found += gather_twins(op, graph, found, tp)  # a router reading the tokens before they are flattened
+        return found
     if op.kind == "folded":  # placements are tied to the representative block by the solver
         return [Strategy("folded", tuple("*" for _ in op.inputs), None)]
     if op.output is None:

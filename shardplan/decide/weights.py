@@ -391,6 +391,11 @@ def _rowwise(x, y, module: nn.Module, pbytes: int, flops: float, tp: int, sp: bo
         "rowwise_split_input", ("R",), "R", fwd=(("all_reduce", y.nbytes),), bwd=(("all_gather", x.nbytes),),
         act_bytes=y.nbytes, layouts={"weight": row_w, "input": "R"}, **row,
     ))
+    if sp:
+        # the partial sums left as they are, a local tensor on each rank: summed with other
+        # partial sums (a MoE block's routed experts) and reduce-scattered once where the
+        # block returns (:mod:`.scatter`); backward, each rank receives the whole gradient
+        out.append(Strategy("rowwise", (in_shard,), "P", act_bytes=y.nbytes, layouts={"weight": row_w, "output": "P"}, **row))
     for d in _seq_dims(y.shape, tp) if sp else []:
         out.append(Strategy(
             "rowwise", (in_shard,), f"S{d}", fwd=(("reduce_scatter", y.nbytes),), bwd=(("all_gather", y.nbytes),),

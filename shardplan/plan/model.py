@@ -99,6 +99,10 @@ class Rule(_Strict):
     # the output is modified in place downstream (``x += y``): hand on a copy, since the
     # local view of a DTensor cannot be modified in place
     copy_output: bool = False
+    # rowwise with output_layouts Partial: False keeps the partial sums a Partial DTensor (a
+    # block that sums its branches and residual as DTensors, then all-reduces once); the
+    # default hands each rank's summand on as a plain tensor, as torch's RowwiseParallel does
+    use_local_output: bool | None = None
     # packed_colwise: how many equal parts the output dim holds, or the relative widths of
     # unequal ones ([4, 1, 1]: a GQA [Q; K; V] of 8 q and 2 kv heads; rows [64, 16, 16] too)
     packed: Packed = None
@@ -134,7 +138,18 @@ class Region(_Strict):
     input_layouts: Layout = "Replicate"
     desired_input_layouts: Layout = "Replicate"
     use_local_output: bool = False  # hand plain tensors on (a block's exit) or DTensors (an entry)
+    # input: output of a module returning a tuple: the element converted, of how many
+    output_index: Annotated[int, Field(strict=True, ge=0)] | None = None
+    num_outputs: Annotated[int, Field(strict=True, ge=1)] | None = None
     why: str = ""
+
+    @model_validator(mode="after")
+    def _one_output_of_a_tuple(self) -> "Region":
+        if (self.output_index is None) != (self.num_outputs is None) or (
+                self.output_index is not None and (self.input != "output" or self.output_index >= self.num_outputs)):
+            raise ValueError(f"output_index {self.output_index} of num_outputs {self.num_outputs} (input {self.input!r}): "
+                             "give both, with input: output and 0 <= output_index < num_outputs, or neither")
+        return self
 
     @model_validator(mode="after")
     def _input_is_an_argument(self) -> "Region":
