@@ -41,7 +41,8 @@ from .analyze.frontend import op_graph
 from .analyze.graph import OpGraph
 from .analyze.snapshot import preserved
 from .decide import assemble, shortfalls
-from .decide.axes import DATA_AXES, check_axes, mesh_axes, state_shards, tp_axis_of  # noqa: F401 - mesh_axes re-exported
+from .decide.axes import DATA_AXES, check_axes, expert_axis, mesh_axes, state_shards, tp_axis_of  # noqa: F401 - mesh_axes re-exported
+from .decide.experts import expert_parallel
 from .apply.localcheck import LocalShapeError, check_local_shapes
 from .apply.localsizes import find_local_attributes
 from .apply.standins import OuterCodeError, check_outer_code, stood_blocks
@@ -147,6 +148,9 @@ def plan_model(
         opts, extra = _options(dict(options))
         axes = mesh_axes(mesh)
         tp_axis = tp_axis_of(axes, extra.get("tp_axis"))
+        if tp_axis is None:  # data and expert axes only: no tensor parallelism, written tp: 1
+            axes, tp_axis = {**axes, "tp": 1}, "tp"
+            mesh = axes
         check_axes(axes, tp_axis)
         _check_tp_size(model, axes[tp_axis])
         opts, example_inputs = _defaults(model, opts, example_inputs)
@@ -273,7 +277,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
     if graph.traced.front_end == "export":  # copies export could not fold: one rule per kind of block
         merged, decisions = assemble.merge_repeated(plan.rules, plan.decisions, model)
         plan = plan.model_copy(update={"rules": merged, "decisions": decisions})
-    return plan
+    return _with_experts(plan, graph, ctx) if plan.mesh.ep_axis else plan
 
 
 def compare_meshes(model: nn.Module, world_size: int, *, example_inputs: tuple | None = None,
@@ -410,23 +414,37 @@ def _assemble(model, graph, solution, ctx, entries, blocks, *, opts, axes, tp_ax
     plan = Plan(
         model=ModelInfo(class_name=type(model).__name__, fingerprint=fingerprint(model),
                         num_params=sum(p.numel() for p in model.parameters()), repeats=assemble.repeats(graph)),
-        mesh=MeshInfo(axes=axes, tp_axis=tp_axis),
+        mesh=MeshInfo(axes=axes, tp_axis=tp_axis, ep_axis=expert_axis(axes, tp_axis)),
         options=opts,
         rules=assemble.rules(graph, solution, [], entries, blocks),
         regions=assemble.regions(graph, entries) + assemble.block_regions(graph, blocks),
-        estimate=estimate(graph, solution, entries, ctx, blocks=blocks, mesh=MeshInfo(axes=axes, tp_axis=tp_axis)),
+        estimate=estimate(graph, solution, entries, ctx, blocks=blocks,
+                          mesh=MeshInfo(axes=axes, tp_axis=tp_axis, ep_axis=expert_axis(axes, tp_axis))),
         warnings=notes,
     )
-    device = ctx.hardware.memory_bytes
-    if opts.memory_budget is None and plan.estimate.peak_memory_bytes > device:
-        plan.warnings.append(
-            f"predicted peak memory {cost.format_bytes(plan.estimate.peak_memory_bytes)} per device exceeds "
-            f"{ctx.hardware.name}'s {cost.format_bytes(device)}: raise tp, add a data-parallel axis with "
-            "data_parallel='fsdp' (e.g. --mesh dp=8,tp=8), or lower batch/sequence"
-        )
+    plan.warnings.extend(_memory_warnings(plan, ctx))
     if strict and plan.warnings:
         raise PlanningError("strict planning refused the plan:\n  " + "\n  ".join(plan.warnings))
     return plan
+
+
+_OVER_MEMORY = "predicted peak memory"
+
+
+def _memory_warnings(plan: Plan, ctx: SolveContext) -> list[str]:
+    device = ctx.hardware.memory_bytes
+    if plan.options.memory_budget is not None or plan.estimate.peak_memory_bytes <= device:
+        return []
+    return [f"{_OVER_MEMORY} {cost.format_bytes(plan.estimate.peak_memory_bytes)} per device exceeds "
+            f"{ctx.hardware.name}'s {cost.format_bytes(device)}: raise tp, add a data-parallel axis with "
+            "data_parallel='fsdp' (e.g. --mesh dp=8,tp=8), or lower batch/sequence"]
+
+
+def _with_experts(plan: Plan, graph: OpGraph, ctx: SolveContext) -> Plan:
+    """Expert banks over the ep axis (:mod:`.decide.experts`), the memory warning redone for them."""
+    plan = expert_parallel(plan, graph, ctx)
+    kept = [w for w in plan.warnings if not w.startswith(_OVER_MEMORY)]
+    return plan.model_copy(update={"warnings": kept + _memory_warnings(plan, ctx)})
 
 
 def _model_dtype(model: nn.Module) -> str:

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern, set_int_attribute
 
 from .agree import agree
+from .experts_ep import ExpertParallel
 from .attention_style import MultiheadAttentionParallel
 from .gradsync import install_gradient_sync
 from .localviews import install_local_views
@@ -99,6 +100,20 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False, scala
     raise ValueError(f"style {rule.style!r} of {rule.module!r} has no emitter; expected one of colwise, rowwise, ...")
 
 
+def _experts_over_ep(model: nn.Module, device_mesh, plan: Plan) -> None:
+    """``ep_experts`` rules: whole experts over the ep axis's sub-mesh, each bank's forward
+    replaced by the all-to-all dispatch (:class:`.experts_ep.ExpertParallel`)."""
+    rules = [r for r in plan.rules if r.style == "ep_experts"]
+    if not rules:
+        return
+    names = device_mesh.mesh_dim_names or ()
+    if plan.mesh.ep_axis not in names or device_mesh[plan.mesh.ep_axis].size() != plan.ep:
+        raise ValueError(f"the plan splits experts over {plan.mesh.ep_axis}={plan.ep}, but the mesh's axes are "
+                         f"{dict(zip(names, device_mesh.mesh.shape))}; make the mesh with mesh_dim_names naming "
+                         f"{plan.mesh.ep_axis!r}, as the plan's mesh {plan.mesh.axes} does")
+    parallelize_module(model, device_mesh[plan.mesh.ep_axis], {r.module: ExpertParallel() for r in rules})
+
+
 def _region_style(region: Region) -> ParallelStyle:
     layout, desired = placement(region.input_layouts), placement(region.desired_input_layouts)
     if region.input == "output" and region.output_index is not None:  # one element of a returned tuple
@@ -132,6 +147,8 @@ def to_parallelize_plan(plan: Plan, model: nn.Module | None = None) -> dict[str,
     by_hand = _linear_like_rules(plan, model)
     adopted = _adopted_params(plan, model)
     for rule in _one_rule_per_module(plan, model):
+        if rule.style == "ep_experts":
+            continue  # on the ep axis's sub-mesh (_experts_over_ep)
         if rule.module in adopted:
             # combined with a region's PrepareModuleInput on the same module (gpt-oss's self_attn
             # owns ``sinks`` and is the q/k/v region): replacing it would drop the shared all-reduce
@@ -237,7 +254,11 @@ def _own_forward_embeddings(plan: Plan, model: nn.Module | None) -> set[str]:
 
 
 def tp_mesh(device_mesh, plan: Plan):
+    """The tp axis's sub-mesh; None for a plan with no tensor parallelism (tp = 1) on a mesh
+    that does not name its tp axis (``{"ep": 8}``)."""
     names = device_mesh.mesh_dim_names
+    if plan.tp == 1 and plan.mesh.tp_axis not in (names or ()) and plan.mesh.ep_axis in (names or ()):
+        return None
     if device_mesh.ndim == 1:
         return device_mesh
     if not names or plan.mesh.tp_axis not in names:
@@ -316,9 +337,12 @@ def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
     re-tied weights, gradient hooks. No checks and no exchange between ranks; on a meta
     model nothing is communicated, which is how the planner's local check runs it."""
     mesh = tp_mesh(device_mesh, plan)
-    if mesh.size() != plan.tp:
+    if mesh is not None and mesh.size() != plan.tp:
         raise ValueError(f"the plan was made for tp={plan.tp} but the mesh's tp axis has {mesh.size()} ranks; re-plan for this mesh")
     tied = _tied_groups(model)
+    _experts_over_ep(model, device_mesh, plan)
+    if mesh is None:  # no tensor parallelism: only the experts are split
+        return model
     parallelize_module(model, mesh, to_parallelize_plan(plan, model))
     set_local_attributes(model, plan)
     install_local_views(model, plan)

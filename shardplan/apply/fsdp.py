@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from torch.distributed.tensor import DTensor
 
 from ..decide import fsdp as units_of
-from ..plan.model import Plan
+from ..plan.model import Plan, expand_pattern
 from .emit import check_fingerprint
 
 __all__ = ["FSDPOptions", "fully_shard_plan", "fsdp_units", "data_mesh"]
@@ -59,10 +59,31 @@ def fully_shard_plan(model: nn.Module, device_mesh: DeviceMesh, plan: Plan, *, o
     options = options if options is not None else FSDPOptions()
     _check_model(model, plan)
     mesh = data_mesh(device_mesh, plan, options.axes)
-    config: dict[str, Any] = {"mesh": mesh, "mp_policy": options.mp_policy, "offload_policy": options.offload_policy}
+    config: dict[str, Any] = {"mp_policy": options.mp_policy, "offload_policy": options.offload_policy}
+    banks = [f for r in plan.rules if r.style == "ep_experts" for f in expand_pattern(r.module, plan.model.repeats)]
+    expert_mesh = _expert_data_mesh(device_mesh, plan) if banks else None
     for path, reshard in fsdp_units(plan, model, reshard_after_forward=options.reshard_after_forward):
-        fully_shard(model.get_submodule(path), reshard_after_forward=reshard, **config)
+        # expert banks first, each its own unit over the data axes outside ep (none: left out)
+        inside = [b for b in banks if not path or b == path or b.startswith(path + ".")]
+        banks = [b for b in banks if b not in inside]
+        ignored = set()
+        for bank in inside:
+            if expert_mesh is not None:
+                fully_shard(model.get_submodule(bank), mesh=expert_mesh, reshard_after_forward=reshard, **config)
+            else:
+                ignored.update(model.get_submodule(bank).parameters())
+        fully_shard(model.get_submodule(path), mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None,
+                    **config)
     return model
+
+
+def _expert_data_mesh(device_mesh: DeviceMesh, plan: Plan) -> DeviceMesh | None:
+    """The data axes outside ep and tp, where expert banks are sharded (HSDP over two)."""
+    names = tuple(device_mesh.mesh_dim_names or ())
+    axes = tuple(n for n in names if n not in (plan.mesh.tp_axis, plan.mesh.ep_axis) and device_mesh[n].size() > 1)
+    if not axes:
+        return None
+    return device_mesh[axes[0]] if len(axes) == 1 else device_mesh[axes[-2:]]
 
 
 def data_mesh(device_mesh: DeviceMesh, plan: Plan, axes: tuple[str, ...] | None = None) -> DeviceMesh:
@@ -72,6 +93,9 @@ def data_mesh(device_mesh: DeviceMesh, plan: Plan, axes: tuple[str, ...] | None 
                          "apply_plan was given, e.g. init_device_mesh('cuda', (8, 8), mesh_dim_names=('dp', 'tp'))")
     names = tuple(device_mesh.mesh_dim_names or ())
     tp_axis = plan.mesh.tp_axis
+    if plan.tp == 1 and plan.mesh.ep_axis in names and tp_axis not in names:  # {"ep": 8}: every axis is data to dense modules
+        chosen = names if axes is None else tuple(axes)
+        return device_mesh[chosen[0]] if len(chosen) == 1 else device_mesh[chosen]
     if tp_axis not in names:
         raise ValueError(f"the mesh's axes are {names or 'unnamed'}, but the plan's tp axis is {tp_axis!r}; give the "
                          f"mesh apply_plan used, with mesh_dim_names naming {tp_axis!r} and the data axes")
@@ -114,12 +138,13 @@ def _check_model(model: nn.Module, plan: Plan) -> None:
         raise ValueError(f"{type(model).__name__} already has fully_shard applied; call fully_shard_plan once, "
                          "after apply_plan, on a model FSDP has not wrapped")
     check_fingerprint(model, plan)
-    params = list(model.named_parameters())
+    params = [(n, p) for n, p in model.named_parameters()
+              if not (isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == (plan.mesh.ep_axis,))]
     plain = next((n for n, p in params if not isinstance(p, DTensor)), None)
-    if plain is not None:
+    if plain is not None and not (plan.tp == 1 and plan.mesh.ep_axis):  # an ep plan without a tp axis leaves them plain
         raise ValueError(f"{type(model).__name__} is not sharded on the tp axis yet ({plain!r} is a plain tensor, "
                          "expected a DTensor); call shardplan.apply_plan(model, mesh, plan) first, then fully_shard_plan")
     for name, p in params:
-        if p.device_mesh.size() != plan.tp:  # 2-D: the tp axis unflattened for kv heads in groups
+        if isinstance(p, DTensor) and p.device_mesh.size() != plan.tp:  # 2-D: the tp axis unflattened for kv heads in groups
             raise ValueError(f"{name!r} is sharded over {p.device_mesh.size()} ranks (mesh {p.device_mesh.mesh_dim_names}), "
                              f"but the plan given is for tp={plan.tp}; pass the plan apply_plan applied")

@@ -4,10 +4,13 @@ Contract
 --------
 ``mesh_axes(mesh)`` reads axis sizes off a ``DeviceMesh`` or a mapping, validated.
 ``tp_axis_of(axes, requested)`` names the tensor-parallel axis (``tp``, else the one
-non-data axis; an axis of a kind the planner does not model, ``{"ep": 8}``, is never taken
-for it). ``check_axes(axes, tp_axis)`` refuses any other axis that is not a data axis, with
-what to do; ``state_shards`` says how many ranks split parameter, gradient and optimizer
-state beyond tp. Names only: no torch, no process group.
+non-data axis; the expert axis ``ep`` and an axis of a kind the planner does not model are
+never taken for it), or None when the mesh has only data and expert axes (no tensor
+parallelism: tp = 1). ``expert_axis`` names the ``ep`` axis, where expert banks are split by
+whole experts. ``check_axes(axes, tp_axis)`` refuses any other axis that is not a data axis,
+with what to do; ``state_shards`` says how many ranks split parameter, gradient and
+optimizer state beyond tp (ep counts as a data axis there: every module but the experts
+treats it as one). Names only: no torch, no process group.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DATA_AXES", "REPLICATE_AXES", "UNMODELLED", "mesh_axes", "tp_axis_of", "check_axes", "state_shards"]
+__all__ = ["DATA_AXES", "REPLICATE_AXES", "EXPERT_AXES", "UNMODELLED", "mesh_axes", "tp_axis_of", "expert_axis",
+           "check_axes", "state_shards"]
 
 
 def mesh_axes(mesh: Any) -> dict[str, int]:
@@ -42,18 +46,21 @@ REPLICATE_AXES = ("dp_replicate",)
 UNMODELLED = {  # axes people name in torchtitan-style meshes, and what to do instead
     "pp": ("pipeline parallelism", "plan one pipeline stage's module on the remaining axes"),
     "cp": ("context parallelism", "plan without it (activation memory is then that of the whole sequence)"),
-    "ep": ("expert parallelism", "put those ranks on 'tp' (experts are split there, moe_tp_experts) or on 'dp'"),
 }
+# expert parallelism: banks split by whole experts, tokens dispatched by all-to-all (decide.experts)
+EXPERT_AXES = ("ep",)
 
 
-def tp_axis_of(axes: dict[str, int], requested: str | None) -> str:
+def tp_axis_of(axes: dict[str, int], requested: str | None) -> str | None:
     if requested is not None:
         if requested not in axes:
             raise ValueError(f"tp_axis {requested!r} is not a mesh axis; the mesh has {list(axes)}")
         return requested
     if "tp" in axes:
         return "tp"
-    others = [name for name in axes if name not in DATA_AXES and name not in UNMODELLED]
+    others = [name for name in axes if name not in DATA_AXES + EXPERT_AXES and name not in UNMODELLED]
+    if not others and any(name in EXPERT_AXES for name in axes):
+        return None  # {"ep": 8}, {"dp": 2, "ep": 4}: experts over ep, no tensor parallelism
     unmodelled = [name for name in axes if name in UNMODELLED and axes[name] > 1]
     if not others and unmodelled:  # {"ep": 8} is not a tensor-parallel axis by another name
         name = unmodelled[0]
@@ -68,11 +75,15 @@ def tp_axis_of(axes: dict[str, int], requested: str | None) -> str:
     return others[-1]
 
 
+def expert_axis(axes: dict[str, int], tp_axis: str) -> str | None:
+    return next((name for name in axes if name in EXPERT_AXES and name != tp_axis and axes[name] > 1), None)
+
+
 def check_axes(axes: dict[str, int], tp_axis: str) -> None:
-    """Every axis but the tensor-parallel one must be a data axis the cost model prices;
-    an axis of size 1 does nothing, so its name does not matter."""
+    """Every axis but the tensor-parallel one must be a data axis the cost model prices, or
+    the expert axis; an axis of size 1 does nothing, so its name does not matter."""
     for name, size in axes.items():
-        if name == tp_axis or name in DATA_AXES or size == 1:
+        if name == tp_axis or name in DATA_AXES or name in EXPERT_AXES or size == 1:
             continue
         rest = {k: v for k, v in axes.items() if k != name}
         what, instead = UNMODELLED.get(name, (None, None))
@@ -91,7 +102,7 @@ def check_axes(axes: dict[str, int], tp_axis: str) -> None:
 def state_shards(axes: dict[str, int], tp_axis: str, data_parallel: str) -> int:
     """Ranks that split parameter, gradient and optimizer state beyond tp: the last data axis
     under FSDP (see DATA_AXES), none under DDP."""
-    data = [name for name in axes if name != tp_axis and name in DATA_AXES]
+    data = [name for name in axes if name != tp_axis and (name in DATA_AXES or name in EXPERT_AXES)]
     if data_parallel == "ddp" or not data or data[-1] in REPLICATE_AXES:
         return 1
     return axes[data[-1]]

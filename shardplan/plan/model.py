@@ -33,11 +33,11 @@ __all__ = [
 
 STYLES = (
     "colwise", "rowwise", "colwise_gather_output", "colwise_kv_replicated", "colwise_kv_gathered", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
-    "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "attention_heads", "replicate",
+    "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "ep_experts", "attention_heads", "replicate",
 )
 Style = Literal[
     "colwise", "rowwise", "colwise_gather_output", "colwise_kv_replicated", "colwise_kv_gathered", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
-    "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "attention_heads", "replicate",
+    "sequence_parallel", "replicated_with_grad_allreduce", "moe_tp_experts", "ep_experts", "attention_heads", "replicate",
 ]
 LAYOUT_RE = re.compile(r"^(Replicate|Partial|Shard\((-?\d+)\))$")
 MAX_TENSOR_DIMS = 8  # Shard(d) needs -8 <= d < 8: no activation or weight has more dims
@@ -106,6 +106,8 @@ class Rule(_Strict):
     # packed_colwise: how many equal parts the output dim holds, or the relative widths of
     # unequal ones ([4, 1, 1]: a GQA [Q; K; V] of 8 q and 2 kv heads; rows [64, 16, 16] too)
     packed: Packed = None
+    # ep_experts: the bank's experts E, split whole over the mesh's ep axis (E / ep per rank)
+    num_experts: Annotated[int, Field(strict=True, ge=1)] | None = None
     # colwise_kv_replicated: the weight's rows form this many groups (one per kv head), each
     # held whole by tp / groups ranks; colwise_kv_gathered: each group gathered across them
     groups: Annotated[int, Field(strict=True, ge=2)] | None = None
@@ -284,11 +286,16 @@ class ModelInfo(_Strict):
 class MeshInfo(_Strict):
     axes: dict[str, AxisSize]
     tp_axis: str
+    # expert parallel: expert banks split by whole experts over this axis, a data axis for the rest
+    ep_axis: str | None = None
 
     @model_validator(mode="after")
     def _tp_axis_is_an_axis(self) -> "MeshInfo":
         if self.tp_axis not in self.axes:
             raise ValueError(f"tp_axis {self.tp_axis!r} is not one of the mesh axes {list(self.axes)}")
+        if self.ep_axis is not None and (self.ep_axis not in self.axes or self.ep_axis == self.tp_axis):
+            raise ValueError(f"ep_axis {self.ep_axis!r} must be one of the mesh axes {list(self.axes)} other than "
+                             f"tp_axis {self.tp_axis!r}")
         return self
 
 
@@ -319,9 +326,26 @@ class Plan(_Strict):
     decisions: list[Decision] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
 
+    @model_validator(mode="after")
+    def _experts_on_an_ep_axis(self) -> "Plan":
+        for rule in self.rules:
+            if rule.style != "ep_experts":
+                continue
+            if self.mesh.ep_axis is None or rule.num_experts is None:
+                raise ValueError(f"rule {rule.module} (ep_experts) needs mesh.ep_axis and the rule's num_experts; "
+                                 f"got ep_axis {self.mesh.ep_axis!r}, num_experts {rule.num_experts!r}")
+            if rule.num_experts % self.ep:
+                raise ValueError(f"rule {rule.module} (ep_experts): num_experts {rule.num_experts} does not divide over "
+                                 f"{self.mesh.ep_axis}={self.ep}; use an ep that divides {rule.num_experts}")
+        return self
+
     @property
     def tp(self) -> int:
         return self.mesh.axes[self.mesh.tp_axis]
+
+    @property
+    def ep(self) -> int:
+        return self.mesh.axes[self.mesh.ep_axis] if self.mesh.ep_axis else 1
 
     def module_styles(self) -> dict[str, str]:
         """Every weight-owning module FQN -> its style name, patterns expanded."""
@@ -352,6 +376,8 @@ class Plan(_Strict):
         for key in ("attributes", "local_views"):
             if not data[key]:
                 del data[key]
+        if data["mesh"]["ep_axis"] is None:  # files without expert parallelism do not mention it
+            del data["mesh"]["ep_axis"]
         for entry in data.get("local_views", []):
             for key in ("fixes", "cuts"):
                 if not entry[key]:
@@ -402,9 +428,11 @@ class Plan(_Strict):
 
 
 def _set_keys(item: dict, kind: type[BaseModel]) -> dict:
-    """Required keys always (a root rule's ``module`` is ``''``); optional ones only when set."""
+    """Required keys always (a root rule's ``module`` is ``''``); optional ones only when set
+    (``false`` is set where the default is null: a rule's ``use_local_output``)."""
     fields = kind.model_fields
-    return {k: v for k, v in item.items() if fields[k].is_required() or not (v is None or v is False or v in ("", {}, []))}
+    return {k: v for k, v in item.items() if fields[k].is_required() or not (
+        v is None or (v is False and fields[k].default is not None) or v in ("", {}, []))}
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -43,6 +43,8 @@ def sharded_dim(style: str, module: Any) -> int | None:
     kind = module_kind(module)
     if style == "moe_tp_experts" and kind == "experts":
         return _expert_dim(module)
+    if style == "ep_experts" and kind == "experts":
+        return 0  # whole experts, over the ep axis (not tp)
     if style == "attention_heads" and kind == "attention":
         return 0  # in_proj_weight [3E, E]: each rank's heads of q, k and v
 
@@ -80,12 +82,28 @@ def _attribute_findings(entry: Any, modules: dict[str, Any]) -> list[str]:
     return []
 
 
+def _expert_count_findings(plan: Any, modules: dict[str, Any], at: Any) -> list[str]:
+    """An ``ep_experts`` rule's ``num_experts`` is the bank's E, the first dim of every
+    parameter of it."""
+    for i, rule in enumerate(plan.rules):
+        if rule.style != "ep_experts":
+            continue
+        for fqn in (f for f in modules if matches(rule.module, f)):
+            sizes = {int(p.shape[0]) for p in modules[fqn].parameters(recurse=False)}
+            if sizes != {rule.num_experts}:
+                return [f"{at(('rules', i, 'num_experts'))}rule {rule.module} (ep_experts): num_experts "
+                        f"{rule.num_experts}, but {fqn}'s parameters have first dims {sorted(sizes)}; re-plan it"]
+    return []
+
+
 def _owns_params(module: Any) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
 
 def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) -> list[str]:
     """A finding when the dim a style splits does not divide by tp (uneven-tolerant styles aside)."""
+    if rule.style == "ep_experts":  # over ep, not tp: the plan and _expert_count_findings check it
+        return []
     if rule.style in _UNEVEN_OK and not (rule.output_layouts or "").startswith("Shard"):
         return []
     if rule.style in _KV_STYLES and (rule.groups is None or tp % rule.groups or rule.groups >= tp):
@@ -155,6 +173,7 @@ _KINDS = {
     "colwise": {"linear", "conv1d", "embedding"}, "colwise_gather_output": {"linear", "conv1d", "embedding"},
     "packed_colwise": {"linear", "conv1d"}, "colwise_kv_replicated": {"linear"}, "colwise_kv_gathered": {"linear"}, "rowwise": {"linear", "conv1d", "embedding"},
     "rowwise_split_input": {"linear", "conv1d"}, "embedding_rowwise": {"embedding"}, "moe_tp_experts": {"experts"},
+    "ep_experts": {"experts"},
     "attention_heads": {"attention"},
 }
 
@@ -190,6 +209,7 @@ def check_findings(plan: Any, model: Any, *, where: Any = None) -> list[str]:
                         "re-plan it with `shardplan plan`")
     modules = dict(model.named_modules())
     findings += _rule_findings(plan, modules, at)
+    findings += _expert_count_findings(plan, modules, at)
     for i, region in enumerate(plan.regions):
         if not any(matches(region.module, fqn) for fqn in modules):
             findings.append(f"{at(('regions', i, 'module'))}region {region.module}: matches no module of the model")

@@ -69,7 +69,8 @@ def _shapes(plan: Plan, rule: Any, modules: list[tuple[str, Any]]) -> tuple[str,
     dim = sharded_dim(rule.style, mod)
     if dim is None or dim >= len(shape):
         return _shape_str(shape), _shape_str(shape)
-    parts = rule.groups if rule.style == "colwise_kv_replicated" and rule.groups else plan.tp
+    parts = rule.groups if rule.style == "colwise_kv_replicated" and rule.groups else plan.ep if (
+        rule.style == "ep_experts") else plan.tp
     local = list(shape)
     local[dim] = -(-shape[dim] // parts)  # torch's chunking: rank 0 holds the ceiling
     mark = "" if shape[dim] % parts == 0 else " (uneven)"
@@ -83,7 +84,7 @@ def plan_table(plan: Plan, *, model: Any = None, show_why: bool = False) -> Tabl
     table.add_column("style")
     if model is not None:
         table.add_column("weight", justify="right")
-        table.add_column(f"per device (tp={plan.tp})", justify="right")
+        table.add_column(f"per device (tp={plan.tp}{f', ep={plan.ep}' if plan.ep > 1 else ''})", justify="right")
     if show_why:
         table.add_column("why", overflow="fold")
     modules = list(model.named_modules()) if model is not None else []

@@ -16,6 +16,7 @@ With ``fsdp=True`` (or an :class:`~shardplan.apply.fsdp.FSDPOptions`) it also ru
 refuses meta parameters, so the run then materializes the model as fake CPU tensors
 (``FakeTensorMode``): shapes and collectives are real, no memory and no arithmetic.
 Collectives on a group other than the tp axis's go to a ``data_parallel`` phase (per step),
+except expert parallelism's all-to-alls, which stay in their phase as the estimate counts them,
 compared with the estimate's ``data_parallel`` entry; without ``fsdp`` that entry is not
 compared (nothing ran on the data axes).
 """
@@ -50,10 +51,11 @@ COLLECTIVE_OPS = {
     "_reduce_scatter_base_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "allreduce_": "all_reduce",
+    "alltoall_base_": "all_to_all",  # expert parallelism's count exchange
 }
 # the argument holding the whole tensor(s): an all-gather's output, a reduce-scatter's input
 _C10D_WHOLE_ARG = {"_allgather_base_": 0, "allgather_into_tensor_coalesced_": 0, "_reduce_scatter_base_": 1,
-                   "reduce_scatter_tensor_coalesced_": 1, "allreduce_": 0}
+                   "reduce_scatter_tensor_coalesced_": 1, "allreduce_": 0, "alltoall_base_": 1}
 DATA_PARALLEL = "data_parallel"
 
 
@@ -197,9 +199,10 @@ def simulate(
 
 def _count(result: SimulationResult, fwd: list, bwd: list, tp_ranks: tuple[int, ...], *, data_parallel: bool) -> None:
     """Collectives on the tp group's ranks, or a sub-group of them (kv heads replicated on
-    tp / groups ranks), per phase; any other group's (the data axes') per step."""
+    tp / groups ranks), and expert parallelism's all-to-alls (on the ep axis), per phase; any
+    other group's (the data axes') per step."""
     def on_tp(e) -> bool:
-        return e[2] is None or set(e[2]) <= set(tp_ranks)
+        return e[2] is None or set(e[2]) <= set(tp_ranks) or e[0] == "all_to_all"
 
     phases = {"forward": [e for e in fwd if on_tp(e)], "backward": [e for e in bwd if on_tp(e)]}
     if data_parallel:
@@ -211,9 +214,9 @@ def _count(result: SimulationResult, fwd: list, bwd: list, tp_ranks: tuple[int, 
 
 @contextlib.contextmanager
 def _fully_sharded(model: torch.nn.Module, mesh: Any, plan: Plan, fsdp: Any) -> Iterator[Any]:
-    """Without ``fsdp``: nothing, inputs as given. With it: ``fully_shard_plan``, then the
-    parameters (meta ones materialized) and inputs as fake CPU tensors, since FSDP refuses
-    to run on meta parameters."""
+    """Without ``fsdp``: nothing, inputs as given. With it: ``fully_shard_plan``, then a meta
+    model's parameters materialized and its inputs made fake CPU tensors, since FSDP refuses
+    to run on meta parameters (a model on the CPU runs as it is)."""
     if not fsdp:
         yield lambda tree: tree
         return
@@ -223,6 +226,9 @@ def _fully_sharded(model: torch.nn.Module, mesh: Any, plan: Plan, fsdp: Any) -> 
     from ..apply.fsdp import FSDPOptions, fully_shard_plan
 
     fully_shard_plan(model, mesh, plan, options=fsdp if isinstance(fsdp, FSDPOptions) else None)
+    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        yield lambda tree: tree  # real CPU tensors (expert dispatch counts tokens by value): run as they are
+        return
     with FakeTensorMode(allow_non_fake_inputs=True):
         if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
             model.to_empty(device="cpu")

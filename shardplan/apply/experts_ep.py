@@ -1,0 +1,146 @@
+"""Expert parallelism: whole experts per rank over an ``ep`` mesh axis, tokens dispatched by all-to-all.
+
+Contract
+--------
+``ExpertParallel()`` is a ``ParallelStyle`` for an expert bank that the model calls as
+``bank(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` and that applies
+the routing weights itself (Hugging Face's routed banks: Mixtral, Qwen3-MoE, DeepSeek-V3,
+gpt-oss, ...), applied with a 1-D ``ep`` mesh. Its 3-D weights and 2-D biases become
+``Shard(0)`` DTensors: rank ``r`` of ``ep`` holds experts ``[r E/ep, (r + 1) E/ep)``, whole.
+
+A call on each rank (its own tokens; ``ep`` is a data axis everywhere else):
+
+1. its ``(token, slot)`` pairs sorted by expert, so by owner rank; the counts exchanged
+   (``all_to_all_single``: the one host sync), then the rows (``all_to_all_single_autograd``);
+2. the bank's own forward on the rows received, with the rank's experts as the bank
+   (``num_experts`` and the parameters swapped for the call only), top-1 at weight 1;
+3. the rows sent back the same way, put back in ``(token, slot)`` order, and the routing
+   weights applied on the sending rank, where the router's gradient belongs.
+
+A rank that receives no rows still runs one zero row through its experts and drops it: its
+backward then takes part in the return all-to-all (without it the other ranks wait forever).
+
+Gradients: the all-to-all's backward sums every rank's contribution to each expert, which is
+``ep`` times the mean a data-parallel average gives; the local weights' gradients are scaled
+by ``1 / ep`` so that expert and dense gradients follow one convention (the mean over data
+ranks, as DDP and FSDP average). Nothing about the module changes for good but its
+parameters (DTensors) and its ``forward``.
+
+Uniform routing is what the cost model assumes; this code does not: any split of the pairs,
+empty ones included, is exchanged as it comes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+__all__ = ["ExpertParallel", "bank_size"]
+
+
+def bank_size(module: nn.Module) -> int:
+    """E, the experts of a bank: the first dim shared by all its parameters."""
+    sizes = {p.shape[0] for p in module.parameters(recurse=False)}
+    if len(sizes) != 1:
+        raise ValueError(f"{type(module).__name__}: expert parameters of first dims {sorted(sizes)}; "
+                         "expected one expert count E shared by every weight [E, ...] and bias [E, ...]")
+    return sizes.pop()
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+class ExpertParallel(ParallelStyle):
+    """Whole experts over the ``ep`` mesh axis; see the module doc."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        ep = device_mesh.size()
+        _check_routed(module)
+        experts = bank_size(module)
+        if experts % ep:
+            raise ValueError(f"{type(module).__name__} has {experts} experts, which ep={ep} does not divide; "
+                             f"use an ep that divides {experts}")
+        for name, p in list(module.named_parameters(recurse=False)):
+            shard = distribute_tensor(p.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+        run = module.forward
+        module.forward = partial(_ep_forward, module, run, group=device_mesh.get_group(), ep=ep, local=experts // ep)
+        return module
+
+
+def _check_routed(module: nn.Module) -> None:
+    """The bank's forward takes the tokens, the chosen experts and their weights."""
+    params = [p for p in inspect.signature(module.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(params) < 3:
+        names = ", ".join(p.name for p in params)
+        raise ValueError(f"{type(module).__name__}.forward({names}) is not called with its routing; expert "
+                         "parallelism here dispatches banks called as forward(hidden [T, H], top_k_index [T, k], "
+                         "top_k_weights [T, k]); keep this bank on tp (moe_tp_experts)")
+
+
+@contextmanager
+def _local_bank(module: nn.Module, *, local: int, ep: int) -> Iterator[None]:
+    """The rank's experts as the bank for one call: local tensors of the DTensor parameters
+    (differentiable, their gradients scaled by 1 / ep) and ``num_experts`` set to their count."""
+    saved = dict(module._parameters)
+    count = getattr(module, "num_experts", None)
+    try:
+        for name, p in saved.items():
+            if p is not None:
+                module._parameters[name] = _ScaleGrad.apply(p.to_local(), 1.0 / ep)
+        if count is not None:
+            module.num_experts = local
+        yield
+    finally:
+        module._parameters.update(saved)
+        if count is not None:
+            module.num_experts = count
+
+
+def _exchange(rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: Any) -> torch.Tensor:
+    moved = all_to_all_single_autograd(rows.contiguous(), out_sizes, in_sizes, group)
+    return torch.ops._c10d_functional.wait_tensor(moved)
+
+
+def _ep_forward(module: nn.Module, run: Callable, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, *, group: Any, ep: int, local: int) -> torch.Tensor:
+    k = top_k_index.shape[-1]
+    ids = top_k_index.reshape(-1)
+    order = torch.argsort(ids, stable=True)  # pairs by expert, so by the rank that owns it
+    send = hidden.reshape(-1, hidden.shape[-1])[order // k]
+    counts = torch.bincount(ids, minlength=local * ep).view(ep, local)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    send_sizes, recv_sizes = counts.sum(1).tolist(), received.sum(1).tolist()
+    rows = _exchange(send, recv_sizes, send_sizes, group)
+    # rank j sent its rows for our expert 0, then expert 1, ...: each row's local expert id
+    local_ids = torch.arange(local, device=ids.device).repeat(ep).repeat_interleave(received.reshape(-1)).unsqueeze(-1)
+    with _local_bank(module, local=local, ep=ep):
+        if rows.shape[0]:
+            y = run(rows, local_ids, torch.ones_like(local_ids, dtype=rows.dtype))
+        else:  # nothing received: one zero row keeps this rank in the backward's all-to-all
+            zero = rows.sum(0, keepdim=True)
+            y = run(zero, local_ids.new_zeros(1, 1), zero.new_ones(1, 1))[:0]
+    back = _exchange(y, send_sizes, recv_sizes, group)
+    pairs = torch.empty_like(back)
+    pairs[order] = back
+    weights = top_k_weights.reshape(-1, k, 1).to(pairs.dtype)
+    return (pairs.view(-1, k, pairs.shape[-1]) * weights).sum(1).to(hidden.dtype).view(hidden.shape)

@@ -1,0 +1,199 @@
+"""Experts: expert parallelism over an ``ep`` mesh axis, written into a solved plan and priced.
+
+Contract
+--------
+``expert_parallel(plan, graph, ctx)`` takes the plan the tensor-parallel program chose for a
+mesh with an ``ep`` axis (``plan.mesh.ep_axis``) and returns it with every expert bank the
+model calls with its routing (``bank(hidden [T, H], top_k_index [T, k], top_k_weights [T,
+k])``, Hugging Face's routed banks) written ``ep_experts`` (``num_experts`` E, whole experts
+over ep), and its estimate redone: the bank's parameters, gradients and optimizer state
+divided by ep (and sharded over the data axes outside ep under FSDP); per bank call the
+count exchange and two row exchanges forward, two backward, all-to-all on the ep axis's
+link; the dispatch buffers in the activations. Every other module treats ep as a data axis:
+each rank its own tokens, dense parameters sharded over the data axes and ep together.
+
+Routing is priced as uniform (each rank sends and receives ``T k`` rows of ``H``); the
+apply stage (:mod:`shardplan.apply.experts_ep`) exchanges whatever the router chose. For now
+the experts run whole on their rank (tp = 1); with a tp axis too, this is refused with what
+to do. Errors name what was given: a mesh with ep but no routed bank, a bank whose call is
+not routed (its shapes), an ep that does not divide E. Names and numbers only: no process
+group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import cost
+from ..analyze.graph import OpGraph, module_kind
+from ..plan.model import Collectives, Estimate, Plan, Rule, matches
+from .fsdp import data_parallel_events, fsdp_units, unit_of
+from .solve import PlanningError, SolveContext, _model_dtype_bytes
+
+__all__ = ["Bank", "routed_banks", "expert_parallel"]
+
+
+@dataclass(frozen=True)
+class Bank:
+    module: str  # the bank's FQN (a folded stack's representative)
+    experts: int
+    tokens: int  # T at its call, per rank
+    top_k: int
+    hidden: int
+    param_bytes: int  # the whole bank, as the model holds it
+    calls: int  # per step: the op's multiplicity
+
+
+def routed_banks(graph: OpGraph) -> list[Bank]:
+    """Expert banks called as ``bank(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``;
+    a bank called otherwise is a ``PlanningError`` saying how it was called."""
+    out = []
+    for op in graph.ops:
+        if op.kind != "module" or op.module_kind != "experts":
+            continue
+        shapes = [tuple(graph.values[v].shape) for v in op.inputs]
+        dtypes = [graph.values[v].dtype for v in op.inputs]
+        if not (len(shapes) == 3 and len(shapes[0]) == 2 and shapes[1] == shapes[2] and len(shapes[1]) == 2
+                and shapes[1][0] == shapes[0][0] and not dtypes[1].is_floating_point and dtypes[2].is_floating_point):
+            raise PlanningError(
+                f"{op.target} is called with tensors of shapes {shapes}, not as a routed bank; expert parallelism "
+                "needs bank(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) (Hugging Face's Mixtral, "
+                "Qwen3-MoE, DeepSeek-V3, gpt-oss); plan this model on tp, where its experts are split inside")
+        module = graph.model.get_submodule(op.target)
+        params = list(module.parameters(recurse=False))
+        out.append(Bank(op.target, int(params[0].shape[0]), shapes[0][0], shapes[1][1], shapes[0][1],
+                        sum(p.numel() * p.element_size() for p in params), op.multiplicity))
+    return out
+
+
+def expert_parallel(plan: Plan, graph: OpGraph, ctx: SolveContext) -> Plan:
+    """The plan with its routed banks over ``plan.mesh.ep_axis``; see the module docstring."""
+    axis, ep = plan.mesh.ep_axis, plan.ep
+    banks = _checked_banks(graph, plan, axis, ep)
+    rules = [_ep_rule(rule, banks, ep, axis) for rule in plan.rules]
+    return plan.model_copy(update={"rules": rules, "estimate": _estimate(plan, graph, ctx, banks)})
+
+
+def _checked_banks(graph: OpGraph, plan: Plan, axis: str, ep: int) -> list[Bank]:
+    if plan.tp > 1:
+        raise PlanningError(f"mesh {plan.mesh.axes}: experts split over {axis!r} and the rest over "
+                            f"{plan.mesh.tp_axis!r} together is not supported yet; use {{{axis!r}: {ep}}} with data "
+                            f"axes, or put those ranks on {plan.mesh.tp_axis!r} (moe_tp_experts)")
+    banks = routed_banks(graph)
+    if not banks:
+        raise PlanningError(f"mesh has {axis}={ep}, but {type(graph.model).__name__} has no expert bank (3-D [E, ...] "
+                            f"weights called with the router's choice); drop {axis!r}, or name those ranks 'dp'")
+    for b in banks:
+        if b.experts % ep:
+            divisors = [d for d in range(2, b.experts + 1) if b.experts % d == 0]
+            raise PlanningError(f"{b.module} has {b.experts} experts, which {axis}={ep} does not divide; use an "
+                                f"{axis} of {divisors}")
+    return banks
+
+
+def _ep_rule(rule: Rule, banks: list[Bank], ep: int, axis: str) -> Rule:
+    bank = next((b for b in banks if matches(rule.module, b.module)), None)
+    if bank is None:
+        return rule
+    moved = 2 * bank.tokens * bank.top_k * bank.hidden
+    why = (f"whole experts over {axis} ({bank.experts // ep} of {bank.experts} per rank); each call sends and receives "
+           f"about {moved // 2} elements by all-to-all, priced as uniform routing")
+    return Rule(module=rule.module, style="ep_experts", num_experts=bank.experts, why=why)
+
+
+def _estimate(plan: Plan, graph: OpGraph, ctx: SolveContext, banks: list[Bank]) -> Estimate:
+    old, ep, axis = plan.estimate, plan.ep, plan.mesh.ep_axis
+    link = cost.axis_links(ctx.hardware, plan.mesh.axes)[axis]
+    width = cost.dtype_bytes(ctx.dtype)
+    scale = width / _model_dtype_bytes(graph)
+    counts = {phase: dict(c) for phase, c in old.collectives.items()}
+    logical = dict(old.collective_bytes)
+    comm_time, comm_bytes, buffers = 0.0, 0.0, 0.0
+    for b in banks:
+        rows = b.tokens * b.top_k * b.hidden * width  # one exchange: T k rows, uniform routing
+        events = [("forward", b.experts * 8), ("forward", rows), ("forward", rows), ("backward", rows), ("backward", rows)]
+        for phase, n in events:
+            counts.setdefault(phase, {})
+            counts[phase]["all_to_all"] = counts[phase].get("all_to_all", 0) + b.calls
+            logical[phase] = logical.get(phase, 0.0) + n * b.calls
+            comm_time += cost.collective_time("all_to_all", n, group_size=ep, link=link) * b.calls
+            comm_bytes += cost.collective_bytes("all_to_all", n, group_size=ep) * b.calls
+        buffers += 2 * rows * b.calls + b.tokens * b.top_k * 8 * b.calls
+    bank_bytes = sum(b.param_bytes * b.calls for b in banks)
+    dense_dp, counts["data_parallel"], logical["data_parallel"] = _data_parallel(plan, graph, ctx, banks, scale)
+    comm_time += dense_dp[0] - _old_data_parallel_time(plan, graph, ctx, scale)
+    comm_bytes += dense_dp[1] - _old_data_parallel_bytes(plan, graph, ctx, scale)
+    per_param = cost.training_bytes_per_param(dtype=ctx.dtype, optimizer=getattr(ctx.opts, "optimizer", "adamw"))
+    elem = _model_dtype_bytes(graph)
+    state = per_param / elem
+    peak = (old.peak_memory_bytes - bank_bytes * state / ctx.state_shards
+            + bank_bytes / ep * state / _expert_state_shards(plan) + buffers * scale)
+    return Estimate(
+        param_bytes_per_device=old.param_bytes_per_device - bank_bytes * (1 - 1 / ep),
+        peak_memory_bytes=peak, comm_bytes_per_step=old.comm_bytes_per_step + comm_bytes,
+        step_time_s=old.step_time_s + comm_time, compute_time_s=old.compute_time_s,
+        comm_time_s=old.comm_time_s + comm_time,
+        collectives={phase: Collectives(**c) for phase, c in counts.items() if c or phase != "data_parallel"},
+        collective_bytes={k: v for k, v in logical.items() if k in counts and (counts[k] or k != "data_parallel")},
+    )
+
+
+def _data_axes(plan: Plan, *, with_ep: bool) -> dict[str, int]:
+    return {a: n for a, n in plan.mesh.axes.items()
+            if a != plan.mesh.tp_axis and (with_ep or a != plan.mesh.ep_axis) and n > 1}
+
+
+def _expert_state_shards(plan: Plan) -> int:
+    """Under FSDP the banks shard over the last data axis outside ep (HSDP replicates the others)."""
+    axes = list(_data_axes(plan, with_ep=False).values())
+    return axes[-1] if axes and plan.options.data_parallel == "fsdp" else 1
+
+
+def _own_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+
+
+def _unit_bytes(plan: Plan, graph: OpGraph, *, without_banks: bool, scale: float) -> list[tuple[float, bool]]:
+    """The FSDP units' parameter bytes (at tp = 1: whole), less the expert banks if asked."""
+    units = fsdp_units(plan.model.repeats, graph.model)
+    sizes = {u: 0.0 for u, _ in units}
+    for fqn, mod in graph.model.named_modules():
+        if not (without_banks and module_kind(mod) == "experts"):
+            sizes[unit_of(fqn, units)] += _own_bytes(mod)
+    return [(sizes[u] * scale, reshard) for u, reshard in units]
+
+
+def _events(unit_bytes, axes: dict[str, int], plan: Plan, ctx: SolveContext):
+    links = cost.axis_links(ctx.hardware, plan.mesh.axes)
+    return data_parallel_events(unit_bytes, axes, links, mode=plan.options.data_parallel) if axes else []
+
+
+def _data_parallel(plan: Plan, graph: OpGraph, ctx: SolveContext, banks: list[Bank], scale: float):
+    """Dense units over the data axes and ep; each bank its own unit over the data axes outside ep."""
+    dense = _events(_unit_bytes(plan, graph, without_banks=True, scale=scale), _data_axes(plan, with_ep=True), plan, ctx)
+    units = dict(fsdp_units(plan.model.repeats, graph.model))
+    expert_units = [(_own_bytes(mod) / plan.ep * scale, units[unit_of(fqn, list(units.items()))])  # as its block reshards
+                    for fqn, mod in graph.model.named_modules() if module_kind(mod) == "experts"]
+    experts = _events(expert_units, _data_axes(plan, with_ep=False), plan, ctx)
+    counts: dict[str, int] = {}
+    logical = time = nbytes = 0.0
+    for e in dense + experts:
+        counts[e.kind] = counts.get(e.kind, 0) + e.times
+        logical += e.nbytes * e.times
+        time += cost.collective_time(e.kind, e.nbytes, group_size=e.group_size, link=e.link) * e.times
+        nbytes += cost.collective_bytes(e.kind, e.nbytes, group_size=e.group_size) * e.times
+    return (time, nbytes), counts, logical
+
+
+def _old_events(plan: Plan, graph: OpGraph, ctx: SolveContext, scale: float):
+    return _events(_unit_bytes(plan, graph, without_banks=False, scale=scale), _data_axes(plan, with_ep=True), plan, ctx)
+
+
+def _old_data_parallel_time(plan: Plan, graph: OpGraph, ctx: SolveContext, scale: float) -> float:
+    return sum(cost.collective_time(e.kind, e.nbytes, group_size=e.group_size, link=e.link) * e.times
+               for e in _old_events(plan, graph, ctx, scale))
+
+
+def _old_data_parallel_bytes(plan: Plan, graph: OpGraph, ctx: SolveContext, scale: float) -> float:
+    return sum(cost.collective_bytes(e.kind, e.nbytes, group_size=e.group_size) * e.times
+               for e in _old_events(plan, graph, ctx, scale))

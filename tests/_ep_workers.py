@@ -1,0 +1,182 @@
+"""Spawn-importable workers for ``tests/test_expert_parallel.py`` (no pytest here).
+
+Each rank of an ``ep`` mesh takes its own rows of the batch (``ep`` is a data axis outside
+the experts); the reference is one process on the whole batch. Loss: the mean over the
+rank's rows, so the one-process gradient is the mean over ranks; dense gradients are
+averaged over ``ep`` by hand (what DDP or FSDP over the data axes would do), expert gradients
+come out of the style already on that convention.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.nn import functional as F
+
+from shardplan.analyze.graph import expert_params
+from shardplan.apply.experts_ep import ExpertParallel
+
+
+class TinyBank(nn.Module):
+    """Mixtral's bank as Hugging Face writes it: [gate; up] and down per expert, the routing
+    weights applied inside, a loop over the experts hit."""
+
+    def __init__(self, experts: int = 4, hidden: int = 8, inner: int = 6) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inner, hidden) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inner) * 0.3)
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            if token.numel():
+                gate, up = F.linear(hidden[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.down_proj[e]) * top_k_weights[token, slot, None]
+                out = out.index_add(0, token, y)
+        return out
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad
+        out[name] = g.full_tensor() if isinstance(g, DTensor) else g
+    return out
+
+
+def _compare(ours: dict, ref: dict) -> dict[str, float]:
+    """Each gradient's largest difference relative to its largest entry."""
+    assert ours.keys() == ref.keys(), (sorted(set(ours) ^ set(ref)))
+    return {n: ((ours[n] - ref[n]).abs().max() / ref[n].abs().max().clamp_min(1e-12)).item() for n in ref}
+
+
+def bank_routed_to_one_rank(rank: int, world: int) -> dict:
+    """Every pair routed to rank 0's experts: the other ranks receive nothing and must still
+    take part in backward's all-to-all."""
+    torch.manual_seed(0)
+    bank = TinyBank()
+    ref = copy.deepcopy(bank)
+    tokens = torch.randn(world, 5, 8)
+    idx = torch.tensor([[0, 1]] * 5)
+    w = torch.rand(world, 5, 2, requires_grad=True)
+    ref_out = ref(tokens.reshape(-1, 8), idx.repeat(world, 1), w.detach().reshape(-1, 2))
+    ref_out.pow(2).sum().div(world).backward()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    parallelize_module(bank, mesh, ExpertParallel())
+    out = bank(tokens[rank], idx, w[rank].detach())
+    out.pow(2).sum().backward()
+    return {"out": (out - ref_out.view(world, 5, 8)[rank]).abs().max().item(),
+            "grads": _compare(_grads(bank), _grads(ref)), "num_experts": bank.num_experts}
+
+
+def _average_dense(model: nn.Module, world: int) -> None:
+    for p in model.parameters():
+        if p.grad is not None and not isinstance(p.grad, DTensor):  # dense: averaged over the data ranks
+            dist.all_reduce(p.grad)
+            p.grad /= world
+
+
+def hf_model_matches(rank: int, world: int, model_type: str, steps: int = 0) -> dict:
+    """Logits and every gradient against one process; with ``steps``, the weights after that
+    many AdamW steps; the collectives of one training step as CommDebugMode counts them."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from shardplan.interop.hf import build_hf_model
+
+    model, (ids,), _ = build_hf_model(model_type, tiny=True, device="cpu", seed=0, batch_size=2 * world)
+    model.train()
+    ref = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    banks = {n: ExpertParallel() for n, m in model.named_modules() if expert_params(m) is not None}
+    parallelize_module(model, mesh, banks)
+    mine = ids.chunk(world)[rank]
+    counter = CommDebugMode()
+    with counter:
+        logits = model(mine).logits
+        logits.float().pow(2).mean().backward()
+    ref(ids).logits.float().pow(2).mean().backward()
+    _average_dense(model, world)
+    with torch.no_grad():
+        full = ref(ids).logits
+    out = {"banks": sorted(banks), "logits": (logits - full.chunk(world)[rank]).abs().max().item(),
+           "grads": _compare(_grads(model), _grads(ref)),
+           "local_experts": [m.gate_up_proj.to_local().shape[0] for n, m in model.named_modules() if n in banks][:1],
+           "counts": {str(k): v for k, v in counter.get_comm_counts().items()}}
+    if steps:
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+        for step in range(steps):
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            if step + 1 < steps:
+                model(mine).logits.float().pow(2).mean().backward()
+                _average_dense(model, world)
+                ref(ids).logits.float().pow(2).mean().backward()
+        ours = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
+        out["weights"] = _compare(ours, dict((n, p.detach()) for n, p in ref.named_parameters()))
+    return out
+
+
+def every_model(rank: int, world: int, model_types: list[str]) -> dict:
+    return {t: hf_model_matches(rank, world, t, steps=2 if t == "mixtral" else 0) for t in model_types}
+
+
+def expert_count(model_type: str) -> int:
+    from shardplan.interop.hf import build_hf_model
+
+    model, _, _ = build_hf_model(model_type, tiny=True)
+    return next(m.gate_up_proj.shape[0] for m in model.modules() if expert_params(m) is not None)
+
+
+def planned_matches(rank: int, world: int, model_type: str, plan_yaml: str, fsdp: bool, axes: tuple) -> dict:
+    """``apply_plan`` (and ``fully_shard_plan``) of an ep plan against one process: each data
+    rank (dp x ep) its own rows of the batch; the gradients as the data-parallel mean."""
+    import shardplan
+    from shardplan.interop.hf import build_hf_model
+
+    plan = shardplan.Plan.from_yaml(plan_yaml)
+    model, (ids,), _ = build_hf_model(model_type, tiny=True, device="cpu", seed=0, batch_size=2 * world)
+    model.train()
+    ref = copy.deepcopy(model)
+    sizes = tuple(plan.mesh.axes[a] for a in axes)
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=axes)
+    shardplan.apply_plan(model, mesh, plan)
+    if fsdp:
+        from shardplan.apply.fsdp import fully_shard_plan
+
+        fully_shard_plan(model, mesh, plan)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref)]
+    mine = ids.chunk(world)[rank]
+    losses = []
+    for step in range(2):
+        logits = model(mine).logits
+        logits.float().pow(2).mean().backward()
+        if not fsdp:
+            _average_dense(model, world)
+        ref(ids).logits.float().pow(2).mean().backward()
+        if step == 0:
+            grads = _compare(_grads(model), _grads(ref))
+            with torch.no_grad():
+                first = (logits - ref(ids).logits.chunk(world)[rank]).abs().max().item()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        losses.append(logits.float().pow(2).mean().item())
+    ours = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
+    return {"logits": first, "grads": grads,
+            "weights": _compare(ours, {n: p.detach() for n, p in ref.named_parameters()}),
+            "placements": {n: str(getattr(p, "placements", "plain")) for n, p in model.named_parameters()}}
+
+
+def planned_families(rank: int, world: int, cases: list[tuple[str, str]], fsdp: bool, axes: tuple) -> dict:
+    return {t: planned_matches(rank, world, t, plan_yaml, fsdp, axes) for t, plan_yaml in cases}
