@@ -42,14 +42,14 @@ from .analyze.graph import OpGraph
 from .analyze.snapshot import preserved
 from .decide import assemble, shortfalls
 from .decide.axes import DATA_AXES, check_axes, expert_axis, mesh_axes, state_shards, tp_axis_of  # noqa: F401 - mesh_axes re-exported
-from .decide.experts import expert_parallel
+from .decide.experts import expert_count, expert_parallel
 from .apply.localcheck import LocalShapeError, check_local_shapes
 from .apply.localsizes import find_local_attributes
 from .apply.standins import OuterCodeError, check_outer_code, stood_blocks
 from .plan.model import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint, matches
 from .decide.regions import find_handovers, find_partial_blocks, find_regions, handover_regions
 from .decide.solve import PlanningError, SolveContext, solve
-from .decide.splits import MeshCandidate, MeshComparison, choose, dp_tp_splits
+from .decide.splits import MeshCandidate, MeshComparison, choose, dp_tp_splits, ep_splits
 from .analyze.trace import TraceError, trace_model
 
 __all__ = [
@@ -277,7 +277,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
     if graph.traced.front_end == "export":  # copies export could not fold: one rule per kind of block
         merged, decisions = assemble.merge_repeated(plan.rules, plan.decisions, model)
         plan = plan.model_copy(update={"rules": merged, "decisions": decisions})
-    return _with_experts(plan, graph, ctx) if plan.mesh.ep_axis else plan
+    return _with_experts(plan, graph, ctx, solution) if plan.mesh.ep_axis else plan
 
 
 def compare_meshes(model: nn.Module, world_size: int, *, example_inputs: tuple | None = None,
@@ -305,6 +305,7 @@ def compare_meshes(model: nn.Module, world_size: int, *, example_inputs: tuple |
     source = "memory budget" if opts.memory_budget else f"{hardware.name}'s device memory"
     with preserved(model):  # as in plan_model
         graph = _graph(model, example_inputs, example_kwargs, extra)
+        splits = splits + ep_splits(world_size, expert_count(graph))  # a MoE model: experts over ep too
         quick = {**extra, "explain": False}  # explain only the chosen split: its re-solves are most of the time
         candidates = [_candidate(model, graph, axes, opts, quick, example_inputs, limit) for axes in splits]
         chosen, best = choose(candidates), None
@@ -440,9 +441,9 @@ def _memory_warnings(plan: Plan, ctx: SolveContext) -> list[str]:
             "data_parallel='fsdp' (e.g. --mesh dp=8,tp=8), or lower batch/sequence"]
 
 
-def _with_experts(plan: Plan, graph: OpGraph, ctx: SolveContext) -> Plan:
+def _with_experts(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Any) -> Plan:
     """Expert banks over the ep axis (:mod:`.decide.experts`), the memory warning redone for them."""
-    plan = expert_parallel(plan, graph, ctx)
+    plan = expert_parallel(plan, graph, ctx, solution)
     kept = [w for w in plan.warnings if not w.startswith(_OVER_MEMORY)]
     return plan.model_copy(update={"warnings": kept + _memory_warnings(plan, ctx)})
 

@@ -23,7 +23,7 @@ never a traceback. Any other exception prints ``shardplan: error: internal error
 sets ``SHARDPLAN_TRACEBACK=1``. argparse's own usage errors also exit 2. Every command's
 ``--help`` ends with examples.
 
-``--mesh`` is ``axis=size`` pairs separated by commas (``tp=8``, ``dp=16,tp=8``); tensor
+``--mesh`` is ``axis=size`` pairs separated by commas (``tp=8``, ``dp=16,tp=8``, ``ep=8,tp=8``); tensor
 parallelism runs on ``tp`` (else the last axis that is not a data axis). ``plan
 --world-size N`` (exclusive with ``--mesh``) prints every dp x tp split of N devices in one
 table (:func:`shardplan.api.compare_meshes`; on stderr when stdout carries YAML/JSON), then

@@ -145,18 +145,23 @@ def planned_matches(rank: int, world: int, model_type: str, plan_yaml: str, fsdp
     from shardplan.interop.hf import build_hf_model
 
     plan = shardplan.Plan.from_yaml(plan_yaml)
-    model, (ids,), _ = build_hf_model(model_type, tiny=True, device="cpu", seed=0, batch_size=2 * world)
-    model.train()
-    ref = copy.deepcopy(model)
     sizes = tuple(plan.mesh.axes[a] for a in axes)
     mesh = init_device_mesh("cpu", sizes, mesh_dim_names=axes)
+    # the data ranks: every axis but tp (whose ranks share their rows)
+    data_rank, data_world = 0, 1
+    for axis, coordinate in zip(axes, mesh.get_coordinate()):
+        if axis != plan.mesh.tp_axis:
+            data_rank, data_world = data_rank * plan.mesh.axes[axis] + coordinate, data_world * plan.mesh.axes[axis]
+    model, (ids,), _ = build_hf_model(model_type, tiny=True, device="cpu", seed=0, batch_size=2 * data_world)
+    model.train()
+    ref = copy.deepcopy(model)
     shardplan.apply_plan(model, mesh, plan)
     if fsdp:
         from shardplan.apply.fsdp import fully_shard_plan
 
         fully_shard_plan(model, mesh, plan)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref)]
-    mine = ids.chunk(world)[rank]
+    mine = ids.chunk(data_world)[data_rank]
     losses = []
     for step in range(2):
         logits = model(mine).logits
@@ -167,7 +172,7 @@ def planned_matches(rank: int, world: int, model_type: str, plan_yaml: str, fsdp
         if step == 0:
             grads = _compare(_grads(model), _grads(ref))
             with torch.no_grad():
-                first = (logits - ref(ids).logits.chunk(world)[rank]).abs().max().item()
+                first = (logits - ref(ids).logits.chunk(data_world)[data_rank]).abs().max().item()
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -180,3 +185,85 @@ def planned_matches(rank: int, world: int, model_type: str, plan_yaml: str, fsdp
 
 def planned_families(rank: int, world: int, cases: list[tuple[str, str]], fsdp: bool, axes: tuple) -> dict:
     return {t: planned_matches(rank, world, t, plan_yaml, fsdp, axes) for t, plan_yaml in cases}
+
+
+# --- checkpoints: DCP at one ep, loaded at another and unsharded ------------------------------
+
+def _full_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+def _sharded_mixtral(seed: int, rank: int, world: int, plan_yaml: str):
+    import shardplan
+    from shardplan.interop.hf import build_hf_model
+
+    plan = shardplan.Plan.from_yaml(plan_yaml)
+    model, (ids,), _ = build_hf_model("mixtral", tiny=True, device="cpu", seed=seed, batch_size=2 * world)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    shardplan.apply_plan(model, mesh, plan)
+    return model, ids.chunk(world)[rank]
+
+
+def save_at_ep(rank: int, world: int, plan_yaml: str, folder: str) -> dict:
+    """One AdamW step at ep, DCP save of model and optimizer; the gathered model back."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    import shardplan
+
+    model, mine = _sharded_mixtral(0, rank, world, plan_yaml)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(mine).logits.float().pow(2).mean().backward()
+    _average_dense(model, world)
+    opt.step()
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=folder)
+    return {"model": shardplan.full_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=_full_options())}
+
+
+def load_at_ep(rank: int, world: int, plan_yaml: str, folder: str, full: dict, file: str) -> dict:
+    """At another ep, into models of other seeds: a DCP load (model and optimizer state), a
+    ``load_full_state_dict`` and a ``load_checkpoint`` of a safetensors file."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    import shardplan
+
+    model, mine = _sharded_mixtral(1, rank, world, plan_yaml)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(mine).logits.float().pow(2).mean().backward()
+    opt.step()  # state to overwrite
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=folder)
+    set_optimizer_state_dict(model, opt, state["optim"])
+    out = {"dcp": shardplan.full_state_dict(model), "dcp_optim": get_optimizer_state_dict(model, opt, options=_full_options())}
+    other, _ = _sharded_mixtral(2, rank, world, plan_yaml)
+    shardplan.load_full_state_dict(other, full)
+    out["from_full"] = shardplan.full_state_dict(other)
+    third, _ = _sharded_mixtral(3, rank, world, plan_yaml)
+    shardplan.load_checkpoint(third, file)
+    out["from_file"] = shardplan.full_state_dict(third)
+    out["local"] = {n: tuple(p.to_local().shape) for n, p in third.named_parameters() if isinstance(p, DTensor)}
+    return out
+
+
+def hf_loads_exported_ep_plan(rank: int, world: int, folder: str, ep_plan: dict, config: dict) -> dict:
+    """``from_pretrained`` with the exported ``ep_plan`` on the ranks, against one process: the
+    logits, and which experts each rank holds (shardplan's Shard(0) over ep: rank r the r-th
+    slice of every bank)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (2, 8))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                 distributed_config=DistributedConfig(ep_plan=ep_plan, **config))
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        diff = (model(ids).logits - ref(ids).logits).abs().max().item()
+    mine = {}
+    for (name, p), (_, whole) in zip(model.named_parameters(), ref.named_parameters()):
+        if isinstance(p, DTensor) and ".experts." in name:
+            local, n = p.to_local(), whole.shape[0] // world
+            mine[name] = torch.equal(local, whole[rank * n:(rank + 1) * n].to(local.dtype))
+    return {"logits": diff, "own_experts": mine}

@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 import tests._ep_workers as w
+from tests._checks import flat_state
 from shardplan.apply.experts_ep import ExpertParallel
 from shardplan.apply.mesh import fake_process_group
 from shardplan.tools.launch import run_on_gloo
@@ -97,9 +98,12 @@ def _plan(model_type: str, mesh: dict, **options):
 @pytest.fixture(scope="module")
 def planned() -> dict:
     cases = [(t, _plan(t, {"ep": 2}).to_yaml()) for t in TYPES]
+    inside = [("mixtral", _plan("mixtral", {"ep": 2, "tp": 2}, sequence_parallel=True).to_yaml()),
+              ("gpt_oss", _plan("gpt_oss", {"ep": 2, "tp": 2}).to_yaml())]
     return {"ep": run_on_gloo(w.planned_families, world_size=2, args=(cases, True, ("ep",)), timeout_s=400),
             "dp_ep": run_on_gloo(w.planned_families, world_size=4, timeout_s=400,
-                                 args=([("mixtral", _plan("mixtral", {"dp": 2, "ep": 2}).to_yaml())], True, ("dp", "ep")))}
+                                 args=([("mixtral", _plan("mixtral", {"dp": 2, "ep": 2}).to_yaml())], True, ("dp", "ep"))),
+            "ep_tp": run_on_gloo(w.planned_families, world_size=4, args=(inside, True, ("ep", "tp")), timeout_s=400)}
 
 
 @pytest.mark.parametrize("model_type", TYPES)
@@ -122,7 +126,7 @@ def test_planned_ep_with_fsdp_matches_one_process(planned: dict, model_type: str
     for result in planned["ep"]:
         got = result[model_type]
         assert got["logits"] < 1e-5 and max(got["grads"].values()) < 1e-5, (got["logits"], got["grads"])
-        assert max(got["weights"].values()) < 5e-5, sorted(got["weights"].items(), key=lambda kv: -kv[1])[:3]
+        assert max(got["weights"].values()) < 5e-4, sorted(got["weights"].items(), key=lambda kv: -kv[1])[:3]
         banks = {n: p for n, p in got["placements"].items() if ".experts." in n}
         assert banks and set(banks.values()) == {"(Shard(dim=0),)"}, banks
 
@@ -133,15 +137,28 @@ def test_planned_dp_and_ep_shard_experts_over_dp_and_the_rest_over_both(planned:
     for result in planned["dp_ep"]:
         got = result["mixtral"]
         assert got["logits"] < 1e-5 and max(got["grads"].values()) < 1e-5, got["grads"]
-        assert max(got["weights"].values()) < 5e-5
+        assert max(got["weights"].values()) < 5e-4
         assert got["placements"]["model.layers.0.mlp.experts.down_proj"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
         assert got["placements"]["model.layers.0.self_attn.q_proj.weight"] == "(Replicate(), Shard(dim=0))"
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_planned_ep_with_tp_inside_matches_one_process(planned: dict, model_type: str) -> None:
+    """{ep: 2, tp: 2} on 4 ranks: attention split by heads over tp, each ep rank's experts split
+    inside over tp as moe_tp_experts splits them (gpt-oss: interleaved gate/up, biases; Mixtral
+    under sequence parallel, its partial sums reduce-scattered where the MoE block returns),
+    FSDP over ep for the rest; equal to one process."""
+    for result in planned["ep_tp"]:
+        got = result[model_type]
+        assert got["logits"] < 1e-5 and max(got["grads"].values()) < 1e-5, got["grads"]
+        assert max(got["weights"].values()) < 5e-4
+        down = got["placements"]["model.layers.0.mlp.experts.down_proj"]
+        assert down.startswith("(Shard(dim=0), Shard(dim="), down  # whole experts over ep, split inside over tp
 
 
 @pytest.mark.parametrize("model_type, mesh, message", [
     ("llama", {"ep": 2}, "has no expert bank"),
     ("mixtral", {"ep": 3}, "which ep=3 does not divide"),
-    ("mixtral", {"ep": 2, "tp": 2}, "not supported yet"),
     ("llama4_text", {"ep": 2}, "not as a routed bank"),
 ])
 def test_meshes_with_ep_the_planner_cannot_honour_are_refused(model_type: str, mesh: dict, message: str) -> None:
@@ -177,13 +194,16 @@ def test_the_cli_plans_an_ep_mesh_and_refuses_a_bad_one(tmp_path) -> None:
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) <= 2 and "ep=3" in bad.stderr, bad.stderr
 
 
-@pytest.mark.parametrize("mesh", [{"ep": 64}, {"dp": 2, "ep": 32}])
-@pytest.mark.parametrize("fsdp", [False, True])
-def test_simulated_collectives_at_64_ranks_equal_the_prediction(mesh: dict, fsdp: bool) -> None:
+@pytest.mark.parametrize("mesh, fsdp, sp", [({"ep": 64}, False, None), ({"ep": 64}, True, None),
+                                            ({"dp": 2, "ep": 32}, False, None), ({"dp": 2, "ep": 32}, True, None),
+                                            ({"ep": 8, "tp": 2}, True, True), ({"dp": 2, "ep": 8, "tp": 4}, True, None),
+                                            ({"dp": 2, "ep": 8, "tp": 4}, True, True)])
+def test_simulated_collectives_at_64_ranks_equal_the_prediction(mesh: dict, fsdp: bool, sp: bool | None) -> None:
     """On the fake group (its all-to-all hands each rank back what it sent, so every count and
-    shape stays consistent), 64 experts over 64 or 32 ranks: the count exchange and the four
-    row exchanges per MoE layer, and under FSDP the dense units over dp x ep and the banks
-    over dp, as the estimate predicts them."""
+    shape stays consistent), 64 experts over 64, 32 or 8 ranks (with tp inside, and sequence
+    parallel): the count exchange and the four row exchanges per MoE layer, the tp
+    collectives, and under FSDP the dense units over dp x ep and the banks over dp, as the
+    estimate predicts them."""
     import shardplan
     from shardplan.interop.hf import build_hf_model
     from shardplan.interop.hf_models import hf_config, shrink_config, transformers_module
@@ -193,7 +213,98 @@ def test_simulated_collectives_at_64_ranks_equal_the_prediction(mesh: dict, fsdp
     shrink_config(cfg)
     cfg.num_local_experts = 64
     model, inputs, _ = build_hf_model("mixtral", device="cpu", config=cfg, batch_size=8)
-    plan = shardplan.plan_model(model, mesh, example_inputs=inputs, explain=False)
+    plan = shardplan.plan_model(model, mesh, example_inputs=inputs, explain=False, sequence_parallel=sp)
     result = simulate(model.float(), plan, inputs, fsdp=fsdp)
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
     assert result.counted["forward"]["all_to_all"] == 3 * cfg.num_hidden_layers
+
+
+def _exact(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), (what, sorted(set(got) ^ set(want)))
+    bad = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not bad, f"{what}: {bad[:3]} differ"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoints_saved_at_ep_2_load_exactly_at_ep_4_and_unsharded(tmp_path) -> None:
+    """DCP of a model and its AdamW state saved at ep=2 (each rank half of every bank) loads at
+    ep=4 and into the plain model in one process, every tensor equal; so do
+    ``load_full_state_dict`` and ``load_checkpoint`` of the gathered model at ep=4."""
+    import safetensors.torch
+    import torch.distributed.checkpoint as dcp
+
+    from shardplan.interop.hf import build_hf_model
+
+    folder, file = str(tmp_path / "ckpt"), str(tmp_path / "model.safetensors")
+    first = run_on_gloo(w.save_at_ep, world_size=2, args=(_plan("mixtral", {"ep": 2}).to_yaml(), folder), timeout_s=240)
+    saved, saved_optim = first[0]["model"], first[0]["optim"]
+    plain, _, _ = build_hf_model("mixtral", tiny=True, device="cpu", seed=5)
+    state = {"model": plain.state_dict()}
+    dcp.load(state, checkpoint_id=folder)
+    plain.load_state_dict(state["model"])
+    _exact(plain.state_dict(), saved, "unsharded DCP load of the ep=2 checkpoint")
+    safetensors.torch.save_file({k: v.contiguous() for k, v in saved.items()}, file)
+    loaded = run_on_gloo(w.load_at_ep, world_size=4, timeout_s=240,
+                         args=(_plan("mixtral", {"ep": 4}).to_yaml(), folder, saved, file))
+    _exact(flat_state(loaded[0]["dcp_optim"]), flat_state(saved_optim), "AdamW state loaded at ep=4 (gathered on rank 0)")
+    for result in loaded:
+        _exact(result["dcp"], saved, "DCP load at ep=4")
+        _exact(result["from_full"], saved, "load_full_state_dict at ep=4")
+        _exact(result["from_file"], saved, "load_checkpoint at ep=4")
+        assert result["local"]["model.layers.0.mlp.experts.gate_up_proj"][0] == 1, result["local"]
+
+
+def test_world_size_compares_ep_meshes_for_moe_models_only() -> None:
+    """``--world-size`` lists, beside every dp x tp split, the same tp with the largest ep that
+    divides the experts and the data ranks; samples per step count every data rank (dp x ep)."""
+    from shardplan.api import compare_meshes
+    from shardplan.decide.splits import data_ranks
+    from shardplan.interop.hf import build_hf_model
+
+    model, inputs, _ = build_hf_model("mixtral", tiny=True)
+    table = compare_meshes(model, 8, example_inputs=inputs, explain=False)
+    ep = [c for c in table.candidates if "ep" in c.axes]
+    assert [c.axes for c in ep] == [{"dp": 2, "ep": 4, "tp": 1}, {"dp": 1, "ep": 4, "tp": 2}, {"dp": 1, "ep": 2, "tp": 4}]
+    assert all(c.plan is not None and c.plan.mesh.ep_axis == "ep" for c in ep), [c.error for c in ep]
+    one = ep[0]
+    assert one.samples_per_s == data_ranks(one.axes) * one.plan.options.batch_size / one.plan.estimate.step_time_s == (
+        8 * one.plan.options.batch_size / one.plan.estimate.step_time_s)
+    dense, dense_inputs, _ = build_hf_model("llama", tiny=True)
+    assert not [c for c in compare_meshes(dense, 8, example_inputs=dense_inputs, explain=False).candidates
+                if "ep" in c.axes]
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_an_ep_plan_exports_to_hugging_face_and_loads_there(tmp_path, model_type: str) -> None:
+    """``Plan.to_hf_ep_plan`` gives transformers' own ``base_model_ep_plan`` for these models and
+    the ``DistributedConfig`` sizes of the same layout; ``from_pretrained`` with them on 2 gloo
+    ranks gives one process's logits and puts on each rank the experts shardplan puts there."""
+    from shardplan.interop.hf import build_hf_model
+
+    model, inputs, _ = build_hf_model(model_type, tiny=True, device="cpu", seed=0)
+    plan = shardplan_plan(model, {"ep": 2}, inputs)
+    ep_plan, config = plan.to_hf_ep_plan(model)
+    assert ep_plan == model.ep_plan and config == {"ep_size": 2, "fsdp_size": 2}
+    model.save_pretrained(tmp_path)
+    for result in run_on_gloo(w.hf_loads_exported_ep_plan, world_size=2, args=(str(tmp_path), ep_plan, config),
+                              timeout_s=240):
+        assert result["logits"] < 1e-5, result["logits"]
+        assert result["own_experts"] and all(result["own_experts"].values()), result["own_experts"]
+
+
+def test_ep_plans_hugging_face_cannot_load_are_refused() -> None:
+    from shardplan.interop.hf import build_hf_model
+
+    model, inputs, _ = build_hf_model("mixtral", tiny=True)
+    with pytest.raises(ValueError, match="tp=2|tp axis|slices each tp group"):
+        shardplan_plan(model, {"ep": 2, "tp": 2}, inputs).to_hf_ep_plan(model)
+    with pytest.raises(ValueError, match="to_hf_tp_plan"):
+        shardplan_plan(model, {"tp": 2}, inputs).to_hf_ep_plan(model)
+    with pytest.raises(ValueError, match="ep_experts.*no Hugging Face tp_plan counterpart"):
+        shardplan_plan(model, {"ep": 2}, inputs).to_hf_tp_plan(model)
+
+
+def shardplan_plan(model, mesh: dict, inputs):
+    import shardplan
+
+    return shardplan.plan_model(model, mesh, example_inputs=inputs, explain=False)

@@ -111,7 +111,15 @@ def _experts_over_ep(model: nn.Module, device_mesh, plan: Plan) -> None:
         raise ValueError(f"the plan splits experts over {plan.mesh.ep_axis}={plan.ep}, but the mesh's axes are "
                          f"{dict(zip(names, device_mesh.mesh.shape))}; make the mesh with mesh_dim_names naming "
                          f"{plan.mesh.ep_axis!r}, as the plan's mesh {plan.mesh.axes} does")
-    parallelize_module(model, device_mesh[plan.mesh.ep_axis], {r.module: ExpertParallel() for r in rules})
+    names = device_mesh.mesh_dim_names
+    # with a tp axis the rank's experts sit on it too (split inside, or whole on each tp rank)
+    axes = (plan.mesh.ep_axis, plan.mesh.tp_axis) if plan.tp > 1 else (plan.mesh.ep_axis,)
+    if plan.tp > 1 and plan.mesh.tp_axis not in names:
+        raise ValueError(f"the plan splits experts over {plan.mesh.ep_axis} and {plan.mesh.tp_axis}, but the mesh's "
+                         f"axes are {names}; make the mesh with the plan's axes {tuple(plan.mesh.axes)}")
+    mesh = device_mesh[axes[0]] if len(axes) == 1 else device_mesh[axes]
+    parallelize_module(model, mesh, {r.module: ExpertParallel(inner_tp=r.inner == "moe_tp_experts",
+                                                              reduce_output=r.output_layouts != "Partial") for r in rules})
 
 
 def _region_style(region: Region) -> ParallelStyle:

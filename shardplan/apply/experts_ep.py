@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterator
 
@@ -41,8 +42,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from .styles import _CopyToTP, _ReduceFromTP, _ScaleForward, expert_tp_placements
 
 __all__ = ["ExpertParallel", "bank_size"]
 
@@ -68,21 +71,55 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class ExpertParallel(ParallelStyle):
-    """Whole experts over the ``ep`` mesh axis; see the module doc."""
+    """Whole experts over the ``ep`` mesh axis; see the module doc.
+
+    On a 2-D ``(ep, tp)`` mesh the rank's experts are also split inside over tp as
+    ``moe_tp_experts`` splits them (``inner_tp=True``: up on its features, down on its inner
+    dim, :func:`.styles.expert_tp_placements`), or held whole on every tp rank (False). The tp
+    ranks share their tokens, so each runs the same dispatch over its own ep group; inside,
+    each tp rank's experts give a partial sum of every row: the tokens and the routing weights
+    enter by Megatron's "f" (gradient all-reduced over tp), a down bias is added / tp, and the
+    output is all-reduced over tp once, after the routing weights (``reduce_output=False``,
+    ``output_layouts: Partial``: left as partial sums for the MoE block's return to
+    reduce-scatter onto sequence shards)."""
+
+    def __init__(self, *, inner_tp: bool = False, reduce_output: bool = True) -> None:
+        super().__init__()
+        self.inner_tp, self.reduce_output = inner_tp, reduce_output
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        ep = device_mesh.size()
+        ep_mesh = device_mesh if device_mesh.ndim == 1 else device_mesh[device_mesh.mesh_dim_names[0]]
+        tp_mesh = None if device_mesh.ndim == 1 else device_mesh[device_mesh.mesh_dim_names[1]]
+        ep = ep_mesh.size()
         _check_routed(module)
         experts = bank_size(module)
         if experts % ep:
             raise ValueError(f"{type(module).__name__} has {experts} experts, which ep={ep} does not divide; "
                              f"use an ep that divides {experts}")
+        inner = dict(expert_tp_placements(module)) if self.inner_tp and tp_mesh is not None else {}
         for name, p in list(module.named_parameters(recurse=False)):
-            shard = distribute_tensor(p.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            where = [Shard(0)] + ([inner.get(name, Replicate())] if tp_mesh is not None else [])
+            shard = distribute_tensor(p.detach(), device_mesh, where, src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+        split = tp_mesh is not None and self.inner_tp
+        tp = _TpInside(tp_mesh.get_group().group_name, tp_mesh.size(), _down_bias(module), self.reduce_output) if split else None
         run = module.forward
-        module.forward = partial(_ep_forward, module, run, group=device_mesh.get_group(), ep=ep, local=experts // ep)
+        module.forward = partial(_ep_forward, module, run, group=ep_mesh.get_group(), ep=ep, local=experts // ep, tp=tp)
         return module
+
+
+@dataclass(frozen=True)
+class _TpInside:
+    group: str
+    size: int
+    down_bias: str | None
+    reduce_output: bool
+
+
+def _down_bias(module: nn.Module) -> str | None:
+    from ..analyze.graph import expert_params
+
+    return expert_params(module).down_bias
 
 
 def _check_routed(module: nn.Module) -> None:
@@ -97,15 +134,19 @@ def _check_routed(module: nn.Module) -> None:
 
 
 @contextmanager
-def _local_bank(module: nn.Module, *, local: int, ep: int) -> Iterator[None]:
+def _local_bank(module: nn.Module, *, local: int, ep: int, tp: _TpInside | None) -> Iterator[None]:
     """The rank's experts as the bank for one call: local tensors of the DTensor parameters
-    (differentiable, their gradients scaled by 1 / ep) and ``num_experts`` set to their count."""
+    (differentiable, their gradients scaled by 1 / ep; a down bias split inside over tp is
+    added / tp, as the sum over tp then adds it once) and ``num_experts`` set to their count."""
     saved = dict(module._parameters)
     count = getattr(module, "num_experts", None)
     try:
         for name, p in saved.items():
             if p is not None:
-                module._parameters[name] = _ScaleGrad.apply(p.to_local(), 1.0 / ep)
+                local_p = p.to_local()
+                if tp is not None and name == tp.down_bias:  # bias / tp forward, its whole gradient back
+                    local_p = _ScaleForward.apply(local_p, 1.0 / tp.size)
+                module._parameters[name] = _ScaleGrad.apply(local_p, 1.0 / ep)
         if count is not None:
             module.num_experts = local
         yield
@@ -121,7 +162,9 @@ def _exchange(rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], gro
 
 
 def _ep_forward(module: nn.Module, run: Callable, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor, *, group: Any, ep: int, local: int) -> torch.Tensor:
+                top_k_weights: torch.Tensor, *, group: Any, ep: int, local: int, tp: _TpInside | None) -> torch.Tensor:
+    if tp is not None:  # the tp ranks' partial sums meet below: these gradients are summed over tp
+        hidden, top_k_weights = (_CopyToTP.apply(t, tp.group) if t.requires_grad else t for t in (hidden, top_k_weights))
     k = top_k_index.shape[-1]
     ids = top_k_index.reshape(-1)
     order = torch.argsort(ids, stable=True)  # pairs by expert, so by the rank that owns it
@@ -133,7 +176,7 @@ def _ep_forward(module: nn.Module, run: Callable, hidden: torch.Tensor, top_k_in
     rows = _exchange(send, recv_sizes, send_sizes, group)
     # rank j sent its rows for our expert 0, then expert 1, ...: each row's local expert id
     local_ids = torch.arange(local, device=ids.device).repeat(ep).repeat_interleave(received.reshape(-1)).unsqueeze(-1)
-    with _local_bank(module, local=local, ep=ep):
+    with _local_bank(module, local=local, ep=ep, tp=tp):
         if rows.shape[0]:
             y = run(rows, local_ids, torch.ones_like(local_ids, dtype=rows.dtype))
         else:  # nothing received: one zero row keeps this rank in the backward's all-to-all
@@ -143,4 +186,5 @@ def _ep_forward(module: nn.Module, run: Callable, hidden: torch.Tensor, top_k_in
     pairs = torch.empty_like(back)
     pairs[order] = back
     weights = top_k_weights.reshape(-1, k, 1).to(pairs.dtype)
-    return (pairs.view(-1, k, pairs.shape[-1]) * weights).sum(1).to(hidden.dtype).view(hidden.shape)
+    out = (pairs.view(-1, k, pairs.shape[-1]) * weights).sum(1).to(hidden.dtype).view(hidden.shape)
+    return _ReduceFromTP.apply(out, tp.group) if tp is not None and tp.reduce_output else out

@@ -138,8 +138,8 @@ def _check_model(model: nn.Module, plan: Plan) -> None:
         raise ValueError(f"{type(model).__name__} already has fully_shard applied; call fully_shard_plan once, "
                          "after apply_plan, on a model FSDP has not wrapped")
     check_fingerprint(model, plan)
-    params = [(n, p) for n, p in model.named_parameters()
-              if not (isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == (plan.mesh.ep_axis,))]
+    params = [(n, p) for n, p in model.named_parameters()  # expert banks sit on the ep axis (and tp)
+              if not (isinstance(p, DTensor) and plan.mesh.ep_axis in (p.device_mesh.mesh_dim_names or ()))]
     plain = next((n for n, p in params if not isinstance(p, DTensor)), None)
     if plain is not None and not (plan.tp == 1 and plan.mesh.ep_axis):  # an ep plan without a tp axis leaves them plain
         raise ValueError(f"{type(model).__name__} is not sharded on the tp axis yet ({plain!r} is a plain tensor, "

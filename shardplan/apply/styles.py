@@ -225,12 +225,7 @@ class MoEExpertsParallel(ParallelStyle):
         from ..analyze.graph import expert_params
 
         ep = expert_params(module)
-        # a packed up projection [gate; up] keeps [gate_r; up_r] on rank r (packed_placement)
-        up_placement = packed_placement(parts=2, dim=ep.up_dim) if ep.packed and not ep.interleaved else Shard(ep.up_dim)
-        split = [(ep.up, up_placement), (ep.down, Shard(ep.down_dim))]
-        split += [(ep.gate, Shard(ep.up_dim))] if ep.gate else []  # a gate splits as up does
-        split += [(ep.up_bias, _bias_placement(up_placement))] if ep.up_bias else []
-        split += [(ep.down_bias, Replicate())] if ep.down_bias else []
+        split = expert_tp_placements(module)
         for name, where in split:
             param = distribute_tensor(getattr(module, name).detach(), device_mesh, [where], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(param, requires_grad=getattr(module, name).requires_grad))
@@ -240,6 +235,20 @@ class MoEExpertsParallel(ParallelStyle):
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(partial(_experts_leave, group=group if self.reduce_output else None))
         return module
+
+
+def expert_tp_placements(module: nn.Module) -> list[tuple[str, Any]]:
+    """Each parameter of an expert bank and its placement on the tp axis (the class doc)."""
+    from ..analyze.graph import expert_params
+
+    ep = expert_params(module)
+    # a packed up projection [gate; up] keeps [gate_r; up_r] on rank r (packed_placement)
+    up_placement = packed_placement(parts=2, dim=ep.up_dim) if ep.packed and not ep.interleaved else Shard(ep.up_dim)
+    split = [(ep.up, up_placement), (ep.down, Shard(ep.down_dim))]
+    split += [(ep.gate, Shard(ep.up_dim))] if ep.gate else []  # a gate splits as up does
+    split += [(ep.up_bias, _bias_placement(up_placement))] if ep.up_bias else []
+    split += [(ep.down_bias, Replicate())] if ep.down_bias else []
+    return split
 
 
 def _bias_placement(weight: Any) -> Any:

@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from . import cost
 from ..analyze.graph import OpGraph, module_kind
 from ..plan.model import Collectives, Estimate, Plan, Rule, matches
+from .estimate import _representative, unit_param_bytes
 from .fsdp import data_parallel_events, fsdp_units, unit_of
-from .solve import PlanningError, SolveContext, _model_dtype_bytes
+from .solve import PlanningError, Solution, SolveContext, _model_dtype_bytes
 
-__all__ = ["Bank", "routed_banks", "expert_parallel"]
+__all__ = ["Bank", "routed_banks", "expert_count", "expert_parallel"]
 
 
 @dataclass(frozen=True)
@@ -66,19 +67,26 @@ def routed_banks(graph: OpGraph) -> list[Bank]:
     return out
 
 
-def expert_parallel(plan: Plan, graph: OpGraph, ctx: SolveContext) -> Plan:
-    """The plan with its routed banks over ``plan.mesh.ep_axis``; see the module docstring."""
+def expert_count(graph: OpGraph) -> int | None:
+    """The experts of the model's routed banks (the fewest, if they differ); None without any,
+    or with a bank not called with its routing (no ep mesh can split it)."""
+    try:
+        banks = routed_banks(graph)
+    except PlanningError:
+        return None
+    return min((b.experts for b in banks), default=None)
+
+
+def expert_parallel(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Solution) -> Plan:
+    """The plan with its routed banks over ``plan.mesh.ep_axis``; see the module docstring.
+    ``solution`` is the tensor-parallel program's, whose per-device bytes the estimate redoes."""
     axis, ep = plan.mesh.ep_axis, plan.ep
     banks = _checked_banks(graph, plan, axis, ep)
     rules = [_ep_rule(rule, banks, ep, axis) for rule in plan.rules]
-    return plan.model_copy(update={"rules": rules, "estimate": _estimate(plan, graph, ctx, banks)})
+    return plan.model_copy(update={"rules": rules, "estimate": _estimate(plan, graph, ctx, solution, banks)})
 
 
 def _checked_banks(graph: OpGraph, plan: Plan, axis: str, ep: int) -> list[Bank]:
-    if plan.tp > 1:
-        raise PlanningError(f"mesh {plan.mesh.axes}: experts split over {axis!r} and the rest over "
-                            f"{plan.mesh.tp_axis!r} together is not supported yet; use {{{axis!r}: {ep}}} with data "
-                            f"axes, or put those ranks on {plan.mesh.tp_axis!r} (moe_tp_experts)")
     banks = routed_banks(graph)
     if not banks:
         raise PlanningError(f"mesh has {axis}={ep}, but {type(graph.model).__name__} has no expert bank (3-D [E, ...] "
@@ -96,46 +104,67 @@ def _ep_rule(rule: Rule, banks: list[Bank], ep: int, axis: str) -> Rule:
     if bank is None:
         return rule
     moved = 2 * bank.tokens * bank.top_k * bank.hidden
-    why = (f"whole experts over {axis} ({bank.experts // ep} of {bank.experts} per rank); each call sends and receives "
-           f"about {moved // 2} elements by all-to-all, priced as uniform routing")
-    return Rule(module=rule.module, style="ep_experts", num_experts=bank.experts, why=why)
+    inner = "moe_tp_experts" if rule.style == "moe_tp_experts" else None  # as the tensor-parallel program chose
+    why = (f"whole experts over {axis} ({bank.experts // ep} of {bank.experts} per rank"
+           f"{', split inside over tp' if inner else ''}); each call sends and receives about {moved // 2} elements "
+           "by all-to-all, priced as uniform routing")
+    return Rule(module=rule.module, style="ep_experts", num_experts=bank.experts, inner=inner,
+                output_layouts=rule.output_layouts if inner else None, why=why)
 
 
-def _estimate(plan: Plan, graph: OpGraph, ctx: SolveContext, banks: list[Bank]) -> Estimate:
-    old, ep, axis = plan.estimate, plan.ep, plan.mesh.ep_axis
-    link = cost.axis_links(ctx.hardware, plan.mesh.axes)[axis]
+def _estimate(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Solution, banks: list[Bank]) -> Estimate:
+    old, ep = plan.estimate, plan.ep
     width = cost.dtype_bytes(ctx.dtype)
     scale = width / _model_dtype_bytes(graph)
     counts = {phase: dict(c) for phase, c in old.collectives.items()}
     logical = dict(old.collective_bytes)
-    comm_time, comm_bytes, buffers = 0.0, 0.0, 0.0
-    for b in banks:
-        rows = b.tokens * b.top_k * b.hidden * width  # one exchange: T k rows, uniform routing
-        events = [("forward", b.experts * 8), ("forward", rows), ("forward", rows), ("backward", rows), ("backward", rows)]
-        for phase, n in events:
-            counts.setdefault(phase, {})
-            counts[phase]["all_to_all"] = counts[phase].get("all_to_all", 0) + b.calls
-            logical[phase] = logical.get(phase, 0.0) + n * b.calls
-            comm_time += cost.collective_time("all_to_all", n, group_size=ep, link=link) * b.calls
-            comm_bytes += cost.collective_bytes("all_to_all", n, group_size=ep) * b.calls
-        buffers += 2 * rows * b.calls + b.tokens * b.top_k * 8 * b.calls
-    bank_bytes = sum(b.param_bytes * b.calls for b in banks)
-    dense_dp, counts["data_parallel"], logical["data_parallel"] = _data_parallel(plan, graph, ctx, banks, scale)
-    comm_time += dense_dp[0] - _old_data_parallel_time(plan, graph, ctx, scale)
-    comm_bytes += dense_dp[1] - _old_data_parallel_bytes(plan, graph, ctx, scale)
-    per_param = cost.training_bytes_per_param(dtype=ctx.dtype, optimizer=getattr(ctx.opts, "optimizer", "adamw"))
-    elem = _model_dtype_bytes(graph)
-    state = per_param / elem
+    a2a_time, a2a_bytes, buffers = _all_to_alls(plan, ctx, banks, counts, logical)
+    held = _held_banks(graph, solution)  # bank copy -> its bytes per device before ep (as tp holds it)
+    bank_bytes = sum(held.values())
+    before, after, counts["data_parallel"], logical["data_parallel"] = _data_parallel(plan, graph, ctx, solution, held, scale)
+    state = cost.training_bytes_per_param(dtype=ctx.dtype, optimizer=getattr(ctx.opts, "optimizer", "adamw")) / (
+        _model_dtype_bytes(graph))
     peak = (old.peak_memory_bytes - bank_bytes * state / ctx.state_shards
             + bank_bytes / ep * state / _expert_state_shards(plan) + buffers * scale)
+    comm_time = a2a_time + after[0] - before[0]
     return Estimate(
         param_bytes_per_device=old.param_bytes_per_device - bank_bytes * (1 - 1 / ep),
-        peak_memory_bytes=peak, comm_bytes_per_step=old.comm_bytes_per_step + comm_bytes,
+        peak_memory_bytes=peak, comm_bytes_per_step=old.comm_bytes_per_step + a2a_bytes + after[1] - before[1],
         step_time_s=old.step_time_s + comm_time, compute_time_s=old.compute_time_s,
         comm_time_s=old.comm_time_s + comm_time,
         collectives={phase: Collectives(**c) for phase, c in counts.items() if c or phase != "data_parallel"},
         collective_bytes={k: v for k, v in logical.items() if k in counts and (counts[k] or k != "data_parallel")},
     )
+
+
+def _all_to_alls(plan: Plan, ctx: SolveContext, banks: list[Bank], counts: dict, logical: dict):
+    """Per bank call: the count exchange and the rows there, forward; the rows back, and both
+    again in backward: each rank sends and receives ``T k`` rows (uniform routing)."""
+    link = cost.axis_links(ctx.hardware, plan.mesh.axes)[plan.mesh.ep_axis]
+    width = cost.dtype_bytes(ctx.dtype)
+    time = nbytes = buffers = 0.0
+    for b in banks:
+        rows = b.tokens * b.top_k * b.hidden * width
+        for phase, n in [("forward", b.experts * 8)] + [("forward", rows)] * 2 + [("backward", rows)] * 2:
+            counts.setdefault(phase, {})
+            counts[phase]["all_to_all"] = counts[phase].get("all_to_all", 0) + b.calls
+            logical[phase] = logical.get(phase, 0.0) + n * b.calls
+            time += cost.collective_time("all_to_all", n, group_size=plan.ep, link=link) * b.calls
+            nbytes += cost.collective_bytes("all_to_all", n, group_size=plan.ep) * b.calls
+        buffers += (2 * rows + b.tokens * b.top_k * 8) * b.calls  # send and receive rows, the order
+    return time, nbytes, buffers
+
+
+def _held_banks(graph: OpGraph, solution: Solution) -> dict[str, float]:
+    """Every bank module (folded copies too) -> its parameter bytes per device as the
+    tensor-parallel solution holds them (split inside by moe_tp_experts, or whole)."""
+    planned = {op.target: solution.strategies[op.index] for op in graph.ops if op.kind == "module"}
+    out = {}
+    for fqn, mod in graph.model.named_modules():
+        if module_kind(mod) == "experts":
+            s = planned.get(_representative(fqn, graph.traced.folded))
+            out[fqn] = s.param_bytes if s is not None else float(_own_bytes(mod))
+    return out
 
 
 def _data_axes(plan: Plan, *, with_ep: bool) -> dict[str, int]:
@@ -153,47 +182,35 @@ def _own_bytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
 
 
-def _unit_bytes(plan: Plan, graph: OpGraph, *, without_banks: bool, scale: float) -> list[tuple[float, bool]]:
-    """The FSDP units' parameter bytes (at tp = 1: whole), less the expert banks if asked."""
-    units = fsdp_units(plan.model.repeats, graph.model)
-    sizes = {u: 0.0 for u, _ in units}
-    for fqn, mod in graph.model.named_modules():
-        if not (without_banks and module_kind(mod) == "experts"):
-            sizes[unit_of(fqn, units)] += _own_bytes(mod)
-    return [(sizes[u] * scale, reshard) for u, reshard in units]
-
-
 def _events(unit_bytes, axes: dict[str, int], plan: Plan, ctx: SolveContext):
     links = cost.axis_links(ctx.hardware, plan.mesh.axes)
     return data_parallel_events(unit_bytes, axes, links, mode=plan.options.data_parallel) if axes else []
 
 
-def _data_parallel(plan: Plan, graph: OpGraph, ctx: SolveContext, banks: list[Bank], scale: float):
-    """Dense units over the data axes and ep; each bank its own unit over the data axes outside ep."""
-    dense = _events(_unit_bytes(plan, graph, without_banks=True, scale=scale), _data_axes(plan, with_ep=True), plan, ctx)
-    units = dict(fsdp_units(plan.model.repeats, graph.model))
-    expert_units = [(_own_bytes(mod) / plan.ep * scale, units[unit_of(fqn, list(units.items()))])  # as its block reshards
-                    for fqn, mod in graph.model.named_modules() if module_kind(mod) == "experts"]
-    experts = _events(expert_units, _data_axes(plan, with_ep=False), plan, ctx)
+def _totals(events) -> tuple[float, float, dict[str, int], float]:
+    time = nbytes = logical = 0.0
     counts: dict[str, int] = {}
-    logical = time = nbytes = 0.0
-    for e in dense + experts:
+    for e in events:
         counts[e.kind] = counts.get(e.kind, 0) + e.times
         logical += e.nbytes * e.times
         time += cost.collective_time(e.kind, e.nbytes, group_size=e.group_size, link=e.link) * e.times
         nbytes += cost.collective_bytes(e.kind, e.nbytes, group_size=e.group_size) * e.times
-    return (time, nbytes), counts, logical
+    return time, nbytes, counts, logical
 
 
-def _old_events(plan: Plan, graph: OpGraph, ctx: SolveContext, scale: float):
-    return _events(_unit_bytes(plan, graph, without_banks=False, scale=scale), _data_axes(plan, with_ep=True), plan, ctx)
-
-
-def _old_data_parallel_time(plan: Plan, graph: OpGraph, ctx: SolveContext, scale: float) -> float:
-    return sum(cost.collective_time(e.kind, e.nbytes, group_size=e.group_size, link=e.link) * e.times
-               for e in _old_events(plan, graph, ctx, scale))
-
-
-def _old_data_parallel_bytes(plan: Plan, graph: OpGraph, ctx: SolveContext, scale: float) -> float:
-    return sum(cost.collective_bytes(e.kind, e.nbytes, group_size=e.group_size) * e.times
-               for e in _old_events(plan, graph, ctx, scale))
+def _data_parallel(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Solution, held: dict[str, float],
+                   scale: float):
+    """The data axes' collectives as the plain estimate priced them (every unit over the data
+    axes and ep), and as they run: dense units over the data axes and ep, each bank its own
+    unit over the data axes outside ep, as its block reshards."""
+    units = fsdp_units(plan.model.repeats, graph.model)
+    sizes = unit_param_bytes(graph, solution, units)
+    before = _totals(_events([(sizes[u] * scale, r) for u, r in units], _data_axes(plan, with_ep=True), plan, ctx))
+    for fqn, n in held.items():
+        sizes[unit_of(fqn, units)] -= n
+    reshard = dict(units)
+    dense = _events([(sizes[u] * scale, r) for u, r in units], _data_axes(plan, with_ep=True), plan, ctx)
+    experts = _events([(n / plan.ep * scale, reshard[unit_of(fqn, units)]) for fqn, n in held.items()],
+                      _data_axes(plan, with_ep=False), plan, ctx)
+    time, nbytes, counts, logical = _totals(dense + experts)
+    return before[:2], (time, nbytes), counts, logical

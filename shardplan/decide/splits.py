@@ -3,7 +3,10 @@
 Contract
 --------
 ``dp_tp_splits(world_size)`` lists ``{"dp": world_size // tp, "tp": tp}`` for every divisor
-``tp`` of ``world_size``, smallest tp first. A :class:`MeshCandidate` holds one split's plan
+``tp`` of ``world_size``, smallest tp first; ``ep_splits(world_size, experts)`` adds, for a
+model with expert banks of ``experts`` experts, ``{"dp": ..., "ep": ep, "tp": tp}`` with the
+largest ep that divides both the experts and ``world_size // tp`` (an ep rank is a data
+rank for everything but its experts). A :class:`MeshCandidate` holds one split's plan
 (or why it has none) and whether its predicted peak memory fits; :func:`choose` picks the
 candidate with the most samples per second among those that fit. Each data-parallel replica
 runs its own batch (``batch_size`` is per replica, as everywhere in shardplan), so a step of
@@ -14,13 +17,14 @@ least work. ``api.compare_meshes`` plans the candidates; this module only compar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..plan.model import Plan
 from .cost import format_bytes
 
-__all__ = ["MeshCandidate", "MeshComparison", "dp_tp_splits", "choose", "axes_str"]
+__all__ = ["MeshCandidate", "MeshComparison", "dp_tp_splits", "ep_splits", "data_ranks", "choose", "axes_str"]
 
 
 def dp_tp_splits(world_size: int) -> list[dict[str, int]]:
@@ -28,6 +32,22 @@ def dp_tp_splits(world_size: int) -> list[dict[str, int]]:
         raise ValueError(f"world_size must be a positive int (the number of devices), got {world_size!r}; "
                          "e.g. world_size=64")
     return [{"dp": world_size // tp, "tp": tp} for tp in range(1, world_size + 1) if world_size % tp == 0]
+
+
+def ep_splits(world_size: int, experts: int | None) -> list[dict[str, int]]:
+    if not experts:
+        return []
+    out = []
+    for split in dp_tp_splits(world_size):
+        ep = math.gcd(experts, split["dp"])
+        if ep > 1:
+            out.append({"dp": split["dp"] // ep, "ep": ep, "tp": split["tp"]})
+    return out
+
+
+def data_ranks(axes: Mapping[str, int]) -> int:
+    """Ranks that each run their own batch: every axis but tp."""
+    return math.prod(n for axis, n in axes.items() if axis != "tp")
 
 
 def axes_str(axes: Mapping[str, int]) -> str:
@@ -45,10 +65,10 @@ class MeshCandidate:
 
     @property
     def samples_per_s(self) -> float | None:
-        """Samples per second over all devices: each of the dp replicas runs its own batch."""
+        """Samples per second over all devices: each data rank (dp, and ep) runs its own batch."""
         if self.plan is None or self.plan.estimate is None or self.plan.estimate.step_time_s <= 0:
             return None
-        return self.axes["dp"] * (self.plan.options.batch_size or 1) / self.plan.estimate.step_time_s
+        return data_ranks(self.axes) * (self.plan.options.batch_size or 1) / self.plan.estimate.step_time_s
 
 
 def choose(candidates: list[MeshCandidate]) -> int | None:

@@ -112,8 +112,10 @@ _UNSUPPORTED_HINTS: dict[str, str] = {
     "packed_rowwise": "the down half of a packed pair; pin its module to rowwise or leave it to the planner",
     "moe_tp_experts": "expert tensor parallelism, which this shardplan cannot express: leave the experts "
                       "replicated (drop the key) or shard them with transformers' own tp_plan",
-    "grouped_gemm": "expert parallelism; drop the key (experts stay replicated)",
-    "ep_dispatch_experts": "expert parallelism; drop the key (experts stay replicated)",
+    "grouped_gemm": "expert parallelism, an ep_plan entry: plan on a mesh with an 'ep' axis (experts over ep) "
+                    "and drop the key here",
+    "ep_dispatch_experts": "expert parallelism, an ep_plan entry: plan on a mesh with an 'ep' axis (experts over "
+                           "ep) and drop the key here",
     "ep_router": "expert parallelism; drop the key (experts stay replicated)",
     "moe_identity_expert": "an MoE helper for moe_tp_experts; drop the key",
     "mla_kv_a_proj": "DeepSeek MLA's split all-reduce; pin the module to replicate or leave it to the planner",

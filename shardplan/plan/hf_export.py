@@ -19,7 +19,37 @@ import re
 
 from .patterns import expand_braces, matches
 
-__all__ = ["to_hf_tp_plan"]
+__all__ = ["to_hf_tp_plan", "to_hf_ep_plan"]
+
+
+def to_hf_ep_plan(plan, model) -> tuple[dict[str, str], dict[str, int]]:
+    """``(ep_plan, DistributedConfig keyword arguments)`` for a plan whose expert banks go
+    whole over ep with no tensor parallelism: each ``ep_experts`` bank is
+    ``ep_dispatch_experts`` and its parameters ``grouped_gemm`` (Hugging Face's own
+    ``base_model_ep_plan`` for these models), ``ep_size`` the plan's ep and ``fsdp_size`` its
+    data ranks (dense modules FSDP over dp x ep, experts over dp: ``efsdp = fsdp / ep``, as
+    shardplan shards them). Anything else raises ``ValueError`` saying why."""
+    if plan.mesh.ep_axis is None or not any(r.style == "ep_experts" for r in plan.rules):
+        raise ValueError("this plan splits no expert bank over an ep axis; export it with to_hf_tp_plan")
+    if plan.tp > 1:
+        raise ValueError(f"this plan splits over {plan.mesh.ep_axis}={plan.ep} and {plan.mesh.tp_axis}={plan.tp}; "
+                         "Hugging Face's expert parallelism slices each tp group's tokens instead of running tp inside "
+                         f"the experts, so only plans without a tp axis export; {_APPLY}")
+    other = [r.module for r in plan.rules if r.style not in ("ep_experts", "replicate")]
+    if other:
+        raise ValueError(f"{other[0]} is split ({plan.rule_for(other[0]).style}) on a plan with tp=1; re-plan it")
+    out: dict[str, str] = {}
+    for rule in (r for r in plan.rules if r.style == "ep_experts"):
+        for key in expand_braces(rule.module):
+            wild = re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), key)
+            fqn = next(f for f, _ in model.named_modules() if matches(rule.module, f))
+            for name, _ in model.get_submodule(fqn).named_parameters(recurse=False):
+                out[f"{wild}.{name}"] = "grouped_gemm"
+            out[wild] = "ep_dispatch_experts"
+    data = 1
+    for axis, n in plan.mesh.axes.items():
+        data *= n if axis != plan.mesh.tp_axis else 1
+    return out, {"ep_size": plan.ep, "fsdp_size": data}
 
 
 def to_hf_tp_plan(plan, model=None) -> dict[str, str]:

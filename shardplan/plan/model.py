@@ -106,8 +106,11 @@ class Rule(_Strict):
     # packed_colwise: how many equal parts the output dim holds, or the relative widths of
     # unequal ones ([4, 1, 1]: a GQA [Q; K; V] of 8 q and 2 kv heads; rows [64, 16, 16] too)
     packed: Packed = None
-    # ep_experts: the bank's experts E, split whole over the mesh's ep axis (E / ep per rank)
+    # ep_experts: the bank's experts E, split whole over the mesh's ep axis (E / ep per rank),
+    # and with a tp axis too, how each rank's experts sit on it: split inside as
+    # moe_tp_experts splits them, or whole on every tp rank (replicate, the default)
     num_experts: Annotated[int, Field(strict=True, ge=1)] | None = None
+    inner: Literal["moe_tp_experts", "replicate"] | None = None
     # colwise_kv_replicated: the weight's rows form this many groups (one per kv head), each
     # held whole by tp / groups ranks; colwise_kv_gathered: each group gathered across them
     groups: Annotated[int, Field(strict=True, ge=2)] | None = None
@@ -425,6 +428,14 @@ class Plan(_Strict):
         from .hf_export import to_hf_tp_plan  # the module types it checks need torch: imported when asked
 
         return to_hf_tp_plan(self, model)
+
+    def to_hf_ep_plan(self, model) -> tuple[dict[str, str], dict[str, int]]:
+        """Hugging Face ``ep_plan`` and ``DistributedConfig`` keyword arguments (``ep_size``,
+        ``fsdp_size``) of an expert-parallel plan without tensor parallelism:
+        ``DistributedConfig(ep_plan=plan, **kwargs)``; see :func:`.hf_export.to_hf_ep_plan`."""
+        from .hf_export import to_hf_ep_plan
+
+        return to_hf_ep_plan(self, model)
 
 
 def _set_keys(item: dict, kind: type[BaseModel]) -> dict:

@@ -35,7 +35,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..decide.cost import format_bytes, format_seconds
-from ..decide.splits import MeshComparison, axes_str
+from ..decide.splits import MeshComparison, axes_str, data_ranks
 from ..plan.model import Decision, Plan, matches
 from ..plan.validate import sharded_dim, weight_of
 
@@ -73,6 +73,9 @@ def _shapes(plan: Plan, rule: Any, modules: list[tuple[str, Any]]) -> tuple[str,
         rule.style == "ep_experts") else plan.tp
     local = list(shape)
     local[dim] = -(-shape[dim] // parts)  # torch's chunking: rank 0 holds the ceiling
+    inner = sharded_dim("moe_tp_experts", mod) if rule.style == "ep_experts" and rule.inner == "moe_tp_experts" else None
+    if inner is not None and inner < len(shape):  # each rank's experts split inside over tp too
+        local[inner] = -(-shape[inner] // plan.tp)
     mark = "" if shape[dim] % parts == 0 else " (uneven)"
     return _shape_str(shape), _shape_str(tuple(local)) + mark
 
@@ -179,7 +182,8 @@ def _rate(x: float) -> str:
 def splits_table(comparison: MeshComparison) -> Table:
     """One row per dp x tp split; the estimates are the plans' own (rounded, portable)."""
     named = next((c.plan.model.class_name for c in comparison.candidates if c.plan is not None), "model")
-    table = Table(title=Text(f"{named}: dp x tp splits of {comparison.world_size} devices"), title_justify="left")
+    kinds = "dp x ep x tp" if any("ep" in c.axes for c in comparison.candidates) else "dp x tp"
+    table = Table(title=Text(f"{named}: {kinds} splits of {comparison.world_size} devices"), title_justify="left")
     for name in ("split", "samples/step", "step time", "samples/s", "peak memory/device", "fits", "note"):
         table.add_column(name, justify="left" if name in ("split", "fits", "note") else "right")
     for i, c in enumerate(comparison.candidates):
@@ -188,7 +192,7 @@ def splits_table(comparison: MeshComparison) -> Table:
             continue
         e, warned = c.plan.estimate, len(c.plan.warnings)
         note = "chosen" if i == comparison.chosen else f"{warned} warning{'s' * (warned != 1)}" if warned else ""
-        table.add_row(axes_str(c.axes), str(c.axes["dp"] * (c.plan.options.batch_size or 1)),
+        table.add_row(axes_str(c.axes), str(data_ranks(c.axes) * (c.plan.options.batch_size or 1)),
                       format_seconds(e.step_time_s), _rate(c.samples_per_s or 0.0), format_bytes(e.peak_memory_bytes),
                       "yes" if c.fits else "no", note)
     return table
@@ -198,8 +202,9 @@ def splits_lines(comparison: MeshComparison) -> list[str]:
     """The memory limit, the choice, and why a split has no plan."""
     lines = [f"memory limit: {format_bytes(comparison.memory_limit)} per device ({comparison.limit_source})"]
     if comparison.chosen is not None:
+        ranks = "dp x ep" if any("ep" in c.axes for c in comparison.candidates) else "dp"
         lines.append(f"chosen: {axes_str(comparison.candidates[comparison.chosen].axes)}, the most samples per second "
-                     "of the splits that fit (samples/step = dp x batch per replica)")
+                     f"of the splits that fit (samples/step = {ranks} x batch per replica)")
     lines += [f"{axes_str(c.axes)}: no plan: {c.error.splitlines()[0] if c.error else 'no estimate'}"
               for c in comparison.candidates if c.plan is None]
     return lines
