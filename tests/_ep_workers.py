@@ -79,6 +79,11 @@ def bank_routed_to_one_rank(rank: int, world: int) -> dict:
             "grads": _compare(_grads(bank), _grads(ref)), "num_experts": bank.num_experts}
 
 
+def _head(out) -> torch.Tensor:
+    """The logits, or a base model's last hidden state."""
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
 def _average_dense(model: nn.Module, world: int) -> None:
     for p in model.parameters():
         if p.grad is not None and not isinstance(p.grad, DTensor):  # dense: averaged over the data ranks
@@ -138,9 +143,11 @@ def expert_count(model_type: str) -> int:
     return next(m.gate_up_proj.shape[0] for m in model.modules() if expert_params(m) is not None)
 
 
-def planned_matches(rank: int, world: int, model_type: str, plan_yaml: str, fsdp: bool, axes: tuple) -> dict:
+def planned_matches(rank: int, world: int, model_type: str, plan_yaml: str, fsdp: bool, axes: tuple,
+                    train: bool = True) -> dict:
     """``apply_plan`` (and ``fully_shard_plan``) of an ep plan against one process: each data
-    rank (dp x ep) its own rows of the batch; the gradients as the data-parallel mean."""
+    rank (dp x ep) its own rows of the batch; the gradients as the data-parallel mean. Models
+    whose router samples in training mode (PhiMoE's sparsemixer) compare with ``train=False``."""
     import shardplan
     from shardplan.interop.hf import build_hf_model
 
@@ -153,7 +160,7 @@ def planned_matches(rank: int, world: int, model_type: str, plan_yaml: str, fsdp
         if axis != plan.mesh.tp_axis:
             data_rank, data_world = data_rank * plan.mesh.axes[axis] + coordinate, data_world * plan.mesh.axes[axis]
     model, (ids,), _ = build_hf_model(model_type, tiny=True, device="cpu", seed=0, batch_size=2 * data_world)
-    model.train()
+    model.train(train)
     ref = copy.deepcopy(model)
     shardplan.apply_plan(model, mesh, plan)
     if fsdp:
@@ -164,15 +171,15 @@ def planned_matches(rank: int, world: int, model_type: str, plan_yaml: str, fsdp
     mine = ids.chunk(data_world)[data_rank]
     losses = []
     for step in range(2):
-        logits = model(mine).logits
+        logits = _head(model(mine))
         logits.float().pow(2).mean().backward()
         if not fsdp:
             _average_dense(model, world)
-        ref(ids).logits.float().pow(2).mean().backward()
+        _head(ref(ids)).float().pow(2).mean().backward()
         if step == 0:
             grads = _compare(_grads(model), _grads(ref))
             with torch.no_grad():
-                first = (logits - ref(ids).logits.chunk(data_world)[data_rank]).abs().max().item()
+                first = (logits - _head(ref(ids)).chunk(data_world)[data_rank]).abs().max().item()
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -267,3 +274,15 @@ def hf_loads_exported_ep_plan(rank: int, world: int, folder: str, ep_plan: dict,
             local, n = p.to_local(), whole.shape[0] // world
             mine[name] = torch.equal(local, whole[rank * n:(rank + 1) * n].to(local.dtype))
     return {"logits": diff, "own_experts": mine}
+
+
+def planned_families_safe(rank: int, world: int, cases: list[tuple[str, str]], fsdp: bool, axes: tuple,
+                          train: bool = True) -> dict:
+    """``planned_families``, one family's failure recorded instead of raised (sweeps)."""
+    out = {}
+    for t, plan_yaml in cases:
+        try:
+            out[t] = planned_matches(rank, world, t, plan_yaml, fsdp, axes, train)
+        except Exception as exc:  # noqa: BLE001 - a sweep's row
+            out[t] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out

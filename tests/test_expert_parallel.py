@@ -98,8 +98,8 @@ def _plan(model_type: str, mesh: dict, **options):
 @pytest.fixture(scope="module")
 def planned() -> dict:
     cases = [(t, _plan(t, {"ep": 2}).to_yaml()) for t in TYPES]
-    inside = [("mixtral", _plan("mixtral", {"ep": 2, "tp": 2}, sequence_parallel=True).to_yaml()),
-              ("gpt_oss", _plan("gpt_oss", {"ep": 2, "tp": 2}).to_yaml())]
+    inside = [(t, _plan(t, {"ep": 2, "tp": 2}, sequence_parallel=sp).to_yaml())
+              for t, sp in (("mixtral", True), ("gpt_oss", None), ("qwen3_moe", None), ("deepseek_v3", True))]
     return {"ep": run_on_gloo(w.planned_families, world_size=2, args=(cases, True, ("ep",)), timeout_s=400),
             "dp_ep": run_on_gloo(w.planned_families, world_size=4, timeout_s=400,
                                  args=([("mixtral", _plan("mixtral", {"dp": 2, "ep": 2}).to_yaml())], True, ("dp", "ep"))),
@@ -142,24 +142,25 @@ def test_planned_dp_and_ep_shard_experts_over_dp_and_the_rest_over_both(planned:
         assert got["placements"]["model.layers.0.self_attn.q_proj.weight"] == "(Replicate(), Shard(dim=0))"
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("model_type", TYPES)
 def test_planned_ep_with_tp_inside_matches_one_process(planned: dict, model_type: str) -> None:
     """{ep: 2, tp: 2} on 4 ranks: attention split by heads over tp, each ep rank's experts split
     inside over tp as moe_tp_experts splits them (gpt-oss: interleaved gate/up, biases; Mixtral
-    under sequence parallel, its partial sums reduce-scattered where the MoE block returns),
-    FSDP over ep for the rest; equal to one process."""
+    and DeepSeek-V3 under sequence parallel, the routed and shared experts' partial sums
+    reduce-scattered once where the MoE block returns), FSDP over ep for the rest; equal to
+    one process."""
     for result in planned["ep_tp"]:
         got = result[model_type]
         assert got["logits"] < 1e-5 and max(got["grads"].values()) < 1e-5, got["grads"]
         assert max(got["weights"].values()) < 5e-4
-        down = got["placements"]["model.layers.0.mlp.experts.down_proj"]
+        down = next(v for k, v in got["placements"].items() if k.endswith(".mlp.experts.down_proj"))
         assert down.startswith("(Shard(dim=0), Shard(dim="), down  # whole experts over ep, split inside over tp
 
 
 @pytest.mark.parametrize("model_type, mesh, message", [
     ("llama", {"ep": 2}, "has no expert bank"),
     ("mixtral", {"ep": 3}, "which ep=3 does not divide"),
-    ("llama4_text", {"ep": 2}, "not as a routed bank"),
+    ("llama4_text", {"ep": 2}, "no expert bank of Llama4ForCausalLM is called with its routing"),
 ])
 def test_meshes_with_ep_the_planner_cannot_honour_are_refused(model_type: str, mesh: dict, message: str) -> None:
     from shardplan.decide.solve import PlanningError
@@ -308,3 +309,19 @@ def shardplan_plan(model, mesh: dict, inputs):
     import shardplan
 
     return shardplan.plan_model(model, mesh, example_inputs=inputs, explain=False)
+
+
+MORE_TYPES = ["qwen2_moe", "olmoe", "granitemoe", "jamba", "minimax", "qwen3_next"]
+
+
+def test_more_families_with_routed_banks_match_one_process_at_ep_2() -> None:
+    """Routed banks in other code: Qwen2-MoE (a gated shared expert), OLMoE, Granite-MoE (its
+    own bank layout), Jamba and Qwen3-Next (Mamba / linear-attention layers between), MiniMax;
+    planned on {ep: 2}, FSDP over ep, each rank its rows: equal to one process.
+    ``benchmarks/ep_sweep.py`` runs every type with a ``base_model_ep_plan``."""
+    cases = [(t, _plan(t, {"ep": 2}).to_yaml()) for t in MORE_TYPES]
+    for result in run_on_gloo(w.planned_families_safe, world_size=2, args=(cases, True, ("ep",)), timeout_s=400):
+        for t in MORE_TYPES:
+            got = result[t]
+            assert "error" not in got, (t, got.get("error"))
+            assert got["logits"] < 1e-5 and max(got["grads"].values()) < 1e-5, (t, got["logits"], got["grads"])

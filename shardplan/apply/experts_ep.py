@@ -5,8 +5,10 @@ Contract
 ``ExpertParallel()`` is a ``ParallelStyle`` for an expert bank that the model calls as
 ``bank(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` and that applies
 the routing weights itself (Hugging Face's routed banks: Mixtral, Qwen3-MoE, DeepSeek-V3,
-gpt-oss, ...), applied with a 1-D ``ep`` mesh. Its 3-D weights and 2-D biases become
-``Shard(0)`` DTensors: rank ``r`` of ``ep`` holds experts ``[r E/ep, (r + 1) E/ep)``, whole.
+gpt-oss, ...), applied with a 1-D ``ep`` mesh or a 2-D ``(ep, tp)`` one. Its 3-D weights
+and 2-D biases become ``Shard(0)`` DTensors: rank ``r`` of ``ep`` holds experts
+``[r E/ep, (r + 1) E/ep)``, whole, or on ``(ep, tp)`` split inside over tp as
+``moe_tp_experts`` splits them (the class doc).
 
 A call on each rank (its own tokens; ``ep`` is a data axis everywhere else):
 

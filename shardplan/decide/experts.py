@@ -2,22 +2,23 @@
 
 Contract
 --------
-``expert_parallel(plan, graph, ctx)`` takes the plan the tensor-parallel program chose for a
-mesh with an ``ep`` axis (``plan.mesh.ep_axis``) and returns it with every expert bank the
-model calls with its routing (``bank(hidden [T, H], top_k_index [T, k], top_k_weights [T,
-k])``, Hugging Face's routed banks) written ``ep_experts`` (``num_experts`` E, whole experts
-over ep), and its estimate redone: the bank's parameters, gradients and optimizer state
-divided by ep (and sharded over the data axes outside ep under FSDP); per bank call the
-count exchange and two row exchanges forward, two backward, all-to-all on the ep axis's
-link; the dispatch buffers in the activations. Every other module treats ep as a data axis:
-each rank its own tokens, dense parameters sharded over the data axes and ep together.
+``expert_parallel(plan, graph, ctx, solution)`` takes the plan the tensor-parallel program
+chose for a mesh with an ``ep`` axis (``plan.mesh.ep_axis``) and returns it with every expert
+bank the model calls with its routing (``bank(hidden [T, H], top_k_index [T, k],
+top_k_weights [T, k])``, Hugging Face's routed banks) written ``ep_experts`` (``num_experts``
+E, whole experts over ep; with a tp axis, ``inner: moe_tp_experts`` where the program split
+the bank inside), and its estimate redone from the solution's per-device bytes: the banks'
+parameters, gradients and optimizer state divided by ep (and sharded over the data axes
+outside ep under FSDP, each bank its own unit); per bank call the count exchange and two row
+exchanges forward, two backward, all-to-all on the ep axis's link; the dispatch buffers in
+the activations. Every other module treats ep as a data axis: each rank its own tokens, dense
+parameters sharded over the data axes and ep together. A bank not called with its routing
+(a shared expert written as a bank) stays as the program planned it, with a warning.
 
 Routing is priced as uniform (each rank sends and receives ``T k`` rows of ``H``); the
-apply stage (:mod:`shardplan.apply.experts_ep`) exchanges whatever the router chose. For now
-the experts run whole on their rank (tp = 1); with a tp axis too, this is refused with what
-to do. Errors name what was given: a mesh with ep but no routed bank, a bank whose call is
-not routed (its shapes), an ep that does not divide E. Names and numbers only: no process
-group.
+apply stage (:mod:`shardplan.apply.experts_ep`) exchanges whatever the router chose. Errors
+name what was given: a mesh with ep but no routed bank (the shapes a bank was called with,
+when there is one), an ep that does not divide E. Names and numbers only: no process group.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ class Bank:
     calls: int  # per step: the op's multiplicity
 
 
-def routed_banks(graph: OpGraph) -> list[Bank]:
-    """Expert banks called as ``bank(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``;
-    a bank called otherwise is a ``PlanningError`` saying how it was called."""
+def routed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Bank]:
+    """Expert banks called as ``bank(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``.
+    A bank called otherwise (a shared expert written as a bank, Llama 4's bank of every token)
+    is not one: it is listed in ``unread`` as ``"<fqn>: <shapes>"`` when a list is given."""
     out = []
     for op in graph.ops:
         if op.kind != "module" or op.module_kind != "experts":
@@ -56,10 +58,9 @@ def routed_banks(graph: OpGraph) -> list[Bank]:
         dtypes = [graph.values[v].dtype for v in op.inputs]
         if not (len(shapes) == 3 and len(shapes[0]) == 2 and shapes[1] == shapes[2] and len(shapes[1]) == 2
                 and shapes[1][0] == shapes[0][0] and not dtypes[1].is_floating_point and dtypes[2].is_floating_point):
-            raise PlanningError(
-                f"{op.target} is called with tensors of shapes {shapes}, not as a routed bank; expert parallelism "
-                "needs bank(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) (Hugging Face's Mixtral, "
-                "Qwen3-MoE, DeepSeek-V3, gpt-oss); plan this model on tp, where its experts are split inside")
+            if unread is not None:
+                unread.append(f"{op.target}: called with tensors of shapes {shapes}")
+            continue
         module = graph.model.get_submodule(op.target)
         params = list(module.parameters(recurse=False))
         out.append(Bank(op.target, int(params[0].shape[0]), shapes[0][0], shapes[1][1], shapes[0][1],
@@ -68,29 +69,35 @@ def routed_banks(graph: OpGraph) -> list[Bank]:
 
 
 def expert_count(graph: OpGraph) -> int | None:
-    """The experts of the model's routed banks (the fewest, if they differ); None without any,
-    or with a bank not called with its routing (no ep mesh can split it)."""
-    try:
-        banks = routed_banks(graph)
-    except PlanningError:
-        return None
-    return min((b.experts for b in banks), default=None)
+    """The experts of the model's routed banks (the fewest, if they differ); None without any."""
+    return min((b.experts for b in routed_banks(graph)), default=None)
 
 
 def expert_parallel(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Solution) -> Plan:
     """The plan with its routed banks over ``plan.mesh.ep_axis``; see the module docstring.
     ``solution`` is the tensor-parallel program's, whose per-device bytes the estimate redoes."""
     axis, ep = plan.mesh.ep_axis, plan.ep
-    banks = _checked_banks(graph, plan, axis, ep)
+    unread: list[str] = []
+    banks = _checked_banks(graph, plan, axis, ep, unread)
     rules = [_ep_rule(rule, banks, ep, axis) for rule in plan.rules]
-    return plan.model_copy(update={"rules": rules, "estimate": _estimate(plan, graph, ctx, solution, banks)})
+    notes = [f"{u.split(':')[0]}: kept as the tensor-parallel plan has it, a data-parallel module on {axis} "
+             f"({u.split(': ', 1)[1]}, not a routed bank: bank(hidden [T, H], top_k_index [T, k], top_k_weights "
+             "[T, k]))" for u in unread]
+    return plan.model_copy(update={"rules": rules, "estimate": _estimate(plan, graph, ctx, solution, banks),
+                                   "warnings": list(plan.warnings) + notes})
 
 
-def _checked_banks(graph: OpGraph, plan: Plan, axis: str, ep: int) -> list[Bank]:
-    banks = routed_banks(graph)
+def _checked_banks(graph: OpGraph, plan: Plan, axis: str, ep: int, unread: list[str]) -> list[Bank]:
+    banks = routed_banks(graph, unread=unread)
+    if not banks and unread:
+        raise PlanningError(
+            f"mesh has {axis}={ep}, but no expert bank of {type(graph.model).__name__} is called with its routing "
+            f"({unread[0]}); expert parallelism needs bank(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) "
+            "(Hugging Face's Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss); plan it on tp, where its experts are split inside")
     if not banks:
         raise PlanningError(f"mesh has {axis}={ep}, but {type(graph.model).__name__} has no expert bank (3-D [E, ...] "
-                            f"weights called with the router's choice); drop {axis!r}, or name those ranks 'dp'")
+                            f"weights called with the router's choice; experts written as a ModuleList are not split "
+                            f"over ep yet); drop {axis!r}, or name those ranks 'dp'")
     for b in banks:
         if b.experts % ep:
             divisors = [d for d in range(2, b.experts + 1) if b.experts % d == 0]
