@@ -325,3 +325,19 @@ def test_more_families_with_routed_banks_match_one_process_at_ep_2() -> None:
             got = result[t]
             assert "error" not in got, (t, got.get("error"))
             assert got["logits"] < 1e-5 and max(got["grads"].values()) < 1e-5, (t, got["logits"], got["grads"])
+
+
+def test_verify_runs_expert_parallel_plans() -> None:
+    """``shardplan verify --mesh ep=2``: each ep rank its own rows, the ranks' mean loss and
+    the averaged dense gradients against one process on the whole batch."""
+    from shardplan.tools.verify import verify
+
+    result = verify("hf-tiny:qwen3_moe", nproc=2, mesh={"ep": 2}, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    assert "ep=2 plan on 2 gloo ranks" in result.summary()
+    result = verify("hf-tiny:deepseek_v3", nproc=4, mesh={"ep": 2, "tp": 2}, timeout_s=300, sequence_parallel=True)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    with pytest.raises(ValueError, match="use nproc=2"):
+        verify("hf-tiny:qwen3_moe", nproc=4, mesh={"ep": 2})
+    with pytest.raises(ValueError, match="batch 3 does not split over ep=2"):
+        verify("hf-tiny:qwen3_moe", nproc=2, mesh={"ep": 2}, batch_size=3)

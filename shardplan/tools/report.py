@@ -338,7 +338,8 @@ def diff_lines(a: Plan, b: Plan) -> list[str]:
 def verify_table(result: Any) -> Table:
     """One row per compared quantity of a :class:`~shardplan.tools.verify.VerifyResult`."""
     plan = result.plan
-    mesh = f"tp={plan.tp}" if plan.mesh.axes == {plan.mesh.tp_axis: plan.tp} else f"tp={plan.tp} of {_mesh_str(plan)}"
+    mesh = f"tp={plan.tp}" if plan.mesh.axes == {plan.mesh.tp_axis: plan.tp} else (
+        _mesh_str(plan) if plan.ep > 1 else f"tp={plan.tp} of {_mesh_str(plan)}")
     title = f"verify {result.model}: {mesh} on {result.nproc} gloo ranks vs unsharded (float32)"
     table = Table(title=Text(title), title_justify="left")
     for name, justify in (("quantity", "left"), ("max |tp - ref|", "right"), ("tolerance", "right"),

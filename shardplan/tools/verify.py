@@ -15,7 +15,10 @@ seq_len=None, max_params=MAX_PARAMS, **plan_options) -> VerifyResult``
   model's and no ``mesh``/``plan_options`` may be given.
 * The plan's tensor-parallel degree must equal ``nproc``: verification runs the tp axis
   only, on a 1-D mesh named after the plan's tp axis (data-parallel axes replicate and are
-  not exercised). Every problem with the inputs (bad spec, fingerprint, ``nproc``, size)
+  not exercised). An expert-parallel plan runs on ``ep x tp`` ranks instead (``--mesh
+  ep=2``), each ep rank its own rows of the batch (a multiple of ep): its output and the mean
+  of the ranks' losses are compared with the whole batch's, and the gradients after the
+  dense ones are averaged over ep, as data parallelism would. Every problem with the inputs (bad spec, fingerprint, ``nproc``, size)
   raises ``ValueError`` before any process starts.
 * ``shardplan.tools.launch.run_on_gloo`` then starts ``nproc`` ranks. Each builds the model twice
   on CPU from the same seed (``torch.manual_seed(0)`` around ``resolve_model(spec,
@@ -151,7 +154,8 @@ class VerifyResult:
 
     def summary(self) -> str:
         """One line: PASS/FAIL, the plan and the worst quantity."""
-        head = f"{self.model} with its tp={self.plan.tp} plan on {self.nproc} gloo ranks"
+        mesh = f"tp={self.plan.tp}" + (f", {self.plan.mesh.ep_axis}={self.plan.ep}" if self.plan.ep > 1 else "")
+        head = f"{self.model} with its {mesh} plan on {self.nproc} gloo ranks"
         if self.passed:
             worst = f" (worst gradient {self.worst_param}: {self.worst_param_diff:.1e})" if self.worst_param else ""
             return f"PASS: {head} matches the unsharded model{worst}"
@@ -241,7 +245,9 @@ def verify(
         if got != plan.model.fingerprint:
             raise ValueError(f"the plan is for a {plan.model.class_name} with {plan.model.fingerprint}, but {name} is a "
                              f"{type(model).__name__} with {got}; re-plan it with `shardplan plan {model_spec}`")
-    if plan.tp != nproc:
+    if plan.ep > 1:
+        _check_expert_run(plan, nproc, batch_size)
+    elif plan.tp != nproc:
         raise ValueError(f"the plan's tensor-parallel degree is tp={plan.tp} but nproc={nproc}; verify runs the tp axis "
                          f"on nproc ranks: use nproc={plan.tp} or plan for tp={nproc}")
     num_params = sum(p.numel() for p in model.parameters())
@@ -271,6 +277,16 @@ def verify(
     result.seconds = time.perf_counter() - t0
     result.inputs = [tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor)]
     return result
+
+
+def _check_expert_run(plan: Plan, nproc: int, batch_size: int) -> None:
+    """An expert-parallel plan runs on ep x tp ranks, each ep rank its own rows of the batch."""
+    if plan.ep * plan.tp != nproc:
+        raise ValueError(f"the plan splits experts over {plan.mesh.ep_axis}={plan.ep} with tp={plan.tp}, "
+                         f"{plan.ep * plan.tp} ranks, but nproc={nproc}; use nproc={plan.ep * plan.tp}")
+    if batch_size % plan.ep:
+        raise ValueError(f"batch {batch_size} does not split over {plan.mesh.ep_axis}={plan.ep} (each ep rank its own "
+                         f"rows); use a batch that is a multiple of {plan.ep}")
 
 
 def _preset_name(spec: str) -> str | None:
@@ -388,15 +404,46 @@ def _output_tensor(out: Any) -> torch.Tensor:
     return out.full_tensor() if isinstance(out, DTensor) else out
 
 
-def _loss(out: torch.Tensor, inputs: tuple) -> torch.Tensor:
+def _loss(out: torch.Tensor, inputs: tuple, rows: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """``rows``: (i, n), the i-th of n slices of the batch that ``out`` and ``inputs`` are
+    (an ep rank's); the targets are that slice of the whole batch's."""
     x = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
     lm = (x is not None and x.dtype == torch.long and out.is_floating_point() and out.dim() == x.dim() + 1
           and tuple(out.shape[:-1]) == tuple(x.shape))
     if lm:
         gen = torch.Generator().manual_seed(_TARGET_SEED)
-        target = torch.randint(0, out.shape[-1], tuple(x.shape), generator=gen)
+        whole = (x.shape[0] * rows[1],) + tuple(x.shape[1:])
+        target = torch.randint(0, out.shape[-1], whole, generator=gen).chunk(rows[1])[rows[0]]
         return torch.nn.functional.cross_entropy(out.float().flatten(0, -2), target.flatten())
     return out.float().pow(2).mean()
+
+
+def _rows(inputs: tuple, rows: tuple[int, int]) -> tuple:
+    """This ep rank's slice of every batched input."""
+    i, n = rows
+    return tuple(t.chunk(n)[i] if isinstance(t, torch.Tensor) and t.dim() and n > 1 else t for t in inputs)
+
+
+def _data_mean(t: torch.Tensor, mesh: Any, rows: tuple[int, int]) -> torch.Tensor:
+    if rows[1] == 1:
+        return t
+    t = t.clone()
+    torch.distributed.all_reduce(t, group=mesh.get_group(0))
+    return t / rows[1]
+
+
+def _average_dense_grads(model: nn.Module, mesh: Any, plan: Plan) -> None:
+    """Every gradient but the experts' averaged over ep, as data parallelism would (the experts'
+    come out of their style already so)."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        g = p.grad
+        if g is None or (isinstance(p, DTensor) and plan.mesh.ep_axis in (p.device_mesh.mesh_dim_names or ())):
+            continue
+        local = g.to_local() if isinstance(g, DTensor) else g
+        torch.distributed.all_reduce(local, group=mesh.get_group(0))
+        local /= plan.ep
 
 
 def _gathered(t: torch.Tensor) -> torch.Tensor:
@@ -426,7 +473,12 @@ def _verify_rank(rank: int, world_size: int, spec: str, plan_yaml: str, inputs: 
         _quiet_stderr(Path(logs) / f"rank{rank}.log")
 
     plan = Plan.from_yaml(plan_yaml)
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=(plan.mesh.tp_axis,))
+    if plan.ep > 1:  # experts over ep (a data axis for the rest), tp inside
+        names = (plan.mesh.ep_axis, plan.mesh.tp_axis)
+        mesh = init_device_mesh("cpu", (plan.ep, plan.tp), mesh_dim_names=names)
+        rows = (mesh.get_coordinate()[0], plan.ep)
+    else:
+        mesh, rows = init_device_mesh("cpu", (world_size,), mesh_dim_names=(plan.mesh.tp_axis,)), (0, 1)
     ref, tp = _build(spec), _build(spec)
     check_fingerprint(tp, plan)
     for (n, a), (_, b) in zip(ref.state_dict().items(), tp.state_dict().items()):
@@ -450,13 +502,16 @@ def _verify_rank(rank: int, world_size: int, spec: str, plan_yaml: str, inputs: 
     # training mode, phimoe's sparsemixer) draw the same numbers in both models
     torch.manual_seed(_FORWARD_SEED)
     out_ref = _output_tensor(ref(*inputs))
+    mine = _rows(inputs, rows)
     torch.manual_seed(_FORWARD_SEED)
-    out_tp = _output_tensor(tp(*inputs))
-    res["output"] = compare([("output", out_tp, out_ref)], *tols["output"])
-    loss_ref, loss_tp = _loss(out_ref, inputs), _loss(out_tp, inputs)
-    res["loss"] = compare([("loss", loss_tp, loss_ref)], *tols["loss"])
+    out_tp = _output_tensor(tp(*mine))
+    res["output"] = compare([("output", out_tp, out_ref.chunk(rows[1])[rows[0]])], *tols["output"])
+    loss_ref, loss_tp = _loss(out_ref, inputs), _loss(out_tp, mine, rows)
+    res["loss"] = compare([("loss", _data_mean(loss_tp.detach(), mesh, rows), loss_ref)], *tols["loss"])
     loss_ref.backward()
     loss_tp.backward()
+    if rows[1] > 1:
+        _average_dense_grads(tp, mesh, plan)
 
     pairs = []
     for n in common:
