@@ -341,3 +341,21 @@ def test_verify_runs_expert_parallel_plans() -> None:
         verify("hf-tiny:qwen3_moe", nproc=4, mesh={"ep": 2})
     with pytest.raises(ValueError, match="batch 3 does not split over ep=2"):
         verify("hf-tiny:qwen3_moe", nproc=2, mesh={"ep": 2}, batch_size=3)
+
+
+def test_a_bank_not_called_with_its_routing_beside_routed_ones_stays_dense() -> None:
+    """Inkling's shared experts are a 3-D bank called on the tokens, not with the router's
+    choice: they stay as the tensor-parallel plan has them (a data-parallel module on ep, in
+    the dense FSDP units), with a warning, while the routed bank goes over ep; the collectives
+    FSDP and the dispatch issue at dp=2 x ep=2 are the predicted ones."""
+    import shardplan
+    from shardplan.interop.hf import build_hf_model
+    from shardplan.tools.simulate import simulate
+
+    model, inputs, _ = build_hf_model("inkling_text", tiny=True, device="cpu")
+    plan = shardplan.plan_model(model, {"dp": 2, "ep": 2}, example_inputs=inputs, explain=False)
+    styles = plan.module_styles()
+    assert styles["model.layers.0.mlp.experts"] == "ep_experts" and styles["model.layers.0.mlp.shared_experts"] == "replicate"
+    assert any("shared_experts: kept as the tensor-parallel plan has it" in w for w in plan.warnings), plan.warnings
+    result = simulate(model.float(), plan, inputs, fsdp=True)
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"

@@ -262,10 +262,11 @@ def _own_forward_embeddings(plan: Plan, model: nn.Module | None) -> set[str]:
 
 
 def tp_mesh(device_mesh, plan: Plan):
-    """The tp axis's sub-mesh; None for a plan with no tensor parallelism (tp = 1) on a mesh
-    that does not name its tp axis (``{"ep": 8}``)."""
+    """The tp axis's sub-mesh; None for an expert-parallel plan with no tensor parallelism
+    (tp = 1: every module but the experts stays as it is, plain tensors, whether or not the
+    mesh names a tp axis of size 1)."""
     names = device_mesh.mesh_dim_names
-    if plan.tp == 1 and plan.mesh.tp_axis not in (names or ()) and plan.mesh.ep_axis in (names or ()):
+    if plan.tp == 1 and plan.mesh.ep_axis in (names or ()):
         return None
     if device_mesh.ndim == 1:
         return device_mesh

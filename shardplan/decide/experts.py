@@ -126,7 +126,7 @@ def _estimate(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Solution,
     counts = {phase: dict(c) for phase, c in old.collectives.items()}
     logical = dict(old.collective_bytes)
     a2a_time, a2a_bytes, buffers = _all_to_alls(plan, ctx, banks, counts, logical)
-    held = _held_banks(graph, solution)  # bank copy -> its bytes per device before ep (as tp holds it)
+    held = _held_banks(graph, solution, {b.module for b in banks})  # copy -> bytes per device before ep
     bank_bytes = sum(held.values())
     before, after, counts["data_parallel"], logical["data_parallel"] = _data_parallel(plan, graph, ctx, solution, held, scale)
     state = cost.training_bytes_per_param(dtype=ctx.dtype, optimizer=getattr(ctx.opts, "optimizer", "adamw")) / (
@@ -162,14 +162,15 @@ def _all_to_alls(plan: Plan, ctx: SolveContext, banks: list[Bank], counts: dict,
     return time, nbytes, buffers
 
 
-def _held_banks(graph: OpGraph, solution: Solution) -> dict[str, float]:
-    """Every bank module (folded copies too) -> its parameter bytes per device as the
+def _held_banks(graph: OpGraph, solution: Solution, routed: set[str]) -> dict[str, float]:
+    """Every routed bank module (folded copies too) -> its parameter bytes per device as the
     tensor-parallel solution holds them (split inside by moe_tp_experts, or whole)."""
     planned = {op.target: solution.strategies[op.index] for op in graph.ops if op.kind == "module"}
     out = {}
     for fqn, mod in graph.model.named_modules():
-        if module_kind(mod) == "experts":
-            s = planned.get(_representative(fqn, graph.traced.folded))
+        rep = _representative(fqn, graph.traced.folded)
+        if module_kind(mod) == "experts" and rep in routed:
+            s = planned.get(rep)
             out[fqn] = s.param_bytes if s is not None else float(_own_bytes(mod))
     return out
 
