@@ -8,6 +8,9 @@ Contract
 (``Shard(0)`` over it), two axes ``(replicate, shard)`` are HSDP (fully_shard's 2-D mesh:
 ``(Replicate(), Shard(0))``). Each tp-local shard is what FSDP shards further, so a weight
 ends up a DTensor on the (data..., tp) mesh. The model is modified in place and returned.
+An expert-parallel plan (``mesh.ep_axis``) treats ep as one more data axis for every module
+but its ``ep_experts`` banks: each bank is its own unit over the data axes outside ep and tp
+(none: its parameters are left out of its block's unit), made before the block's.
 The units and their ``reshard_after_forward`` come from :func:`shardplan.decide.fsdp.fsdp_units`,
 which the estimate prices too (choices, after torchtitan's ``apply_fsdp``, documented there).
 Mistakes (no data axis, an axis the mesh lacks, a model ``apply_plan`` has not sharded, a plan
