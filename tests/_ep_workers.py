@@ -202,14 +202,16 @@ def _full_options():
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 def _sharded_mixtral(seed: int, rank: int, world: int, plan_yaml: str):
+    """Mixtral sharded by an ep plan on the plan's (ep, tp) axes; this ep rank's rows."""
     import shardplan
     from shardplan.interop.hf import build_hf_model
 
     plan = shardplan.Plan.from_yaml(plan_yaml)
-    model, (ids,), _ = build_hf_model("mixtral", tiny=True, device="cpu", seed=seed, batch_size=2 * world)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    model, (ids,), _ = build_hf_model("mixtral", tiny=True, device="cpu", seed=seed, batch_size=2 * plan.ep)
+    axes = (plan.mesh.ep_axis, plan.mesh.tp_axis)
+    mesh = init_device_mesh("cpu", (plan.ep, plan.tp), mesh_dim_names=axes)
     shardplan.apply_plan(model, mesh, plan)
-    return model, ids.chunk(world)[rank]
+    return model, ids.chunk(plan.ep)[mesh.get_coordinate()[0]], mesh
 
 
 def save_at_ep(rank: int, world: int, plan_yaml: str, folder: str) -> dict:
@@ -219,10 +221,14 @@ def save_at_ep(rank: int, world: int, plan_yaml: str, folder: str) -> dict:
 
     import shardplan
 
-    model, mine = _sharded_mixtral(0, rank, world, plan_yaml)
+    model, mine, mesh = _sharded_mixtral(0, rank, world, plan_yaml)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(mine).logits.float().pow(2).mean().backward()
-    _average_dense(model, world)
+    for p in model.parameters():  # dense gradients averaged over ep (their tp shards alike), as data parallelism would
+        if p.grad is not None and not (isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())):
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(local, group=mesh.get_group(0))
+            local /= mesh.size(0)
     opt.step()
     dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=folder)
     return {"model": shardplan.full_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=_full_options())}
@@ -236,7 +242,7 @@ def load_at_ep(rank: int, world: int, plan_yaml: str, folder: str, full: dict, f
 
     import shardplan
 
-    model, mine = _sharded_mixtral(1, rank, world, plan_yaml)
+    model, mine, _ = _sharded_mixtral(1, rank, world, plan_yaml)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(mine).logits.float().pow(2).mean().backward()
     opt.step()  # state to overwrite
@@ -244,10 +250,10 @@ def load_at_ep(rank: int, world: int, plan_yaml: str, folder: str, full: dict, f
     dcp.load(state, checkpoint_id=folder)
     set_optimizer_state_dict(model, opt, state["optim"])
     out = {"dcp": shardplan.full_state_dict(model), "dcp_optim": get_optimizer_state_dict(model, opt, options=_full_options())}
-    other, _ = _sharded_mixtral(2, rank, world, plan_yaml)
+    other, _, _ = _sharded_mixtral(2, rank, world, plan_yaml)
     shardplan.load_full_state_dict(other, full)
     out["from_full"] = shardplan.full_state_dict(other)
-    third, _ = _sharded_mixtral(3, rank, world, plan_yaml)
+    third, _, _ = _sharded_mixtral(3, rank, world, plan_yaml)
     shardplan.load_checkpoint(third, file)
     out["from_file"] = shardplan.full_state_dict(third)
     out["local"] = {n: tuple(p.to_local().shape) for n, p in third.named_parameters() if isinstance(p, DTensor)}

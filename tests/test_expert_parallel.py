@@ -227,17 +227,20 @@ def _exact(got: dict, want: dict, what: str) -> None:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_checkpoints_saved_at_ep_2_load_exactly_at_ep_4_and_unsharded(tmp_path) -> None:
-    """DCP of a model and its AdamW state saved at ep=2 (each rank half of every bank) loads at
-    ep=4 and into the plain model in one process, every tensor equal; so do
-    ``load_full_state_dict`` and ``load_checkpoint`` of the gathered model at ep=4."""
+@pytest.mark.parametrize("saved_on", [{"ep": 2}, {"ep": 2, "tp": 2}])
+def test_checkpoints_saved_at_ep_2_load_exactly_at_ep_4_and_unsharded(tmp_path, saved_on: dict) -> None:
+    """DCP of a model and its AdamW state saved at ep=2 (each rank half of every bank), or at
+    ep=2 x tp=2 (each rank's experts split inside, the packed [gate; up] on tp a
+    ``_StridedShard``), loads at ep=4 and into the plain model in one process, every tensor
+    equal; so do ``load_full_state_dict`` and ``load_checkpoint`` of the gathered model at ep=4."""
     import safetensors.torch
     import torch.distributed.checkpoint as dcp
 
     from shardplan.interop.hf import build_hf_model
 
     folder, file = str(tmp_path / "ckpt"), str(tmp_path / "model.safetensors")
-    first = run_on_gloo(w.save_at_ep, world_size=2, args=(_plan("mixtral", {"ep": 2}).to_yaml(), folder), timeout_s=240)
+    ranks = saved_on["ep"] * saved_on.get("tp", 1)
+    first = run_on_gloo(w.save_at_ep, world_size=ranks, args=(_plan("mixtral", saved_on).to_yaml(), folder), timeout_s=240)
     saved, saved_optim = first[0]["model"], first[0]["optim"]
     plain, _, _ = build_hf_model("mixtral", tiny=True, device="cpu", seed=5)
     state = {"model": plain.state_dict()}
