@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import cost
-from ..analyze.graph import OpGraph, module_kind
+from ..analyze.graph import OpGraph
 from ..plan.model import Collectives, Estimate, Plan, Rule, matches
 from .estimate import _representative, unit_param_bytes
 from .fsdp import data_parallel_events, fsdp_units, unit_of
@@ -42,7 +42,6 @@ class Bank:
     tokens: int  # T at its call, per rank
     top_k: int
     hidden: int
-    param_bytes: int  # the whole bank, as the model holds it
     calls: int  # per step: the op's multiplicity
 
 
@@ -61,10 +60,8 @@ def routed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Ban
             if unread is not None:
                 unread.append(f"{op.target}: called with tensors of shapes {shapes}")
             continue
-        module = graph.model.get_submodule(op.target)
-        params = list(module.parameters(recurse=False))
-        out.append(Bank(op.target, int(params[0].shape[0]), shapes[0][0], shapes[1][1], shapes[0][1],
-                        sum(p.numel() * p.element_size() for p in params), op.multiplicity))
+        experts = next(graph.model.get_submodule(op.target).parameters(recurse=False)).shape[0]
+        out.append(Bank(op.target, int(experts), shapes[0][0], shapes[1][1], shapes[0][1], op.multiplicity))
     return out
 
 
@@ -110,10 +107,9 @@ def _ep_rule(rule: Rule, banks: list[Bank], ep: int, axis: str) -> Rule:
     bank = next((b for b in banks if matches(rule.module, b.module)), None)
     if bank is None:
         return rule
-    moved = 2 * bank.tokens * bank.top_k * bank.hidden
     inner = "moe_tp_experts" if rule.style == "moe_tp_experts" else None  # as the tensor-parallel program chose
     why = (f"whole experts over {axis} ({bank.experts // ep} of {bank.experts} per rank"
-           f"{', split inside over tp' if inner else ''}); each call sends and receives about {moved // 2} elements "
+           f"{', split inside over tp' if inner else ''}); each call sends and receives about {bank.tokens * bank.top_k * bank.hidden} elements "
            "by all-to-all, priced as uniform routing")
     return Rule(module=rule.module, style="ep_experts", num_experts=bank.experts, inner=inner,
                 output_layouts=rule.output_layouts if inner else None, why=why)
@@ -166,13 +162,8 @@ def _held_banks(graph: OpGraph, solution: Solution, routed: set[str]) -> dict[st
     """Every routed bank module (folded copies too) -> its parameter bytes per device as the
     tensor-parallel solution holds them (split inside by moe_tp_experts, or whole)."""
     planned = {op.target: solution.strategies[op.index] for op in graph.ops if op.kind == "module"}
-    out = {}
-    for fqn, mod in graph.model.named_modules():
-        rep = _representative(fqn, graph.traced.folded)
-        if module_kind(mod) == "experts" and rep in routed:
-            s = planned.get(rep)
-            out[fqn] = s.param_bytes if s is not None else float(_own_bytes(mod))
-    return out
+    reps = {fqn: _representative(fqn, graph.traced.folded) for fqn, _ in graph.model.named_modules()}
+    return {fqn: planned[rep].param_bytes for fqn, rep in reps.items() if rep in routed}
 
 
 def _data_axes(plan: Plan, *, with_ep: bool) -> dict[str, int]:
@@ -184,10 +175,6 @@ def _expert_state_shards(plan: Plan) -> int:
     """Under FSDP the banks shard over the last data axis outside ep (HSDP replicates the others)."""
     axes = list(_data_axes(plan, with_ep=False).values())
     return axes[-1] if axes and plan.options.data_parallel == "fsdp" else 1
-
-
-def _own_bytes(module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
 
 
 def _events(unit_bytes, axes: dict[str, int], plan: Plan, ctx: SolveContext):
