@@ -111,7 +111,6 @@ def _experts_over_ep(model: nn.Module, device_mesh, plan: Plan) -> None:
         raise ValueError(f"the plan splits experts over {plan.mesh.ep_axis}={plan.ep}, but the mesh's axes are "
                          f"{dict(zip(names, device_mesh.mesh.shape))}; make the mesh with mesh_dim_names naming "
                          f"{plan.mesh.ep_axis!r}, as the plan's mesh {plan.mesh.axes} does")
-    names = device_mesh.mesh_dim_names
     # with a tp axis the rank's experts sit on it too (split inside, or whole on each tp rank)
     axes = (plan.mesh.ep_axis, plan.mesh.tp_axis) if plan.tp > 1 else (plan.mesh.ep_axis,)
     if plan.tp > 1 and plan.mesh.tp_axis not in names:
