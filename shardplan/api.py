@@ -341,22 +341,20 @@ def _explained(plan: Plan, model: nn.Module, graph: OpGraph, explain: Any = True
 
 
 def _solve_explained(graph: OpGraph, ctx: SolveContext):
-    """``solve``; when sequence parallel was asked for and no plan has it, say which norms
-    the model keeps off sequence shards rather than blaming tp."""
-    try:
-        return solve(graph, ctx)
-    except PlanningError:
-        if ctx.opts is None or ctx.opts.sequence_parallel is not True:
-            raise
-        auto = _solve_or_none(graph, replace(ctx, opts=ctx.opts.model_copy(update={"sequence_parallel": None})))
-        if auto is None:
-            raise
-        kept = [op.target for op in graph.ops if op.module_kind == "norm" and auto.strategies[op.index].name == "replicate"]
-        raise PlanningError(
-            f"sequence_parallel=True has no valid plan at tp={ctx.tp}: no placement puts every norm on sequence shards "
-            f"(a value between them cannot be split along the sequence; {', '.join(kept[:3]) or 'some norms'} stay whole "
-            "when the planner decides). Use sequence_parallel=None (--sequence-parallel auto) to let it choose"
-        ) from None
+    """``solve``; when sequence parallel was asked for and no plan puts any norm on sequence
+    shards, say which norms the model keeps whole rather than hand back a plan without it.
+    (Norms that some plan can split are split; the others are warned about by name.)"""
+    solution = solve(graph, ctx)
+    if ctx.opts is None or ctx.opts.sequence_parallel is not True or _sequence_parallel(graph, solution):
+        return solution
+    kept = [op.target for op in graph.ops if op.kind == "module" and solution.strategies[op.index].off_sequence]
+    if not kept:
+        return solution
+    raise PlanningError(
+        f"sequence_parallel=True has no valid plan at tp={ctx.tp}: no placement puts any norm on sequence shards "
+        f"(a value between them cannot be split along the sequence; {', '.join(kept[:3])} stay whole). "
+        "Use sequence_parallel=None (--sequence-parallel auto) to let it choose"
+    )
 
 
 def _sequence_parallel(graph: OpGraph, solution: Any) -> bool:

@@ -4,6 +4,8 @@ Models in ``tests/portability/natural.py``."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -366,3 +368,45 @@ def test_a_gate_computed_from_the_tokens_does_not_scale_a_partial_sum() -> None:
         partial = [s for s in op_strategies(op, graph, tp=2) if "P" in s.inputs]
         assert partial == [] or all(v not in graph.requires_grad
                                     for s in partial for v, p in zip(op.inputs, s.inputs) if p == "R"), partial
+
+
+# Norms that sit on features, not on the residual stream, cannot take sequence shards under
+# any plan; sequence_parallel=True splits every other norm and names these in a warning.
+SP_KEPT_WHOLE = {
+    "bitnet": ("attn_sub_norm", "ffn_sub_norm"),  # between the projections, inside attention and MLP
+    "bert": ("transform.LayerNorm",),  # the LM head's dense -> gelu -> LayerNorm
+    "modernbert-decoder": ("lm_head.norm",),
+    "biogpt": (),  # a learned position-embedding module called with the mask: kept whole, sliced
+    "bart": (),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(SP_KEPT_WHOLE))
+def test_sequence_parallel_true_splits_every_norm_it_can_and_names_the_rest(model_type: str) -> None:
+    from shardplan.interop.hf_models import build_hf_model
+
+    model, inputs, kwargs = build_hf_model(model_type, tiny=True, device="cpu", seed=0)
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, example_kwargs=kwargs,
+                                sequence_parallel=True, explain=False)
+    called = set()  # BART's causal LM holds cross-attention norms it never calls
+    hooks = [m.register_forward_hook(lambda mod, *_: called.add(mod)) for m in model.modules()]
+    with torch.no_grad():
+        model(*inputs, **kwargs)
+    for h in hooks:
+        h.remove()
+    norms = {m: s for m, s in plan.module_styles().items()
+             if type(mod := model.get_submodule(m)).__name__.endswith("Norm") and mod in called}
+    whole = sorted(m for m, s in norms.items() if s != "sequence_parallel")
+    assert sum(s == "sequence_parallel" for s in norms.values()) >= 2, norms
+    assert sorted({n for m in whole for n in SP_KEPT_WHOLE[model_type] if m.endswith(n)}) == sorted(
+        SP_KEPT_WHOLE[model_type]) and all(m.endswith(SP_KEPT_WHOLE[model_type]) for m in whole), whole
+    said = [w for w in plan.warnings if "kept whole under sequence_parallel=True" in w]
+    named = {w.split(":")[0] for w in said}
+    assert named == {re.sub(r"\.\d+\.", ".*.", m) for m in whole}, plan.warnings
+
+
+@pytest.mark.parametrize("spec", ["hf-tiny:bitnet", "hf-tiny:biogpt"])
+def test_sequence_parallel_with_norms_kept_whole_or_positions_sliced_matches_one_process_on_gloo(spec: str) -> None:
+    result = verify(spec, nproc=2, timeout_s=300, sequence_parallel=True)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    assert "sequence_parallel" in result.plan.module_styles().values(), result.plan.warnings

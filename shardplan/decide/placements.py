@@ -58,6 +58,9 @@ class Strategy:
     # (phase, kind, logical bytes, ranks): collectives over a sub-group of the tp axis (a kv
     # head's projection gathered across the tp / groups ranks that hold its rows)
     group_comms: tuple[tuple[str, str, float, int], ...] = ()
+    # a norm kept whole that could take sequence shards, when sequence parallel was asked for
+    # (``sequence_parallel=True``): the solver keeps as few of these as any plan can
+    off_sequence: bool = False
 
 
 # ops that reshape without moving data

@@ -56,6 +56,8 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
                    else "replicated for speed within the memory budget" if budget
                    else f"no style splits it evenly at tp={tp}")
             out.append(f"{name}: weight {shapes[0] if len(shapes) == 1 else shapes} not sharded: {why}")
+        elif solution.strategies[op.index].off_sequence:
+            out.append(f"{name}: kept whole under sequence_parallel=True: {_off_sequence(graph, op, tp)}")
         elif style == "colwise_gather_output" and op.output not in output_values and _feeds_weights(graph, op.output):
             shared = solution.strategies[op.index].output == "Rp"
             reason = (_SHARED if shared else None) or _sliced_back(graph, solution, op) or _blocking_reshape(
@@ -252,7 +254,7 @@ def _outer_group(src: tuple[int, ...], dst: tuple[int, ...], d: int) -> int:
     return dst[-1]
 
 
-def _blocking_op(graph: OpGraph, op, tp: int, *, depth: int = 24) -> str:
+def _blocking_op(graph: OpGraph, op, tp: int, *, depth: int = 24, placement: str | None = None) -> str:
     """The first op downstream of ``op``'s output, split on its last dim as ``colwise`` leaves
     it, that has no strategy taking that split (it needs the whole tensor there), followed
     through every op that keeps a split; named with its source line. "" when every path
@@ -260,7 +262,7 @@ def _blocking_op(graph: OpGraph, op, tp: int, *, depth: int = 24) -> str:
     from .strategies import op_strategies
 
     last = len(graph.values[op.output].shape) - 1
-    frontier, seen = [(op.output, f"S{last}")], set()
+    frontier, seen = [(op.output, placement or f"S{last}")], set()
     for _ in range(depth):
         nxt = []
         for value, placement in frontier:
@@ -276,6 +278,26 @@ def _blocking_op(graph: OpGraph, op, tp: int, *, depth: int = 24) -> str:
                     nxt += [(user.output, o) for o in outs if o.startswith("S")]
         frontier = nxt
     return ""
+
+
+def _off_sequence(graph: OpGraph, op, tp: int) -> str:
+    """Why a norm that could run on sequence shards is kept whole: the op that makes its
+    input cannot hand it on split along the sequence (a Linear between two norms, a flatten
+    of batch and sequence), or an op after it cannot take the split (a gate that scales a
+    partial sum); named with its source line."""
+    from ..analyze.trace import _user_line
+    from .strategies import op_strategies
+
+    split = next(s.inputs[0] for s in op_strategies(op, graph, tp=tp) if s.name != "replicate")
+    producer = graph.ops[graph.values[op.inputs[0]].producer]
+    if producer.kind != "input" and not any(s.output == split for s in op_strategies(producer, graph, tp=tp)):
+        where = _user_line(producer.node)
+        what = f"module `{producer.target}`" if producer.kind == "module" else f"`{producer.target}`"
+        return (f"{what}{f' ({where})' if where else ''} cannot hand on its output split along the sequence, "
+                "so the norm reads it whole")
+    blocker = _blocking_op(graph, op, tp, placement=split)
+    return blocker or ("no plan hands it its input split along the sequence with the code around it "
+                       "(`shardplan explain` prices each style)")
 
 
 def _blocked_by(user, shape, dim: int, tp: int, *, graph: OpGraph, value: int) -> str:

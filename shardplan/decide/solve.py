@@ -234,6 +234,7 @@ class _Matrices:
     acts: np.ndarray
     weights: np.ndarray
     whole_heads: np.ndarray
+    off_sequence: np.ndarray
 
 
 def _matrices(graph: OpGraph, ctx: SolveContext) -> _Matrices:
@@ -423,13 +424,14 @@ def _tied_second_owners(graph: OpGraph) -> set[int]:
 
 
 def _vectors(prog: _Program) -> tuple[np.ndarray, ...]:
-    """Per-column time, parameter bytes, activation bytes, weight bytes and attention run
-    whole (multiplicity applied)."""
+    """Per-column time, parameter bytes, activation bytes, weight bytes, attention run whole
+    and norms kept off sequence shards (multiplicity applied)."""
     time = np.zeros(prog.num_vars)
     params = np.zeros(prog.num_vars)
     weights = np.zeros(prog.num_vars)
     acts = np.zeros(prog.num_vars)
     whole = np.zeros(prog.num_vars)
+    off_sequence = np.zeros(prog.num_vars)
     tied = _tied_second_owners(prog.graph)
     for op in prog.graph.ops:
         for i, s in enumerate(prog.strategies[op.index]):
@@ -439,11 +441,12 @@ def _vectors(prog: _Program) -> tuple[np.ndarray, ...]:
             weights[col] = 0.0 if op.index in tied else s.weight_bytes * op.multiplicity
             acts[col] = s.act_bytes * op.multiplicity
             whole[col] = op.multiplicity if _heads_whole(op, s) else 0.0
+            off_sequence[col] = op.multiplicity if s.off_sequence else 0.0
     for key, col in prog.entry_of.items():
         time[col] = prog.entry_cost[key]
     for group, col in prog.bucket_of.items():
         time[col] = cost.collective_time("all_reduce", 0, group_size=group, link=prog.ctx.link)
-    return time, params, acts, weights, whole
+    return time, params, acts, weights, whole, off_sequence
 
 
 def _heads_whole(op: Op, s: Strategy) -> bool:
@@ -466,7 +469,8 @@ def solve(graph: OpGraph, ctx: SolveContext) -> Solution:
     if ctx.memory_budget is None:
         x = _lexicographic(b, m, tie, memory, ctx.hardware.memory_bytes)
     else:
-        x = b.minimize(b.scaled(m.time) + 1e-9 * tie, ((memory, float(ctx.memory_budget)),))
+        bounds = _fewest(b, m.off_sequence, tie, [(memory, float(ctx.memory_budget))])
+        x = b.minimize(b.scaled(m.time) + 1e-9 * tie, tuple(bounds)) if bounds is not None else None
         if x is None:
             raise PlanningError(_budget_message(b, memory, ctx))
     if x is None:
@@ -475,21 +479,36 @@ def solve(graph: OpGraph, ctx: SolveContext) -> Solution:
 
 
 def _lexicographic(b: MilpView, m: _Matrices, tie: np.ndarray, memory: np.ndarray, device_bytes: float) -> np.ndarray | None:
-    """Least weight bytes first; then the fewest attentions run whole (split by heads, as the
-    model's authors would, where any plan holding that few bytes can: at small sizes a plan
-    that runs attention whole behind rowwise q/k/v can price a few microseconds faster);
-    then, among those plans, the fastest that fits the device (sequence parallel, say, when
-    activations would not fit), else the fastest."""
+    """When sequence parallel was asked for, the fewest norms kept off sequence shards first
+    (every norm that any plan can split is split); then least weight bytes; then the fewest
+    attentions run whole (split by heads, as the model's authors would, where any plan
+    holding that few bytes can: at small sizes a plan that runs attention whole behind
+    rowwise q/k/v can price a few microseconds faster); then, among those plans, the fastest
+    that fits the device (sequence parallel, say, when activations would not fit), else the
+    fastest."""
     weights, time = m.weights, m.time
-    first = b.minimize(b.scaled(weights) + 1e-9 * tie)
+    bounds = _fewest(b, m.off_sequence, tie, [])
+    first = b.minimize(b.scaled(weights) + 1e-9 * tie, tuple(bounds)) if bounds is not None else None
     if first is None:
         return None
-    bounds = [(weights, _total(weights, first) * (1 + 1e-9) + 1.0)]
-    if _total(m.whole_heads, first) > 0:
-        fewest = b.minimize(b.scaled(m.whole_heads) + 1e-9 * tie, tuple(bounds))
-        bounds.append((m.whole_heads, _total(m.whole_heads, fewest if fewest is not None else first) + 0.5))
+    bounds.append((weights, _total(weights, first) * (1 + 1e-9) + 1.0))
+    bounds = _fewest(b, m.whole_heads, tie, bounds, first)
     fitting = b.minimize(b.scaled(time) + 1e-9 * tie, (*bounds, (memory, float(device_bytes))))
     return fitting if fitting is not None else b.minimize(b.scaled(time) + 1e-9 * tie, tuple(bounds))
+
+
+def _fewest(b: MilpView, counts: np.ndarray, tie: np.ndarray, bounds: list, start: np.ndarray | None = None) -> list | None:
+    """``bounds`` plus ``counts`` held at the least any plan within them reaches (a count of
+    0/1 columns times multiplicity: +0.5 keeps the bound off the integer); unchanged when no
+    column counts; None when nothing is within ``bounds``. ``start``, a plan within them,
+    saves the solve when it already reaches 0."""
+    if not counts.any():
+        return bounds
+    fewest = start if start is not None and _total(counts, start) == 0 else b.minimize(
+        b.scaled(counts) + 1e-9 * tie, tuple(bounds))
+    if fewest is None:
+        return bounds if start is not None else None
+    return [*bounds, (counts, _total(counts, fewest) + 0.5)]
 
 
 def _total(v: np.ndarray, x: np.ndarray) -> float:

@@ -115,7 +115,8 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
             # a norm over all heads (OLMo 2's q_norm) may still hand on each rank's heads: its
             # input is a projection's output, not the residual stream sequence parallel splits
             projected = graph.ops[graph.values[op.inputs[0]].producer].kind == "module"
-            found = [s for s in found if s.name != "replicate" or (projected and s.output != "R")]
+            found = [replace(s, off_sequence=s.name == "replicate" and not (projected and s.output != "R"))
+                     for s in found]
     elif kind == "experts":
         found = _experts(op, graph, module, tp, sp)
     elif kind == "attention":
@@ -123,7 +124,9 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
     elif dims := scalar_elementwise_dims(op, graph, tp):
         found = [_replicate(op, graph, module)] + [_on_shards(op, graph, module, d, tp) for d in dims]
     else:
-        found = [_replicate(op, graph, module)]
+        # whole on every rank; under sequence parallel it may hand on its rank's slice of the
+        # sequence (a positional-embedding module called with more than ids, OPT's and BART's)
+        found = [_replicate(op, graph, module)] + (_sliced_replicate(op, graph, module, tp) if sp else [])
     full = _weight_bytes(module)
     return [replace(s, weight_bytes=_held(full, s, tp)) for s in found]
 
@@ -443,6 +446,8 @@ def _sliced_replicate(op: Op, graph: OpGraph, module: nn.Module, tp: int) -> lis
     Replicate -> Shard(d) is a local slice: no forward collective. Its backward is Shard(d)
     -> Replicate, an all-gather of the output's gradient, after which the embedding's
     weight gradient is whole on every rank."""
+    if op.output is None or not graph.values[op.output].shape:
+        return []
     y = graph.values[op.output]
     base = _replicate(op, graph, module)
     # [s, h] (positions without a batch) slices dim 0; [b, s, h] the sequence dims, never the batch
