@@ -319,12 +319,14 @@ def test_phi3_slices_of_unequal_parts_match_one_process_on_gloo(nproc: int) -> N
     assert result.plan.rule_for("model.layers.0.self_attn.qkv_proj").packed == [2, 1, 1]
 
 
-@pytest.mark.parametrize("spec", ["hf-tiny:deepseek_v3", "hf-tiny:gpt_oss"])
+@pytest.mark.parametrize("spec", ["hf-tiny:deepseek_v3", "hf-tiny:gpt_oss", "hf-tiny:qwen2_moe"])
 def test_moe_blocks_with_shared_experts_or_tuples_under_sequence_parallel_match_one_process_on_gloo(spec: str) -> None:
     """DeepSeek-V3's router is called on ``[b, s, h]`` and flattens the tokens itself, and its
     shared experts' ``down_proj`` leaves its partial sums unreduced, so that ``routed +
     shared`` is reduce-scattered once where the block returns; gpt-oss's block returns
-    ``(hidden, router_scores)``, reduce-scattered at the element that is the partial sum."""
+    ``(hidden, router_scores)``, reduce-scattered at the element that is the partial sum;
+    Qwen2-MoE scales its shared expert's partial sums by a gate computed from the tokens,
+    whose Linear sums the gate's partial gradient (``replicated_with_grad_allreduce``)."""
     result = verify(spec, nproc=2, timeout_s=300, sequence_parallel=True)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
     plan = result.plan
@@ -336,8 +338,11 @@ def test_moe_blocks_with_shared_experts_or_tuples_under_sequence_parallel_match_
         down = plan.rule_for("model.layers.1.mlp.shared_experts.down_proj")
         assert (down.style, down.output_layouts, down.use_local_output) == ("rowwise", "Partial", None), down
         assert plan.rule_for("model.layers.1.self_attn.q_b_proj").style == "colwise", styles
-    else:
+    elif spec.endswith("gpt_oss"):
         assert [(r.output_index, r.num_outputs) for r in exits] == [(0, 2)], exits
+    else:
+        assert styles["model.layers.0.mlp.shared_expert_gate"] == "replicated_with_grad_allreduce", styles
+        assert plan.rule_for("model.layers.0.mlp.shared_expert.down_proj").output_layouts == "Partial", styles
 
 
 def test_moe_shared_experts_collectives_equal_the_prediction() -> None:
@@ -349,11 +354,11 @@ def test_moe_shared_experts_collectives_equal_the_prediction() -> None:
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
 
 
-def test_a_gate_computed_from_the_tokens_does_not_scale_a_partial_sum() -> None:
-    """Qwen2-MoE's ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``: were the shared
-    expert's output a partial sum, the gate's gradient would be one too, and nothing would sum
-    it; so no strategy of that ``mul`` reads the gated value ``P`` beside a gate that needs a
-    gradient."""
+def test_a_gate_computed_from_the_tokens_scales_a_partial_sum_only_with_its_gradient_summed() -> None:
+    """Qwen2-MoE's ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``: with the shared
+    expert's output a partial sum, the gate's gradient is one too. Every strategy of that
+    ``mul`` reading the gated value ``P`` reads the gate ``Rp`` (whole, its gradient Partial),
+    never plain ``R``, and the gate's Linear offers an ``Rp`` output whose gradient it sums."""
     from shardplan.analyze.frontend import op_graph
     from shardplan.decide.strategies import op_strategies
     from shardplan.interop.hf import build_hf_model
@@ -366,8 +371,10 @@ def test_a_gate_computed_from_the_tokens_does_not_scale_a_partial_sum() -> None:
     assert gated, "qwen2_moe's gated shared expert was not traced as a mul"
     for op in gated:
         partial = [s for s in op_strategies(op, graph, tp=2) if "P" in s.inputs]
-        assert partial == [] or all(v not in graph.requires_grad
-                                    for s in partial for v, p in zip(op.inputs, s.inputs) if p == "R"), partial
+        assert partial and all(p == "Rp" for s in partial for v, p in zip(op.inputs, s.inputs)
+                               if p != "P" and v in graph.requires_grad), partial
+    gate = next(op for op in graph.ops if op.target == "model.layers.0.mlp.shared_expert_gate")
+    assert any(s.output == "Rp" and s.name == "replicated_with_grad_allreduce" for s in op_strategies(gate, graph, tp=2))
 
 
 # Norms that sit on features, not on the residual stream, cannot take sequence shards under

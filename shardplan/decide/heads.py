@@ -128,10 +128,10 @@ def partial_grad_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strateg
     what the producer expects. Every gradient-needing input must be ``Rp``: one summed and
     one whole gradient cannot share a reduction."""
     out = []
-    for s in strategies:
-        if s.output not in ("R",) and shard_dim(s.output or "") is None:
+    for s in strategies:  # a product with a partial sum (``R * P -> P``) scales it: the same holds
+        if s.output not in ("R", "P") and shard_dim(s.output or "") is None:
             continue
-        if any(p != "R" and shard_dim(p) is None for p in s.inputs):
+        if any(p not in ("R", "P") and shard_dim(p) is None for p in s.inputs):
             continue
         ins = tuple("Rp" if p == "R" and v in graph.requires_grad else p for p, v in zip(s.inputs, op.inputs))
         if "Rp" in ins:
@@ -190,7 +190,9 @@ _GROUPED_DEPTH = 48  # ops from a k/v projection to attention: view, norm, RoPE,
 
 def partial_grad_owners(graph: OpGraph, tp: int) -> frozenset[str]:
     """Modules whose own code expands a size-1 dim of a gradient-needing value to a size tp
-    divides (a shared key broadcast to every head): where ``Rp`` strategies are offered."""
+    divides (a shared key broadcast to every head), or scales values by such a one (a gate
+    ``sigmoid(gate(x))`` of ``[tokens, 1]`` times a shared expert's partial sums, Qwen2-MoE's):
+    where ``Rp`` strategies are offered."""
     key = ("partial_grad_owners", tp)
     cached = graph.strategy_cache.get(key)
     if cached is None:
@@ -200,8 +202,22 @@ def partial_grad_owners(graph: OpGraph, tp: int) -> frozenset[str]:
                     and op.inputs[0] in graph.requires_grad and _expands_to_split(op, graph, tp) \
                     and not _merged_after(op, graph):
                 found.add(op.owner)
+            elif op.target == "mul" and _scales_by_broadcast(op, graph):
+                found.add(op.owner)
         cached = graph.strategy_cache[key] = frozenset(found)
     return cached
+
+
+def _scales_by_broadcast(op: Op, graph: OpGraph) -> bool:
+    """``a * b`` where a gradient-needing operand is broadcast along a dim the other has
+    whole (``[t, 1] * [t, h]``): with ``b`` split or partial, ``a``'s gradient is a partial sum."""
+    shapes = [_shape_of(graph, v) if v in graph.values else None for v in op.inputs]
+    if len(shapes) != 2 or None in shapes or len(shapes[0]) != len(shapes[1]):
+        return False
+    for (a, b), v in zip((shapes, shapes[::-1]), op.inputs):
+        if v in graph.requires_grad and any(x == 1 < y for x, y in zip(a, b)):
+            return True
+    return False
 
 
 # ops that copy a size-1 dim of a value to every head: ``expand`` (MLA's shared key, HF's
