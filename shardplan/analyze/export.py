@@ -332,7 +332,8 @@ class _Rewriter:
             arg_nodes = [a if isinstance(a, torch.fx.Node) else None for a in args]
             kw_nodes = {k: v for k, v in kwargs.items() if isinstance(v, torch.fx.Node)}
             example = _meta_example(*call.example)
-            found.setdefault(call.fqn, []).append(ModuleCall(call.fqn, arg_nodes, kw_nodes, outputs, example, items))
+            num = len(call.out_leaves) if call.out_spec is not None and call.out_spec.type in (tuple, list) else 0
+            found.setdefault(call.fqn, []).append(ModuleCall(call.fqn, arg_nodes, kw_nodes, outputs, example, items, num))
         return found
 
     def _leaf(self, node: torch.fx.Node) -> str | None:

@@ -64,6 +64,7 @@ class ModuleCall:
     example: tuple[tuple, dict] = ((), {})
     # a tuple or list output: index -> the node there (``out[i]`` of a folded copy is this)
     items: dict[int, torch.fx.Node] = field(default_factory=dict)
+    num_items: int = 0  # that output's length, non-tensor elements (a None state) counted
 
 
 @dataclass
@@ -210,7 +211,8 @@ class _ShardTracer(MetaTracer):
         kw_nodes = {k: v.node for k, v in kwargs.items() if isinstance(v, torch.fx.Proxy)}
         example = torch.fx.node.map_aggregate((tuple(args), dict(kwargs)), _proxy_meta_or_value)
         items = {i: v.node for i, v in enumerate(out) if isinstance(v, torch.fx.Proxy)} if isinstance(out, (tuple, list)) else {}
-        self.calls.setdefault(fqn, []).append(ModuleCall(fqn, arg_nodes, kw_nodes, _flat_nodes(out), example, items))
+        self.calls.setdefault(fqn, []).append(ModuleCall(fqn, arg_nodes, kw_nodes, _flat_nodes(out), example, items,
+                                                         len(out) if isinstance(out, (tuple, list)) else 0))
 
     @staticmethod
     def _meta_key(args, kwargs) -> tuple:
@@ -629,7 +631,7 @@ def _strip_root(graph: torch.fx.Graph, model: nn.Module, tracer: _ShardTracer) -
         return "" if fqn == "m" else fqn[2:]
 
     calls = {
-        user_fqn(k): [ModuleCall(user_fqn(c.fqn), c.args, c.kwargs, c.outputs, c.example, c.items) for c in v]
+        user_fqn(k): [ModuleCall(user_fqn(c.fqn), c.args, c.kwargs, c.outputs, c.example, c.items, c.num_items) for c in v]
         for k, v in tracer.calls.items()
         if k == "m" or k.startswith("m.")
     }

@@ -20,7 +20,7 @@ from . import cost
 from ..analyze.graph import OpGraph
 from ..plan.model import Region, Rule, brace_ranges
 from .regions import Entry, PartialBlock, partial_grad_params
-from .scatter import is_gather, is_scatter, scatter_exits, scatter_target
+from .scatter import exits, is_cut, is_gather, is_scatter, scatter_target
 from .slices import is_slice, slice_target
 from .solve import Solution
 from .strategies import placement_str
@@ -99,7 +99,10 @@ def rules(
                 why=_why(why.get(patterned(op.target, graph, pmap)[0])),
             ))
     rules += [
-        Rule(module=m, style="replicate", why="not called in forward: kept whole")
+        # a module whose parameters other code reads as tensors (a causal conv's weight handed
+        # to F.conv1d): kept whole, and plain tensors while that code runs
+        Rule(module=m, style="replicate", read_outside=_read_as_tensors(graph, fqn),
+             why="not called in forward: kept whole")
         for fqn in unused_modules(graph) for m in patterned(fqn, graph, pmap)
     ]
     partial = partial_grad_params(graph, solution)
@@ -198,6 +201,14 @@ def _why(decision) -> str:
     return "; ".join(parts)
 
 
+def _read_as_tensors(graph: OpGraph, fqn: str) -> bool:
+    from .propagation import metadata_only
+
+    return any(op.kind == "const" and op.target.rpartition(".")[0] == fqn and op.output is not None
+               and any(not metadata_only(graph.ops[c]) for c in graph.consumers.get(op.output, []))
+               for op in graph.ops)
+
+
 def unused_modules(graph: OpGraph) -> list[str]:
     called = set(graph.module_multiplicity) | set(graph.traced.folded)
     above = {c.rsplit(".", k)[0] for c in called for k in range(1, c.count(".") + 1)} | ({""} if called else set())
@@ -225,12 +236,14 @@ def regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
                                why="its code reads the tokens whole: gathered where it receives them, its gradient sliced back")
                         for site, _ in e.sites for module in patterned(site.module, graph, pmap)]
             continue
-        if is_scatter(e.kind):  # Partial -> Shard(seq) where the module returns: one reduce-scatter
-            want, at = _layout(scatter_target(e.kind)), scatter_exits(graph)[e.value]
-            regions += [Region(module=module, input="output", num_inputs=0, input_layouts="Partial",
+        if is_scatter(e.kind) or is_cut(e.kind):  # onto sequence shards where the module returns
+            want, at = _layout(scatter_target(e.kind)), exits(graph)[e.value]
+            why = (f"its partial sums reduce-scattered onto sequence shards ({want}) where it returns" if is_scatter(e.kind)
+                   else f"its whole output cut onto sequence shards ({want}) where it returns, a local slice")
+            regions += [Region(module=module, input="output", num_inputs=0,
+                               input_layouts="Partial" if is_scatter(e.kind) else "Replicate",
                                desired_input_layouts=want, use_local_output=True,
-                               output_index=at.index, num_outputs=at.count if at.index is not None else None,
-                               why=f"its partial sums reduce-scattered onto sequence shards ({want}) where it returns")
+                               output_index=at.index, num_outputs=at.count if at.index is not None else None, why=why)
                         for site, _ in e.sites for module in patterned(site.module, graph, pmap)]
             continue
         for site, inside in e.sites:

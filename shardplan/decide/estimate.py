@@ -27,7 +27,7 @@ from ..plan.model import Collectives, Estimate, MeshInfo
 from .assemble import repeats
 from .fsdp import DataParallelEvent, data_parallel_events, fsdp_units, unit_of
 from .regions import Entry, PartialBlock, partial_grad_params
-from .scatter import is_gather, is_scatter
+from .scatter import is_cut, is_gather, is_scatter
 from .solve import comm_time as op_comm_time
 from .solve import BUCKETED_GRAD_STYLES, Solution, SolveContext, _model_dtype_bytes, _tied_second_owners, strategy_time
 
@@ -83,6 +83,9 @@ def collective_list(
             events[("forward", "all_gather", n, 0)] += times
         elif is_scatter(e.kind):  # Partial -> Shard(seq) where the module returns; its gradient all-gathered back
             events[("forward", "reduce_scatter", n, 0)] += times
+            if needs_grad:
+                events[("backward", "all_gather", n, 0)] += times
+        elif is_cut(e.kind):  # a whole value cut where its module returns; its gradient all-gathered back
             if needs_grad:
                 events[("backward", "all_gather", n, 0)] += times
         elif e.kind == "R" and needs_grad:  # Partial input gradient -> Replicate

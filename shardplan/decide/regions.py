@@ -26,7 +26,7 @@ import torch
 
 from ..analyze.graph import OpGraph
 from .propagation import metadata_only
-from .scatter import is_gather, is_scatter, scatter_exits
+from .scatter import exits, is_cut, is_gather, is_scatter
 from .slices import is_slice, place
 from ..plan.model import Region
 from .solve import Solution
@@ -58,7 +58,7 @@ class Entry:
             return 0
         if is_gather(self.kind):
             return len(self.sites)
-        if is_scatter(self.kind):  # one PrepareModuleOutput where the module returns
+        if is_scatter(self.kind) or is_cut(self.kind):  # one PrepareModuleOutput where the module returns
             return len(self.sites)
         grouped = sum(len(c) for _, c in self.sites)
         return len(self.sites) + len(self.consumers) - grouped
@@ -142,8 +142,8 @@ def find_regions(graph: OpGraph, solution: Solution) -> list[Entry]:
             sites = _choose_sites(_candidate_sites(graph, value, consumers, fewest=1), consumers, outermost=True)
             entries.append(Entry(value, kind, consumers, sites))
             continue
-        if is_scatter(kind):  # reduce-scattered where the module that computes the partial sum returns
-            site = RegionSite(scatter_exits(graph)[value].module, None, 0)
+        if is_scatter(kind) or is_cut(kind):  # converted where the module that computes it returns
+            site = RegionSite(exits(graph)[value].module, None, 0)
             entries.append(Entry(value, kind, consumers, ((site, consumers),)))
             continue
         if is_slice(kind):  # cut where the module receives it: the innermost module holding every reader

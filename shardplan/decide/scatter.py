@@ -1,4 +1,4 @@
-"""Scatters at a module's exit: a Partial output reduce-scattered onto sequence shards there.
+"""Conversions at a module's exit: a Partial output reduce-scattered, a whole one cut, onto sequence shards there.
 
 Contract
 --------
@@ -11,6 +11,13 @@ where the module returns, so when it is chosen no reader of the value may take i
 partial sum. The region turns into ``PrepareModuleOutput(output_layouts=Partial(),
 desired_output_layouts=Shard(d), use_local_output=True)`` on the module: one reduce-scatter
 forward, its gradient all-gathered back.
+
+``cut_twins``/``cut_rows`` do the same for a whole value (``R^S{d}``): a module returning a
+value every rank holds whole (a block run whole because its code needs whole sequences, a
+position-embedding module made of buffers, a gathered activation) hands on its rank's
+slice of the sequence: ``PrepareModuleOutput(Replicate -> Shard(d))``, a local slice, its
+gradient all-gathered back. :func:`exits` also counts values a weight module makes and its
+container returns as they are, which a cut may take where the module's own style cannot.
 
 Why: a mixture-of-experts block under sequence parallel (torchtitan's
 ``PrepareModuleInputOutput`` on the MoE module). Its experts compute partial sums over the
@@ -32,18 +39,27 @@ from .propagation import metadata_only
 from .slices import entry_twins, received_values
 
 __all__ = ["Exit", "scatter_exits", "scatter_twins", "scatter_rows", "is_scatter", "scatter_target", "gather_entries",
-           "gather_twins", "gather_rows", "is_gather"]
+           "gather_twins", "gather_rows", "is_gather", "is_cut", "cut_twins", "cut_rows", "exits"]
 
 _SCATTER = re.compile(r"P>(S\d+)")
+# a whole value cut onto sequence shards where its module returns it: a block that ran whole
+# (its code sizes by the whole sequence) handing its output back to the residual stream, a
+# position-embedding module made of buffers. Replicate -> Shard is a local slice; backward
+# all-gathers the gradient, when one flows
+_CUT = re.compile(r"R\^(S\d+)")
 
 
 def is_scatter(entry: str | None) -> bool:
     return bool(entry) and _SCATTER.fullmatch(entry) is not None
 
 
+def is_cut(entry: str | None) -> bool:
+    return bool(entry) and _CUT.fullmatch(entry) is not None
+
+
 def scatter_target(entry: str) -> str:
-    """``P>S1`` -> ``S1``."""
-    return _SCATTER.fullmatch(entry).group(1)
+    """``P>S1`` or ``R^S1`` -> ``S1``."""
+    return (_SCATTER.fullmatch(entry) or _CUT.fullmatch(entry)).group(1)
 
 
 @dataclass(frozen=True)
@@ -58,8 +74,15 @@ class Exit:
 
 def scatter_exits(graph: OpGraph) -> dict[int, Exit]:
     """Value -> where a container module (called once, or a folded stack's representative)
-    returns exactly that value, alone or as one element of its tuple."""
-    cached = graph.strategy_cache.get("scatter exits")
+    returns exactly that value, alone or as one element of its tuple, made by its own code
+    (a weight module's own style converts its output)."""
+    return {v: e for v, e in exits(graph).items() if graph.ops[graph.values[v].producer].kind != "module"}
+
+
+def exits(graph: OpGraph) -> dict[int, Exit]:
+    """:func:`scatter_exits` and the values a weight module makes that its container returns
+    as they are (a block run whole returns its gathered ``out_proj``'s output: cut there)."""
+    cached = graph.strategy_cache.get("exits")
     if cached is None:
         cached = {}
         for fqn, calls in graph.traced.calls.items():
@@ -72,15 +95,28 @@ def scatter_exits(graph: OpGraph) -> dict[int, Exit]:
             for index, node in items:
                 value = getattr(node, "meta", {}).get("shardplan_op")
                 producer = graph.ops[graph.values[value].producer] if value in graph.values else None
-                if producer is not None and producer.kind != "module":  # a weight module's own style converts its output
-                    cached.setdefault(value, Exit(fqn, index, len(items) if index is not None else 1))
-        graph.strategy_cache["scatter exits"] = cached
+                if producer is not None and producer.target != fqn:
+                    count = max(call.num_items, len(items)) if index is not None else 1
+                    cached.setdefault(value, Exit(fqn, index, count))
+        graph.strategy_cache["exits"] = cached
     return cached
 
 
 def scatter_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Strategy]:
     exits = scatter_exits(graph)
     return entry_twins(strategies, [i for i, v in enumerate(op.inputs) if v in exits], reads="P")
+
+
+def cut_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Strategy]:
+    found = exits(graph)
+    return entry_twins(strategies, [i for i, v in enumerate(op.inputs) if v in found], reads="R", arrow="^")
+
+
+def cut_rows(prog: Any, rows: list, lo: list, hi: list) -> None:
+    """For each chosen cut of a value and each reader of it: ``entry + plain R reads <= 1``
+    (the cut's own twins read ``R`` too, with that entry)."""
+    _one_way_rows(prog, rows, lo, hi, chosen=is_cut, plain=lambda entry: "R", within=lambda value: None,
+                  own=lambda entry, theirs: theirs == entry)
 
 
 def scatter_rows(prog: Any, rows: list, lo: list, hi: list) -> None:

@@ -19,7 +19,7 @@ has no backward; a value with a gradient would need its gradient all-gathered ba
 from __future__ import annotations
 
 import re
-
+from dataclasses import replace
 from typing import Any
 
 from ..analyze.graph import Op, OpGraph, _inside
@@ -77,20 +77,21 @@ def slice_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Stra
     return entry_twins(strategies, slots, reads="R")
 
 
-def entry_twins(strategies: list[Strategy], slots: list[int], *, reads: str) -> list[Strategy]:
-    """For each plain strategy that reads input ``i`` (in ``slots``) as ``Shard(d)``, a twin
-    that reads it ``reads`` (``R``: a whole value cut; ``P``: a partial sum reduce-scattered)
-    with the entry ``{reads}>S{d}`` that makes it the shard there."""
+def entry_twins(strategies: list[Strategy], slots: list[int], *, reads: str, arrow: str = ">") -> list[Strategy]:
+    """For each strategy that reads input ``i`` (in ``slots``) as ``Shard(d)``, a twin that
+    reads it ``reads`` (``R``: a whole value cut; ``P``: a partial sum reduce-scattered) with
+    the entry ``{reads}{arrow}S{d}`` that makes it the shard there (``>``: where a module
+    receives it or, a partial sum, returns it; ``^``: a whole value where its module returns it)."""
     out = []
     for s in strategies:
-        if s.name or s.entry:
-            continue
         for i in slots:
             p = s.inputs[i] if i < len(s.inputs) else None
-            if p is not None and re.fullmatch(r"S\d+", p):
-                inputs = s.inputs[:i] + (reads,) + s.inputs[i + 1:]
-                entry = tuple(f"{reads}>{p}" if j == i else None for j in range(len(s.inputs)))
-                out.append(Strategy("", inputs, s.output, entry=entry))
+            if p is None or not re.fullmatch(r"S\d+", p) or any(s.entry):
+                continue
+            inputs = s.inputs[:i] + (reads,) + s.inputs[i + 1:]
+            entry = tuple(f"{reads}{arrow}{p}" if j == i else None for j in range(len(s.inputs)))
+            # a weight module's style (a sequence-parallel norm after a MoE block) keeps its costs
+            out.append(replace(s, inputs=inputs, entry=entry) if s.name else Strategy("", inputs, s.output, entry=entry))
     return out
 
 

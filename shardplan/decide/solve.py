@@ -34,7 +34,7 @@ import numpy as np
 from . import cost
 from .milp import MilpModel, MilpView
 from ..analyze.graph import Op, OpGraph
-from .scatter import gather_rows, is_gather, is_scatter, scatter_rows
+from .scatter import cut_rows, gather_rows, is_cut, is_gather, is_scatter, scatter_rows
 from .slices import is_slice, slice_rows
 from .placements import shard_dim
 from .strategies import Strategy, op_strategies
@@ -152,6 +152,8 @@ def entry_time(entry: str, nbytes: int, ctx: SolveContext, *, needs_grad: bool =
     if is_scatter(entry):  # a partial sum reduce-scattered where its module returns; its gradient all-gathered
         return cost.collective_time("reduce_scatter", nbytes, group_size=ctx.tp, link=ctx.link) + (
             cost.collective_time("all_gather", nbytes, group_size=ctx.tp, link=ctx.link) if needs_grad else 0.0)
+    if is_cut(entry):  # a whole value cut where its module returns; its gradient all-gathered back
+        return cost.collective_time("all_gather", nbytes, group_size=ctx.tp, link=ctx.link) if needs_grad else 0.0
     if is_gather(entry):  # gathered where its module receives it; the readers hand back a whole gradient: sliced
         return cost.collective_time("all_gather", nbytes, group_size=ctx.tp, link=ctx.link)
     if entry == "R":  # Partial gradient of the region input -> one all-reduce in backward
@@ -303,6 +305,7 @@ def _rows(prog: _Program) -> tuple[list[dict[int, float]], list[float], list[flo
     _folded_rows(prog, alias, rows, lo, hi)
     slice_rows(prog, rows, lo, hi)
     scatter_rows(prog, rows, lo, hi)
+    cut_rows(prog, rows, lo, hi)
     gather_rows(prog, rows, lo, hi)
     for op in graph.ops:
         for i, s in enumerate(prog.strategies[op.index]):

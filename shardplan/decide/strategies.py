@@ -42,7 +42,7 @@ from .placements import (
     split_parts, split_widths, view_groups, view_parts,
 )
 from .propagation import dtensor_strategies, in_place_strategies, metadata_only
-from .scatter import gather_twins, scatter_twins
+from .scatter import cut_twins, gather_twins, scatter_twins
 from .slices import slice_twins
 from .weights import module_strategies, slice_partition
 
@@ -89,7 +89,8 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
     if op.kind == "module":
         found = module_strategies(op, graph, tp=tp, opts=opts)
         if getattr(opts, "sequence_parallel", None) is not False:
-            found += gather_twins(op, graph, found, tp)  # a router reading the tokens before they are flattened
+            # a router reading the tokens before they are flattened; a norm after a MoE block
+            found += gather_twins(op, graph, found, tp) + scatter_twins(op, graph, found) + cut_twins(op, graph, found)
         return found
     if op.kind == "folded":  # placements are tied to the representative block by the solver
         return [Strategy("folded", tuple("*" for _ in op.inputs), None)]
@@ -188,6 +189,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
     strategies += slice_twins(op, graph, strategies)  # a whole bias cut where its module receives it
     if getattr(opts, "sequence_parallel", None) is not False:
         strategies += scatter_twins(op, graph, strategies)  # a partial sum reduce-scattered where its module returns
+        strategies += cut_twins(op, graph, strategies)  # a whole value cut where its module returns
         strategies += gather_twins(op, graph, strategies, tp)  # a sequence shard gathered where its module receives it
     seen: set[tuple] = set()
     result = []
@@ -243,9 +245,17 @@ def _sdpa_flops(op: Op, graph: OpGraph) -> float:
     return attention_flops(batch=b, heads=h, seq_q=sq, seq_k=sk, head_dim=d, value_dim=dv)
 
 
+# where activation and dropout modules are defined: each acts entry by entry. Any other
+# parameter-free module of the same shape in and out may mix entries (RWKV's ``ZeroPad2d``
+# token shift moves each token to the next position): DTensor's propagation answers for it
+_ELEMENTWISE_MODULES = ("torch.nn.modules.activation", "torch.nn.modules.dropout", "transformers.activations")
+
+
 def _param_free_elementwise(op: Op, graph: OpGraph) -> bool:
     """Activation/dropout modules: same shape in and out, one tensor input."""
-    return len(op.inputs) == 1 and _shape(graph, op.inputs[0]) == _shape(graph, op.output)
+    cls = type(graph.model.get_submodule(op.node.target))
+    known = cls.__module__ in _ELEMENTWISE_MODULES or cls is torch.nn.Identity
+    return known and len(op.inputs) == 1 and _shape(graph, op.inputs[0]) == _shape(graph, op.output)
 
 
 def _unary(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
