@@ -229,7 +229,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
         try:
             if extra.get("check", True):
                 check_local_shapes(graph, plan, solution.placements, mesh=mesh)
-                check_outer_code(graph, plan, solution.placements, mesh=mesh)
+                check_outer_code(graph, plan, _after_exits(solution), mesh=mesh)
             break
         except LocalShapeError as exc:
             if isinstance(exc, OuterCodeError) and not handover and _sequence_parallel(graph, solution):
@@ -355,6 +355,15 @@ def _solve_explained(graph: OpGraph, ctx: SolveContext):
         f"(a value between them cannot be split along the sequence; {', '.join(kept[:3])} stay whole). "
         "Use sequence_parallel=None (--sequence-parallel auto) to let it choose"
     )
+
+
+def _after_exits(solution: Any) -> dict[int, str]:
+    """Placements as the code after a module sees them: a value reduce-scattered or cut onto
+    sequence shards where its module returns is that shard for every reader."""
+    from .decide.scatter import is_cut, is_scatter, scatter_target
+
+    moved = {v: scatter_target(e) for (v, e), used in solution.entries.items() if used and (is_cut(e) or is_scatter(e))}
+    return {**solution.placements, **moved}
 
 
 def _sequence_parallel(graph: OpGraph, solution: Any) -> bool:

@@ -388,6 +388,7 @@ SP_KEPT_WHOLE = {
     "bart": (),
     "lfm3": (),  # its short-conv block runs whole (a conv weight read as a tensor), cut where it returns
     "afmoe": (),  # a norm reads the MoE block's partial sums, reduce-scattered where the block returns
+    "mimo_v2_flash": (),  # its router, inside a MoE block that gathers the tokens, is checked on them whole
 }
 
 

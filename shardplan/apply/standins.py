@@ -99,9 +99,9 @@ def _shapes(value: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda t: _Shape(tuple(t.shape)), value)
 
 
-def _stand_in(graph: OpGraph, fqn: str, placements: dict[int, str], tp: int) -> _StandIn:
+def _stand_in(graph: OpGraph, fqn: str, placements: dict[int, str], tp: int, plan: Plan | None) -> _StandIn:
     call = graph.traced.calls[graph.traced.folded.get(fqn, fqn)][0]
-    expected = _shapes(_local_args(call, placements, tp))
+    expected = _shapes(_local_args(call, {**placements, **_gathered_around(graph, fqn, plan)}, tp))
 
     def spec(node: Any) -> Any:
         value = graph.values[node.meta["shardplan_op"]]
@@ -112,6 +112,26 @@ def _stand_in(graph: OpGraph, fqn: str, placements: dict[int, str], tp: int) -> 
     else:
         outputs = spec(call.outputs[0]) if call.outputs else None
     return _StandIn(fqn, expected, outputs)
+
+
+def _gathered_around(graph: OpGraph, fqn: str, plan: Plan | None) -> dict[int, str]:
+    """Values a region of a module enclosing ``fqn`` gathers where that module receives them
+    (a MoE block's tokens, ``Shard(1) -> Replicate``): a block inside it (its router) is handed
+    them whole."""
+    found: dict[int, str] = {}
+    for r in plan.regions if plan is not None else ():
+        if r.input == "output" or r.desired_input_layouts != "Replicate" or not (r.input_layouts or "").startswith("Shard"):
+            continue
+        for module in expand_pattern(r.module, plan.model.repeats):
+            calls = graph.traced.calls.get(graph.traced.folded.get(module, module))
+            if not calls or not fqn.startswith(module + "."):  # a stand-in's own regions are not applied
+                continue
+            call = calls[0]
+            node = call.args[r.input] if isinstance(r.input, int) and r.input < len(call.args) else call.kwargs.get(r.input)
+            value = getattr(node, "meta", {}).get("shardplan_op") if node is not None else None
+            if value is not None:
+                found[value] = "R"
+    return found
 
 
 def _outside(plan: Plan, blocks: list[str]) -> Plan:
@@ -166,7 +186,7 @@ def _check_on(graph: OpGraph, stood: list[str], plan: Plan, placements: dict[int
 def _run(graph: OpGraph, stood: list[str], plan: Plan | None, placements: dict[int, str], mesh: Any) -> None:
     """The model with its blocks stood in for, sharded by ``plan`` (None: unsharded), once."""
     tp = plan.tp if plan is not None else 1
-    model = _with_stand_ins(graph.model, {f: _stand_in(graph, f, placements, tp) for f in stood})
+    model = _with_stand_ins(graph.model, {f: _stand_in(graph, f, placements, tp, plan) for f in stood})
     if plan is not None:
         shard(model, mesh, _outside(plan, stood))
     args, kwargs = _local_args(graph.traced.calls[""][0], placements, tp)

@@ -53,6 +53,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..analyze.graph import Op, OpGraph
@@ -126,7 +127,8 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
     else:
         # whole on every rank; under sequence parallel it may hand on its rank's slice of the
         # sequence (a positional-embedding module called with more than ids, OPT's and BART's)
-        found = [_replicate(op, graph, module)] + (_sliced_replicate(op, graph, module, tp) if sp else [])
+        one = isinstance(op.node.meta.get("val"), torch.Tensor)  # a tuple it returns is not sliced
+        found = [_replicate(op, graph, module)] + (_sliced_replicate(op, graph, module, tp) if sp and one else [])
     full = _weight_bytes(module)
     return [replace(s, weight_bytes=_held(full, s, tp)) for s in found]
 
