@@ -229,7 +229,9 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
         try:
             if extra.get("check", True):
                 check_local_shapes(graph, plan, solution.placements, mesh=mesh)
-                check_outer_code(graph, plan, _after_exits(solution), mesh=mesh)
+                unchecked = check_outer_code(graph, plan, _after_exits(solution), mesh=mesh)
+                if unchecked:
+                    plan.warnings.append(unchecked)
             break
         except LocalShapeError as exc:
             if isinstance(exc, OuterCodeError) and not handover and _sequence_parallel(graph, solution):

@@ -418,16 +418,23 @@ def test_sequence_parallel_true_splits_every_norm_it_can_and_names_the_rest(mode
     assert all(m.endswith(expected) for m in named) if expected else not named, named
 
 
-@pytest.mark.parametrize("spec", ["hf-tiny:bitnet", "hf-tiny:biogpt", "hf-tiny:rwkv", "hf-tiny:lfm3", "hf-tiny:afmoe",
-                                  "hf-tiny:bert"])
+@pytest.mark.parametrize("spec", ["hf-tiny:bitnet", "hf-tiny:rwkv", "hf-tiny:bert", "hf-tiny:roformer"])
 def test_sequence_parallel_with_norms_kept_whole_or_outputs_cut_matches_one_process_on_gloo(spec: str) -> None:
-    """Norms kept whole (BitNet, RWKV's before its token shift), a position module sliced
-    (BioGPT), a conv weight read as a tensor (LFM3), a norm after a MoE block reading its
-    reduce-scattered partial sums (AFMoE), an LM-head transform whose activation's whole
-    output is cut onto sequence shards where it returns, for the norm after it (BERT)."""
+    """Norms kept whole (BitNet's on features, RWKV's before its token shift); an LM-head
+    transform whose activation's whole output is cut onto sequence shards where it returns,
+    for the norm after it (BERT); RoFormer, whose encoder makes its rotary table from the
+    projected embedding's sequence length and whose head reads ``pad_token_id in input_ids``
+    (an ``.item()`` meta cannot run): the code between the blocks is checked with that value
+    read as 0, finds the length, and the projection hands its shards on as a DTensor.
+    (BioGPT's sliced position module, LFM3's conv weight read as a tensor and AFMoE's norm
+    after a MoE block plan in the test above and are counted by ``simulate`` below.)"""
     result = verify(spec, nproc=2, timeout_s=300, sequence_parallel=True)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
     assert "sequence_parallel" in result.plan.module_styles().values(), result.plan.warnings
+    if spec.endswith("roformer"):
+        assert not [w for w in result.plan.warnings if "not checked" in w], result.plan.warnings
+        handed = [r for r in result.plan.regions if r.module == "roformer.embeddings_project"]
+        assert [(r.input, r.use_local_output) for r in handed] == [("output", False)], result.plan.regions
     if spec.endswith("bert"):
         cuts = [r for r in result.plan.regions if r.input == "output" and r.input_layouts == "Replicate"]
         assert [(r.module, r.desired_input_layouts) for r in cuts] == [
@@ -460,7 +467,7 @@ def test_a_parameter_free_module_that_moves_tokens_is_not_taken_for_elementwise(
     assert "S1" in {s.inputs[0] for s in op_strategies(act, graph, tp=2)}
 
 
-@pytest.mark.parametrize("model_type", ["bert", "rwkv", "afmoe"])
+@pytest.mark.parametrize("model_type", ["bert", "rwkv", "afmoe", "lfm3", "biogpt"])
 def test_sequence_parallel_cuts_and_kept_norms_collectives_equal_the_prediction(model_type: str) -> None:
     """A whole output cut where its module returns costs no forward collective and one
     all-gather of its gradient; the count on the fake group (tp=4) equals the estimate's."""

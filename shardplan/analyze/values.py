@@ -128,6 +128,24 @@ def nonzero_at_upper_bound() -> Iterator[None]:
         _config.meta_nonzero_assume_all_nonzero = saved
 
 
+@contextlib.contextmanager
+def scalars_on_meta_as_zero() -> Iterator[None]:
+    """``.item()`` of a meta tensor returns 0 (False) instead of raising: code that reads a
+    value only to decide a warning (Hugging Face's ``pad_token_id in input_ids``) runs on meta,
+    so the shapes around it can be checked. Sizes computed from such values are not to be
+    trusted, and a check run this way says so."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Zero(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default and args and getattr(args[0], "is_meta", False):
+                return False if args[0].dtype == torch.bool else 0
+            return func(*args, **(kwargs or {}))
+
+    with _Zero():
+        yield
+
+
 def op_name(node: torch.fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 

@@ -35,7 +35,7 @@ from ..analyze.graph import OpGraph
 from ..analyze.snapshot import preserved
 from ..decide.placements import local_shape
 from ..decide.propagation import quiet_probes
-from ..analyze.values import nonzero_at_upper_bound
+from ..analyze.values import nonzero_at_upper_bound, scalars_on_meta_as_zero
 from ..plan.model import Plan, expand_pattern
 from .emit import shard
 from .localcheck import (
@@ -161,19 +161,22 @@ def stood_blocks(graph: OpGraph) -> list[str]:
     return [] if any(graph.traced.folded.get(f, f) not in graph.traced.calls for f in stood) else stood
 
 
-def check_outer_code(graph: OpGraph, plan: Plan, placements: dict[int, str], *, mesh: Any = None) -> None:
-    """Run after :func:`~.localcheck.check_local_shapes` passed, on the same mesh."""
+def check_outer_code(graph: OpGraph, plan: Plan, placements: dict[int, str], *, mesh: Any = None) -> str | None:
+    """Run after :func:`~.localcheck.check_local_shapes` passed, on the same mesh. Returns a
+    note when that code could not be run on meta at all (it was not checked)."""
     stood = stood_blocks(graph)
     if plan.tp == 1 or not stood:
-        return  # nothing split, or the whole model is one block: its run covered this code
+        return None  # nothing split, or the whole model is one block: its run covered this code
     with _check_mesh(plan, mesh) as tp_mesh:
         if tp_mesh is not None:
-            _check_on(graph, stood, plan, placements, tp_mesh)
+            return _check_on(graph, stood, plan, placements, tp_mesh)
+    return None
 
 
-def _check_on(graph: OpGraph, stood: list[str], plan: Plan, placements: dict[int, str], mesh: Any) -> None:
+def _check_on(graph: OpGraph, stood: list[str], plan: Plan, placements: dict[int, str], mesh: Any) -> str | None:
     try:
         _run(graph, stood, plan, placements, mesh)
+        return None
     except LocalShapeError:
         raise
     except Exception as exc:  # noqa: BLE001 - judged by the same run unsharded
@@ -181,6 +184,20 @@ def _check_on(graph: OpGraph, stood: list[str], plan: Plan, placements: dict[int
             raise OuterCodeError(
                 f"{type(graph.model).__name__}: the code between its blocks fails on its shards at "
                 f"{_user_frame(exc)}: {_said(exc)}", None) from None
+        first = exc
+    # it fails on meta even unsharded: a value read only to decide a warning (``pad_token_id
+    # in input_ids``) is the usual cause; read as 0, the shapes around it can still be checked
+    try:
+        with scalars_on_meta_as_zero():
+            if not _runs_unsharded(graph, stood):
+                raise first
+            _run(graph, stood, plan, placements, mesh)
+        return None
+    except LocalShapeError:
+        raise
+    except Exception:  # noqa: BLE001 - said in the plan's warnings
+        return (f"{type(graph.model).__name__}: the code between its blocks was not checked on local shapes: it fails "
+                f"on the meta device even unsharded, at {_user_frame(first)}: {_said(first)}")
 
 
 def _run(graph: OpGraph, stood: list[str], plan: Plan | None, placements: dict[int, str], mesh: Any) -> None:
