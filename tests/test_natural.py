@@ -183,11 +183,12 @@ def test_code_between_blocks_that_takes_sequence_shards_keeps_them() -> None:
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("builder", [natural.rope_complex_lm, natural.rope_interleaved_lm, natural.rope_partial_lm,
-                                     natural.mqa_repeat_interleave, natural.rope_complex_gqa])
+                                     natural.mqa_repeat_interleave, natural.rope_complex_gqa, natural.rope_stack_as_lm])
 def test_every_rope_spelling_keeps_heads_split(builder, tp: int) -> None:
-    """RoPE as a complex product, rotate-half, interleaved pairs or on part of each head, its
-    table made in forward; 4 kv heads, 2 (grouped at tp=4, also through view_as_complex) or 1
-    (MQA, repeated by repeat_interleave)."""
+    """RoPE as a complex product, rotate-half, interleaved pairs (flattened, or stacked and
+    shaped back by ``reshape_as(q)``, RoFormer's) or on part of each head, its table made in
+    forward; 4 kv heads, 2 (grouped at tp=4, also through view_as_complex) or 1 (MQA,
+    repeated by repeat_interleave)."""
     plan = _plan(builder, tp)
     styles = _block_styles(plan, "blocks.0.attn.")
     kv = {"colwise"} if builder().blocks[0].attn.kv >= tp else (
@@ -433,6 +434,9 @@ def test_sequence_parallel_with_norms_kept_whole_or_outputs_cut_matches_one_proc
     assert "sequence_parallel" in result.plan.module_styles().values(), result.plan.warnings
     if spec.endswith("roformer"):
         assert not [w for w in result.plan.warnings if "not checked" in w], result.plan.warnings
+        styles = result.plan.module_styles()  # its rotary: stack([-q[..., 1::2], q[..., ::2]]).reshape_as(q)
+        assert {styles[f"roformer.encoder.layer.0.attention.self.{m}"] for m in ("query", "key", "value")} == {"colwise"}
+        assert styles["roformer.encoder.layer.0.attention.output.dense"] == "rowwise", styles
         handed = [r for r in result.plan.regions if r.module == "roformer.embeddings_project"]
         assert [(r.input, r.use_local_output) for r in handed] == [("output", False)], result.plan.regions
     if spec.endswith("bert"):

@@ -320,6 +320,10 @@ def _view(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
         # the heads dim of the global [b, s, k, h, d], sharded
         d, k = found
         result.append(Strategy("", (packed(d, k),) + ("R",) * (len(op.inputs) - 1), f"S{d + 1}"))
+    if op.target in ("view_as", "reshape_as") and len(op.inputs) == 2:
+        # ``x.reshape_as(q)`` reads q for its shape: split as the output is, its local shape is
+        # the local target (RoFormer's rotate-half ``stack([-q[..., 1::2], ...]).reshape_as(q)``)
+        result += [Strategy("", (s.inputs[0], s.output), s.output) for s in result if s.output.startswith("S")]
     return result
 
 

@@ -5,8 +5,9 @@ off the input (``B, T, D = x.shape``, ``qkv(x).split(D, dim=-1)``, ``reshape(B, 
 ``split`` picks how the fused q/k/v is cut (a width, a list of widths, ``torch.split``).
 ``SplitAttentionLM``: the same reads inside an attention module of its own, next to an MLP
 module, with only the head count held as an attribute. ``MQALM``: one kv head broadcast by
-``expand``; ``RopeLM``: RoPE spelled four ways (``view_as_complex`` times a table,
-rotate-half, interleaved pairs, partial rotary), the table made in forward, kv heads
+``expand``; ``RopeLM``: RoPE spelled five ways (``view_as_complex`` times a table,
+rotate-half, interleaved pairs flattened or stacked and shaped back by ``reshape_as``,
+partial rotary), the table made in forward, kv heads
 repeated by ``repeat_interleave`` (one kv head: MQA).
 Small sizes, so they run on CPU; the builders at the end are specs for ``verify``.
 """
@@ -222,6 +223,12 @@ class RopeAttention(nn.Module):
             q, k = rope_complex(q, self.freqs), rope_complex(k, self.freqs)
         elif self.style == "interleaved":
             q, k = rope_interleaved(q, ang.cos(), ang.sin()), rope_interleaved(k, ang.cos(), ang.sin())
+        elif self.style == "stack_as":  # RoFormer's: each pair rotated by stack, shaped back by reshape_as(q)
+            cos, sin = ang.cos().repeat_interleave(2, dim=-1), ang.sin().repeat_interleave(2, dim=-1)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            q = q * cos + torch.stack([-q[..., 1::2], q[..., ::2]], dim=-1).reshape_as(q) * sin
+            k = k * cos + torch.stack([-k[..., 1::2], k[..., ::2]], dim=-1).reshape_as(k) * sin
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
         elif self.style in ("half", "partial"):
             emb = torch.cat((ang, ang), dim=-1)
             cos, sin = emb.cos(), emb.sin()
@@ -274,6 +281,10 @@ def rope_complex_lm() -> RopeLM:
 
 def rope_interleaved_lm() -> RopeLM:
     return rope("interleaved")
+
+
+def rope_stack_as_lm() -> RopeLM:
+    return rope("stack_as")
 
 
 def rope_partial_lm() -> RopeLM:
