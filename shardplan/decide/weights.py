@@ -271,7 +271,7 @@ def _partial_grad_linear(x, y, module: nn.Module, tp: int, col_w: str, col: dict
         out += [Strategy(
             "colwise_gather_output", (p,), "Rp", fwd=(("all_gather", y.nbytes),), bwd=(("reduce_scatter", y.nbytes),),
             entry=(p,), layouts={"weight": col_w, "output": "R", "output_grad": "P", **given}, **col,
-        )] if n_out % tp == 0 and n_out >= tp else []
+        )] if n_out >= tp else []  # a 1-feature gate (Qwen2-MoE's) would leave ranks empty
         out += [Strategy(
             "replicated_with_grad_allreduce", (p,), "Rp", bwd=_param_grad_allreduces(module), entry=(p,),
             param_bytes=_param_bytes(module), flops=flops, act_bytes=y.nbytes,
