@@ -432,6 +432,12 @@ def test_sequence_parallel_with_norms_kept_whole_or_outputs_cut_matches_one_proc
     result = verify(spec, nproc=2, timeout_s=300, sequence_parallel=True)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
     assert "sequence_parallel" in result.plan.module_styles().values(), result.plan.warnings
+    if spec.endswith("bitnet"):  # attn_sub_norm over all heads gathers its input; attention stays split
+        styles = result.plan.module_styles()
+        assert [styles[f"model.layers.0.self_attn.{m}_proj"] for m in "qkvo"] == ["colwise"] * 3 + ["rowwise"], styles
+        gathered = {r.module for r in result.plan.regions if r.input == 0 and r.desired_input_layouts == "Replicate"
+                    and r.input_layouts == "Shard(2)"}
+        assert gathered == {"model.layers.*.self_attn.attn_sub_norm", "model.layers.*.mlp.ffn_sub_norm"}, result.plan.regions
     if spec.endswith("roformer"):
         assert not [w for w in result.plan.warnings if "not checked" in w], result.plan.warnings
         styles = result.plan.module_styles()  # its rotary: stack([-q[..., 1::2], q[..., ::2]]).reshape_as(q)
@@ -443,6 +449,24 @@ def test_sequence_parallel_with_norms_kept_whole_or_outputs_cut_matches_one_proc
         cuts = [r for r in result.plan.regions if r.input == "output" and r.input_layouts == "Replicate"]
         assert [(r.module, r.desired_input_layouts) for r in cuts] == [
             ("cls.predictions.transform.transform_act_fn", "Shard(1)")], cuts
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_norm_over_all_heads_after_attention_gathers_its_input_and_attention_stays_split(tp: int) -> None:
+    """BitNet normalizes the attention's output over all heads (``attn_sub_norm``) before
+    ``o_proj``, and the MLP's product before ``down_proj``: each sub-norm gathers its input
+    where it receives it and hands on each rank's features, so q/k/v stay colwise and the
+    attention split by heads (it ran whole behind gathered q/k/v before)."""
+    from shardplan.interop.hf_models import build_hf_model
+
+    model, inputs, kwargs = build_hf_model("bitnet", tiny=True)
+    plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=inputs, example_kwargs=kwargs, explain=False)
+    styles = plan.module_styles()
+    q, k, v, o = (styles[f"model.layers.0.self_attn.{m}_proj"] for m in "qkvo")
+    # 2 kv heads: at tp=4 each is held by the 2 ranks whose query heads read it
+    assert (q, o) == ("colwise", "rowwise") and {k, v} <= {"colwise", "colwise_kv_gathered"}, plan.warnings
+    assert styles["model.layers.0.mlp.down_proj"] == "rowwise", styles
+    assert plan.rule_for("model.layers.0.self_attn.attn_sub_norm").output_layouts == "Shard(2)"
 
 
 def test_a_parameter_free_module_that_moves_tokens_is_not_taken_for_elementwise() -> None:
@@ -471,7 +495,7 @@ def test_a_parameter_free_module_that_moves_tokens_is_not_taken_for_elementwise(
     assert "S1" in {s.inputs[0] for s in op_strategies(act, graph, tp=2)}
 
 
-@pytest.mark.parametrize("model_type", ["bert", "rwkv", "afmoe", "lfm3", "biogpt"])
+@pytest.mark.parametrize("model_type", ["bert", "rwkv", "afmoe", "lfm3", "biogpt", "bitnet"])
 def test_sequence_parallel_cuts_and_kept_norms_collectives_equal_the_prediction(model_type: str) -> None:
     """A whole output cut where its module returns costs no forward collective and one
     all-gather of its gradient; the count on the fake group (tp=4) equals the estimate's."""

@@ -140,6 +140,10 @@ def find_regions(graph: OpGraph, solution: Solution) -> list[Entry]:
         sequence = kind.startswith("S")
         if is_gather(kind):  # gathered where the outermost module holding its readers receives it
             sites = _choose_sites(_candidate_sites(graph, value, consumers, fewest=1), consumers, outermost=True)
+            own = graph.ops[consumers[0]]
+            if not sites and len(consumers) == 1 and own.kind == "module":  # a norm gathering its own input
+                slot = own.inputs.index(value)
+                sites = ((RegionSite(own.target, slot, len(own.node.args)), consumers),)
             entries.append(Entry(value, kind, consumers, sites))
             continue
         if is_scatter(kind) or is_cut(kind):  # converted where the module that computes it returns

@@ -18,8 +18,9 @@ The program
   the region's entry collective is paid once per value, however many Linears share it.
 
 Objective (lexicographic, as users ask for tensor parallelism to save memory):
+0. with ``sequence_parallel=True``: the fewest norms kept off sequence shards, first;
 1. without a memory budget: least parameter bytes per device (shard all that can be);
-   then least predicted step time among those plans;
+   then the fewest attentions run whole; then least predicted step time among those plans;
 2. with a budget: least step time with memory per device <= budget.
 """
 
