@@ -538,6 +538,13 @@ def _experts_param_bytes(module: nn.Module, down_bias: str | None, tp: int) -> f
     return (_param_bytes(module) - kept) / tp + kept
 
 
+def _only_reader(graph: OpGraph, op: Op) -> bool:
+    from .propagation import metadata_only
+
+    readers = [c for c in graph.consumers.get(op.inputs[0], []) if not metadata_only(graph.ops[c])]
+    return readers == [op.index]
+
+
 def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[Strategy]:
     x = graph.values[op.inputs[0]]
     pbytes = _param_bytes(module)
@@ -551,14 +558,16 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
             "replicate", ("R",), f"S{last}", bwd=(("all_gather", x.nbytes),), param_bytes=pbytes,
             mem_bytes=2 * x.nbytes, act_bytes=x.nbytes / tp, layouts={"weight": "R", "output": f"S{last}"},
         ))
-        # the same on a value split by heads, gathered where the norm receives it (BitNet's
-        # attn_sub_norm over the attention's output, before o_proj): one all-gather forward,
-        # the gradient the output's all-gather makes whole sliced back; attention stays split
-        out.append(Strategy(
-            "replicate", (f"S{last}",), f"S{last}", bwd=(("all_gather", x.nbytes),), entry=(f"S{last}>R",),
-            param_bytes=pbytes, mem_bytes=2 * x.nbytes, act_bytes=x.nbytes / tp,
-            layouts={"weight": "R", "output": f"S{last}"},
-        ))
+        # the same on a value split by heads that only the norm reads, gathered where the norm
+        # receives it (BitNet's attn_sub_norm over the attention's output, before o_proj): one
+        # all-gather forward, the gradient the output's all-gather makes whole sliced back;
+        # attention stays split. Not the residual stream, which a gather would not shorten
+        if _only_reader(graph, op):
+            out.append(Strategy(
+                "replicate", (f"S{last}",), f"S{last}", bwd=(("all_gather", x.nbytes),), entry=(f"S{last}>R",),
+                param_bytes=pbytes, mem_bytes=2 * x.nbytes, act_bytes=x.nbytes / tp,
+                layouts={"weight": "R", "output": f"S{last}"},
+            ))
     for d in _seq_dims(x.shape, tp) if sp else []:
         # dim 1 of (batch, seq, hidden) is the sequence; a deeper dim is heads (q_norm/k_norm)
         name = "sequence_parallel" if d == 1 and len(x.shape) == 3 else "replicated_with_grad_allreduce"
