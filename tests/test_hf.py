@@ -376,7 +376,8 @@ def test_hf_tiny_mla_keeps_its_own_head_sizes_and_a_sparse_layer():
 
 @pytest.mark.parametrize(("model_type", "module", "style"), [
     ("qwen2_moe", "model.layers.*.mlp.shared_expert_gate", "rowwise_split_input"),  # [1, hidden]
-    ("roberta", "roberta.embeddings.token_type_embeddings", "replicate"),  # [2, hidden]
+    # [2, hidden]: whole, or split on its features (colwise), never by its 2 rows
+    ("roberta", "roberta.embeddings.token_type_embeddings", ("replicate", "colwise")),
 ])
 def test_fewer_rows_than_ranks_are_not_split_by_rows(model_type: str, module: str, style: str) -> None:
     """A weight with fewer output rows than tp=4 ranks is never split by them (ranks would hold
@@ -386,7 +387,7 @@ def test_fewer_rows_than_ranks_are_not_split_by_rows(model_type: str, module: st
 
     model, inputs, kwargs = hf.build_hf_model(model_type, tiny=True)
     plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=inputs, example_kwargs=kwargs)
-    assert {r.module: r.style for r in plan.rules}[module] == style
+    assert {r.module: r.style for r in plan.rules}[module] in ((style,) if isinstance(style, str) else style)
     model, inputs, kwargs = hf.build_hf_model(model_type, tiny=True, device="cpu", seed=0)
     result = simulate(model, plan, inputs, kwargs)
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"

@@ -196,6 +196,8 @@ def _check_on(graph: OpGraph, stood: list[str], plan: Plan, placements: dict[int
     except LocalShapeError:
         raise
     except Exception:  # noqa: BLE001 - said in the plan's warnings
+        if "_StandIn" in str(first):  # the code reads a block's attributes: checked with the blocks themselves
+            return None
         return (f"{type(graph.model).__name__}: the code between its blocks was not checked on local shapes: it fails "
                 f"on the meta device even unsharded, at {_user_frame(first)}: {_said(first)}")
 
