@@ -133,7 +133,7 @@ def scalars_on_meta_as_zero() -> Iterator[None]:
     """``.item()`` of a meta tensor returns 0 (False) instead of raising: code that reads a
     value only to decide a warning (Hugging Face's ``pad_token_id in input_ids``) runs on meta,
     so the shapes around it can be checked. Sizes computed from such values are not to be
-    trusted, and a check run this way says so."""
+    trusted; the check that uses it (``apply.standins``) warns only when even this run fails."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class _Zero(TorchDispatchMode):
