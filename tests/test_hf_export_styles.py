@@ -326,3 +326,13 @@ def test_one_kv_head_kept_whole_is_refused() -> None:
     assert plan.rule_for("model.layers.0.self_attn.k_proj").style == "colwise_gather_output"
     with pytest.raises(ValueError, match=r"k_proj \(and 1 more\) use styles Hugging Face's tp_plan cannot express"):
         plan.to_hf_tp_plan(model)
+
+
+def test_a_bias_cut_to_each_ranks_heads_is_refused() -> None:
+    """Bloom's ALiBi (``[b * heads, 1, keys]``) is cut to each rank's heads where its attention
+    receives it; a tp_plan has no entry for that, so Hugging Face's ranks would add the whole
+    bias to scores of their own heads."""
+    model, plan = _plan("bloom", sequence_parallel=False)
+    assert plan.rule_for("transformer.h.0.self_attention.query_key_value").style == "colwise"
+    with pytest.raises(ValueError, match=r"self_attention: its input 'alibi' is cut to each rank's heads"):
+        plan.to_hf_tp_plan(model)

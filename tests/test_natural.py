@@ -506,3 +506,45 @@ def test_sequence_parallel_cuts_and_kept_norms_collectives_equal_the_prediction(
                                 sequence_parallel=True, explain=False)
     result = simulate(model, plan, positional(model, inputs, kwargs))
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("batch", [2, 3, 4])
+def test_alibi_folded_into_the_batch_keeps_attention_split_by_heads(tp: int, batch: int) -> None:
+    """Megatron-DeepSpeed's and Bloom's ALiBi: the root makes ``[b * heads, 1, keys]`` once and
+    every attention adds it to scores folded the same way (``alibi.baddbmm(q, k)``). Each
+    rank cuts its heads of every batch row where the attention receives it (Replicate ->
+    Shard(0) in runs of the head count), so q/k/v stay colwise; before, q/k/v were gathered
+    and attention ran whole. The run is the head count whatever the batch (4 heads: batch 4
+    equals it)."""
+    with torch.device("meta"):
+        model = natural.folded_alibi()
+    tokens = torch.zeros(batch, 16, dtype=torch.long, device="meta")
+    plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=(tokens,), explain=False)
+    styles = _block_styles(plan, "blocks.0.attn.")
+    assert [styles[m] for m in "qkvo"] == ["colwise"] * 3 + ["rowwise"], plan.warnings
+    folds = [(r.module, r.input, r.input_layouts, r.desired_input_layouts, r.fold) for r in plan.regions if r.fold]
+    assert folds == [("blocks.*.attn", 1, "Replicate", "Shard(0)", model.heads)], plan.regions
+    assert not plan.warnings, plan.warnings
+
+
+def test_alibi_folded_into_the_batch_matches_one_process_on_gloo_at_another_batch() -> None:
+    """Planned at batch 2, run at batch 3: the cut follows the batch the ranks see."""
+    with torch.device("meta"):
+        model = natural.folded_alibi()
+    tokens = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(tokens,), explain=False)
+    result = verify("tests.portability.natural:folded_alibi", plan=plan, nproc=2, batch_size=3, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_bloom_attention_is_split_by_heads_and_matches_one_process_on_gloo(nproc: int) -> None:
+    """Bloom's fused q/k/v (``[heads, 3, head_dim]`` rows) colwise and its dense rowwise beside
+    the folded ALiBi, sequence parallel on: 4 heads over 2 and 4 ranks."""
+    result = verify("hf-tiny:bloom", nproc=nproc, timeout_s=300, sequence_parallel=True)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    styles = result.plan.module_styles()
+    attn = "transformer.h.0.self_attention"
+    assert (styles[f"{attn}.query_key_value"], styles[f"{attn}.dense"]) == ("colwise", "rowwise"), result.plan.warnings
+    assert [r.fold for r in result.plan.regions if r.fold] == [4], result.plan.regions

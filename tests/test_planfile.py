@@ -79,3 +79,16 @@ def test_a_file_of_many_repeated_rules_is_checked_fast_and_the_repeats_named(tmp
     assert time.perf_counter() - start < 30
     assert findings[0].startswith("rule tok_embeddings (embedding_rowwise): the module pattern of rule 0 again")
     assert findings[-1] == f"... and {len(data['rules']) - 12 - 20} more rules that repeat a module pattern"
+
+
+def test_a_fold_cuts_only_a_whole_input() -> None:
+    """``fold`` (heads folded into the batch) qualifies a slice, Replicate -> Shard(d) at an input."""
+    from shardplan.plan.model import Region
+
+    cut = Region(module="h.*.attn", input="alibi", num_inputs=1, desired_input_layouts="Shard(0)", fold=4,
+                 use_local_output=True)
+    assert cut.fold == 4
+    with pytest.raises(ValueError, match=r"fold 4 with input 'output', Replicate -> Shard\(1\): a fold cuts a module's whole input"):
+        Region(module="h.*.attn", input="output", num_inputs=0, desired_input_layouts="Shard(1)", fold=4)
+    with pytest.raises(ValueError, match=r"fold 4 with input 0, Shard\(1\) -> Replicate"):
+        Region(module="h.*.attn", input=0, num_inputs=1, input_layouts="Shard(1)", fold=4)

@@ -39,7 +39,7 @@ from .attention_style import MultiheadAttentionParallel
 from .gradsync import install_gradient_sync
 from .localviews import install_local_views
 from .head_styles import (
-    ColwiseKVGathered, ColwiseKVReplicated, ColwisePartialInput, Conv1DRowwisePartialSums, GatherPartialGrad,
+    ColwiseKVGathered, ColwiseKVReplicated, ColwisePartialInput, Conv1DRowwisePartialSums, FoldedSlice, GatherPartialGrad,
     ReplicatePartialGrad, RowwisePartialSums,
 )
 from .styles import (
@@ -123,6 +123,8 @@ def _experts_over_ep(model: nn.Module, device_mesh, plan: Plan) -> None:
 
 def _region_style(region: Region) -> ParallelStyle:
     layout, desired = placement(region.input_layouts), placement(region.desired_input_layouts)
+    if region.fold is not None:  # heads folded into the batch: the rank's heads of every row
+        return FoldedSlice(input=region.input, dim=desired.dim, fold=region.fold)
     if region.input == "output" and region.output_index is not None:  # one element of a returned tuple
         layouts, wanted = [None] * region.num_outputs, [None] * region.num_outputs
         layouts[region.output_index], wanted[region.output_index] = layout, desired

@@ -12,7 +12,10 @@ Like :mod:`.styles` (whose parameter helpers they use), each class is applied by
   head gathered across its ranks;
 * ``GatherPartialGrad``, ``ReplicatePartialGrad``, ``ColwisePartialInput``: MLA's latent
   projection (gathered, or whole) and its reader, around a whole value whose gradient comes
-  back Partial (the shared rotary key, broadcast to heads split tp ways).
+  back Partial (the shared rotary key, broadcast to heads split tp ways);
+* ``FoldedSlice``: a whole input with the heads folded into the batch (Bloom's ALiBi,
+  ``[b * heads, 1, keys]``), cut to this rank's heads of every batch row where the module
+  receives it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from .styles import Conv1DRowwise, _distribute_own, _restore_params, _swap_to_local
 
-__all__ = ["grouped_mesh", "ColwiseKVReplicated", "ColwiseKVGathered", "GatherPartialGrad", "ReplicatePartialGrad", "ColwisePartialInput"]
+__all__ = ["grouped_mesh", "ColwiseKVReplicated", "ColwiseKVGathered", "GatherPartialGrad", "ReplicatePartialGrad", "ColwisePartialInput",
+           "FoldedSlice"]
 
 
 def grouped_mesh(tp_mesh: Any, groups: int) -> Any:
@@ -201,3 +205,44 @@ class _FromLocalKeepPartialGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (grad.to_local() if isinstance(grad, DTensor) else grad), None
+
+
+class FoldedSlice(ParallelStyle):
+    """``PrepareModuleInput(Replicate -> Shard(dim))`` within runs of ``fold`` along ``dim``.
+
+    A value ``[b * heads, ...]`` (heads folded into the batch, ``fold = heads``) read beside
+    scores split by heads and folded the same way: rank ``r`` holds rows
+    ``i * heads + r * heads / tp ... + heads / tp`` of every run ``i``, the layout
+    ``_StridedShard(dim, split_factor=b)`` describes. The plan names the run, not ``b``, so
+    any batch size cuts right: ``unflatten(dim, (-1, fold))``, this rank's chunk of the run,
+    ``flatten`` back. The input needs no gradient (a bias made from the mask), so the cut,
+    local and collective-free, has no backward to speak of."""
+
+    def __init__(self, *, input: int | str, dim: int, fold: int) -> None:
+        super().__init__()
+        self.input, self.dim, self.fold = input, dim, fold
+
+    def _cut(self, x: Any, device_mesh) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if isinstance(x, DTensor):
+            x = x.full_tensor()
+        tp, rank = device_mesh.size(), device_mesh.get_local_rank()
+        d = self.dim % x.dim()
+        if self.fold % tp or x.shape[d] % self.fold:
+            raise ValueError(f"an input of shape {tuple(x.shape)} cannot be cut in runs of {self.fold} along dim {d} "
+                             f"{tp} ways; the plan expected dim {d} to be a multiple of {self.fold} (the heads), "
+                             f"{tp} dividing it: plan again for this model")
+        width = self.fold // tp
+        return x.unflatten(d, (-1, self.fold)).narrow(d + 1, rank * width, width).flatten(d, d + 1)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def hook(mod, args, kwargs):
+            if isinstance(self.input, int):
+                args = tuple(self._cut(a, device_mesh) if i == self.input else a for i, a in enumerate(args))
+            elif self.input in kwargs:
+                kwargs = {**kwargs, self.input: self._cut(kwargs[self.input], device_mesh)}
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module

@@ -19,6 +19,8 @@ from torch import nn
 from . import cost
 from ..analyze.graph import OpGraph
 from ..plan.model import Region, Rule, brace_ranges
+from .folded import parts_of
+from .placements import shard_dim
 from .regions import Entry, PartialBlock, partial_grad_params
 from .scatter import exits, is_cut, is_gather, is_scatter, scatter_target
 from .slices import is_slice, slice_target
@@ -264,10 +266,15 @@ def regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
 def _slice_regions(graph: OpGraph, e: Entry, pmap) -> list[Region]:
     """Replicate -> Shard(d) where the module receives the value: each rank's part of it, cut
     locally, handed on as a plain tensor to code that runs on the rank's heads."""
-    want = _layout(slice_target(e.kind))
+    target = slice_target(e.kind)
+    want, blocks = _layout(target), parts_of(target)
+    # folded: the value's dim holds ``blocks`` runs (the batch) of ``fold`` rows (the heads);
+    # the plan names the run, which the batch size does not change
+    fold = graph.values[e.value].shape[shard_dim(target)] // blocks if blocks > 1 else None
+    within = f" of every run of {fold} rows" if fold else ""
     return [Region(module=module, input="output" if site.input is None else site.input, num_inputs=site.num_inputs,
-                   input_layouts="Replicate", desired_input_layouts=want, use_local_output=True,
-                   why=f"read beside values split tp ways: each rank cuts its part ({want}), no collective")
+                   input_layouts="Replicate", desired_input_layouts=want, fold=fold, use_local_output=True,
+                   why=f"read beside values split tp ways: each rank cuts its part ({want}{within}), no collective")
             for site, _ in e.sites for module in patterned(site.module, graph, pmap)]
 
 

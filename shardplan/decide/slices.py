@@ -28,7 +28,9 @@ from .propagation import metadata_only
 
 __all__ = ["received_values", "slice_entries", "slice_twins", "entry_twins", "slice_rows", "is_slice", "slice_target", "place"]
 
-_SLICE = re.compile(r"R>(S\d+)")
+# ``S{d}p{k}``: heads folded into the batch (Bloom's ALiBi of ``[b * heads, 1, keys]`` beside
+# scores folded the same way): each rank's heads of every one of the ``k`` blocks
+_SLICE = re.compile(r"R>(S\d+(?:p\d+)?)")
 
 
 def is_slice(entry: str | None) -> bool:
@@ -74,19 +76,23 @@ def slice_entries(graph: OpGraph) -> dict[int, tuple[str, ...]]:
 def slice_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Strategy]:
     entries = slice_entries(graph)
     slots = [i for i, v in enumerate(op.inputs) if any(_inside(op.owner, m) for m in entries.get(v, ()))]
-    return entry_twins(strategies, slots, reads="R")
+    return entry_twins(strategies, slots, reads="R", folded=True)
 
 
-def entry_twins(strategies: list[Strategy], slots: list[int], *, reads: str, arrow: str = ">") -> list[Strategy]:
+def entry_twins(strategies: list[Strategy], slots: list[int], *, reads: str, arrow: str = ">",
+                folded: bool = False) -> list[Strategy]:
     """For each strategy that reads input ``i`` (in ``slots``) as ``Shard(d)``, a twin that
     reads it ``reads`` (``R``: a whole value cut; ``P``: a partial sum reduce-scattered) with
     the entry ``{reads}{arrow}S{d}`` that makes it the shard there (``>``: where a module
-    receives it or, a partial sum, returns it; ``^``: a whole value where its module returns it)."""
+    receives it or, a partial sum, returns it; ``^``: a whole value where its module returns it).
+    ``folded``: a folded ``S{d}p{k}`` read qualifies too (a whole value cut needs no collective
+    whatever blocks it is cut in)."""
+    shard = re.compile(r"S\d+(?:p\d+)?" if folded else r"S\d+")
     out = []
     for s in strategies:
         for i in slots:
             p = s.inputs[i] if i < len(s.inputs) else None
-            if p is None or not re.fullmatch(r"S\d+", p) or any(s.entry):
+            if p is None or not shard.fullmatch(p) or any(s.entry):
                 continue
             inputs = s.inputs[:i] + (reads,) + s.inputs[i + 1:]
             entry = tuple(f"{reads}{arrow}{p}" if j == i else None for j in range(len(s.inputs)))

@@ -128,6 +128,14 @@ def _refuse_for_hf(plan) -> None:
             f"{r.module}: {r.style} with activations split on the sequence (sequence_parallel), which Hugging Face's "
             "tp_plan cannot express (its rowwise and embedding_rowwise always all-reduce to Replicate); plan with "
             f"sequence_parallel=False for Hugging Face, or {_APPLY}")
+    cut = [g for g in plan.regions if g.input != "output" and g.input_layouts == "Replicate"
+           and g.desired_input_layouts.startswith("Shard")]
+    if cut:
+        # the region is what hands the module its rank's part of a whole bias (ALiBi) to add to
+        # scores split by heads; Hugging Face's tp_plan has no such entry, so its ranks would
+        # add the whole bias to their heads' scores
+        raise ValueError(f"{cut[0].module}: its input {cut[0].input!r} is cut to each rank's heads where it is "
+                         f"received ({cut[0].desired_input_layouts}), which Hugging Face's tp_plan cannot express; {_APPLY}")
     for r in plan.rules:
         accept = _HF_LAYOUTS.get(r.style)
         if r.style == "replicated_with_grad_allreduce":  # a no-op forward on whatever local tensor arrives

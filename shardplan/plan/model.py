@@ -143,6 +143,10 @@ class Region(_Strict):
     input_layouts: Layout = "Replicate"
     desired_input_layouts: Layout = "Replicate"
     use_local_output: bool = False  # hand plain tensors on (a block's exit) or DTensors (an entry)
+    # Replicate -> Shard(d) taken in runs of ``fold`` along d: heads folded into the batch
+    # (Bloom's ALiBi, ``[b * heads, 1, keys]``, fold = heads) give each rank its heads of every
+    # run, the layout ``_StridedShard(d, split_factor=b)`` holds, whatever the batch
+    fold: Annotated[int, Field(strict=True, ge=2)] | None = None
     # input: output of a module returning a tuple: the element converted, of how many
     output_index: Annotated[int, Field(strict=True, ge=0)] | None = None
     num_outputs: Annotated[int, Field(strict=True, ge=1)] | None = None
@@ -154,6 +158,15 @@ class Region(_Strict):
                 self.output_index is not None and (self.input != "output" or self.output_index >= self.num_outputs)):
             raise ValueError(f"output_index {self.output_index} of num_outputs {self.num_outputs} (input {self.input!r}): "
                              "give both, with input: output and 0 <= output_index < num_outputs, or neither")
+        return self
+
+    @model_validator(mode="after")
+    def _fold_cuts_a_whole_input(self) -> "Region":
+        if self.fold is not None and not (self.input != "output" and self.input_layouts == "Replicate"
+                                          and self.desired_input_layouts.startswith("Shard")):
+            raise ValueError(f"fold {self.fold} with input {self.input!r}, {self.input_layouts} -> "
+                             f"{self.desired_input_layouts}: a fold cuts a module's whole input (Replicate -> Shard(d)); "
+                             "drop fold or give those layouts")
         return self
 
     @model_validator(mode="after")

@@ -401,3 +401,64 @@ def cut_unpack() -> CutLM:
 def cut_unflatten() -> CutLM:
     torch.manual_seed(0)
     return CutLM("unflatten")
+
+
+# ALiBi with the heads folded into the batch (Megatron-DeepSpeed's and Bloom's spelling): the
+# root makes the bias once, [b * heads, 1, keys], every block adds it to scores folded the same way
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    start = 2 ** (-8 / heads)
+    return torch.tensor([start ** (i + 1) for i in range(heads)])
+
+
+class FoldedAlibiAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x, alibi, mask):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.heads, self.head_dim).transpose(1, 2).reshape(b * self.heads, s, self.head_dim)
+                   for p in (self.q, self.k, self.v))
+        scores = alibi.baddbmm(q, k.transpose(1, 2), beta=1.0, alpha=self.head_dim ** -0.5)
+        probs = (scores.view(b, self.heads, s, s) + mask).softmax(-1).view(b * self.heads, s, s)
+        y = torch.bmm(probs, v).view(b, self.heads, s, self.head_dim).transpose(1, 2).reshape(b, s, -1)
+        return self.o(y)
+
+
+class FoldedAlibiBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = FoldedAlibiAttention(dim, heads)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x, alibi, mask):
+        x = x + self.attn(self.ln1(x), alibi, mask)
+        return x + self.mlp(self.ln2(x))
+
+
+class FoldedAlibiLM(nn.Module):
+    def __init__(self, vocab: int = 256, dim: int = 96, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(FoldedAlibiBlock(dim, heads) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx):
+        b, s = idx.shape
+        x = self.emb(idx)
+        slopes = alibi_slopes(self.heads).to(x.device)
+        alibi = (slopes[:, None, None] * torch.arange(s, device=x.device)).repeat(b, 1, 1)
+        mask = torch.full((s, s), float("-inf"), device=x.device).triu(1)
+        for block in self.blocks:
+            x = block(x, alibi=alibi, mask=mask)
+        return self.head(x)
+
+
+def folded_alibi() -> FoldedAlibiLM:
+    torch.manual_seed(0)
+    return FoldedAlibiLM()
