@@ -54,19 +54,24 @@ def op_graph(model: nn.Module, example_inputs: tuple, example_kwargs: dict | Non
     if front_end not in FRONT_ENDS:
         raise ValueError(f"front_end={front_end!r}; expected one of {FRONT_ENDS} ('auto': the meta fx tracer, "
                          "then torch.export where it fails)")
-    if front_end == "export":
-        return _exported(model, example_inputs, example_kwargs, None, fold)
+    # what a trace leaves on the model (CTRL's ``self.pos_encoding = self.pos_encoding.to(...)``
+    # assigns a proxy to a buffer) would answer every later forward in place of the real
+    # value: the second front end's, and the planner's own runs of the model's code (the
+    # outer-code check), where calling a dead tracer's proxy crashed the process
     before = snapshot(model)
     try:
-        with _training_trace(model):
-            return build_graph(tracer(model, example_inputs, example_kwargs=example_kwargs, fold_repeated=fold))
-    except Exception as fx_exc:  # noqa: BLE001 - any failure of the fast path: try the second front end
-        if front_end == "fx":
-            raise
-        # what the failed trace left on the model (a RoPE cache holding a proxy) would
-        # answer the second front end's forward in place of the real one
+        if front_end == "export":
+            return _exported(model, example_inputs, example_kwargs, None, fold)
+        try:
+            with _training_trace(model):
+                return build_graph(tracer(model, example_inputs, example_kwargs=example_kwargs, fold_repeated=fold))
+        except Exception as fx_exc:  # noqa: BLE001 - any failure of the fast path: try the second front end
+            if front_end == "fx":
+                raise
+            before.restore()
+            return _exported(model, example_inputs, example_kwargs, fx_exc, fold)
+    finally:
         before.restore()
-        return _exported(model, example_inputs, example_kwargs, fx_exc, fold)
 
 
 def _exported(model: nn.Module, example_inputs: tuple, example_kwargs: dict | None,
