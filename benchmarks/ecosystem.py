@@ -506,8 +506,12 @@ ATTENTION_NAME = re.compile(r"(self_|cross_)?(attn|attention)")
 SPLIT_COLWISE = ("colwise", "packed_colwise", "colwise_kv_gathered", "colwise_kv_replicated")
 SPLIT_ROWWISE = ("rowwise",)
 OUT_NAMES = ("wo", "o_proj", "out_proj", "output_proj", "c_proj", "dense")
-HEAD_NAMES = ("wq", "wq_b", "q_proj", "wqkv", "qkv_proj", "qkv", "c_attn", "query", "in_proj",
-              "wk", "wv", "k_proj", "v_proj", "wkv", "wkv_b", "kv_proj", "key", "value")
+HEAD_NAMES = ("wq", "wq_b", "q_proj", "q_b_proj", "wqkv", "Wqkv", "W_pack", "qkv_proj", "qkv", "query_key_value",
+              "c_attn", "query", "in_proj", "wk", "wv", "k_proj", "v_proj", "wkv", "wkv_b", "kv_b_proj", "kv_proj",
+              "key", "value")
+# DeepSeek-V3.2's lightning indexer (and V4's compressor) score keys for the attention with
+# heads of their own; where they run is their own choice, not the attention's split
+SIDE_MODULES = ("indexer", "compressor")
 FUSED_QKV_NAMES = ("c_attn", "in_proj")  # fused q/k/v without a q in the name: they carry q
 
 
@@ -553,6 +557,8 @@ def _roles(attn: Attention, members: list[str], theirs: dict[str, str]) -> None:
     by_library = any(f in ("colwise", "rowwise") for f in families.values())
     for member in members:
         leaf = member.rsplit(".", 1)[-1]
+        if any(part in SIDE_MODULES for part in member[len(attn.fqn) + 1:].split(".")[:-1]):
+            continue
         family = families.get(member) if by_library else None
         if family == "rowwise" or (not by_library and leaf in OUT_NAMES):
             attn.out.append(member)

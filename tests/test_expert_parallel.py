@@ -362,3 +362,119 @@ def test_a_bank_not_called_with_its_routing_beside_routed_ones_stays_dense() -> 
     assert any("shared_experts: kept as the tensor-parallel plan has it" in w for w in plan.warnings), plan.warnings
     result = simulate(model.float(), plan, inputs, fsdp=True)
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
+# torchtitan's calling convention: the MoE layer routes, sorts the rows by expert, and calls
+# experts(num_tokens_per_expert [E], rows [N, H]) (tests/portability/titan_moe.py)
+TITAN = "tests.portability.titan_moe:titan_moe"
+
+
+def _titan_plan(mesh: dict, **options):
+    import shardplan
+    from tests.portability.titan_moe import titan_moe
+
+    with torch.device("meta"):
+        model = titan_moe()
+    tokens = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    return shardplan.plan_model(model, mesh, example_inputs=(tokens,), explain=False, **options)
+
+
+@pytest.mark.parametrize("mesh", [{"ep": 2}, {"ep": 2, "tp": 2}, {"tp": 2}])
+def test_a_bank_called_on_rows_sorted_by_expert_plans_on_ep_with_attention_split(mesh: dict) -> None:
+    """The bank splits by whole experts over ep; on tp, attention splits by heads with the
+    block's head count made local: the check, which cannot run the bank on meta (it splits its
+    rows by ``counts.tolist()``), runs the block around it (before, the whole block went
+    unchecked, and ``view(b, s, self.heads, -1)`` cut each rank's 2 heads into 4 narrow ones:
+    a wrong result with no error)."""
+    plan = _titan_plan(mesh)
+    styles = plan.module_styles()
+    assert styles["layers.0.moe.experts"] == ("ep_experts" if "ep" in mesh else "moe_tp_experts"), styles
+    assert not [w for w in plan.warnings if "check skipped" in w], plan.warnings
+    if "tp" in mesh:
+        assert [styles[f"layers.0.{w}"] for w in ("wq", "wk", "wv", "wo")] == ["colwise"] * 3 + ["rowwise"], plan.warnings
+        assert [(a.module, a.values) for a in plan.attributes] == [("layers.*", {"heads": 2})], plan.attributes
+
+
+@pytest.mark.parametrize(("mesh", "nproc"), [({"tp": 2}, 2), ({"ep": 2}, 2), ({"ep": 2, "tp": 2}, 4)])
+def test_a_bank_called_on_rows_sorted_by_expert_matches_one_process(mesh: dict, nproc: int) -> None:
+    """Outputs, loss and every gradient against one process on the whole batch: the counts
+    exchanged, each run of rows sent to its expert's rank, regrouped by expert there, and
+    sent back in the order they came."""
+    from shardplan.tools.verify import verify
+
+    result = verify(TITAN, nproc=nproc, mesh=mesh, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+@pytest.mark.parametrize("mesh", [{"ep": 4}, {"ep": 2, "tp": 2}])
+def test_a_bank_called_on_rows_sorted_by_expert_collectives_equal_the_prediction(mesh: dict) -> None:
+    from shardplan.tools.simulate import simulate
+    from tests.portability.titan_moe import titan_moe
+
+    tokens = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+    model = titan_moe()
+    plan = _titan_plan(mesh)
+    result = simulate(model, plan, (tokens,))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+    assert result.counted["forward"]["all_to_all"] == 3 * len(model.layers)
+
+
+def test_torchtitans_own_deepseek_v3_splits_its_experts_over_ep_and_matches_one_process() -> None:
+    """torchtitan 0.3's DeepSeek-V3 (MLA, a dense first layer, shared experts; its bank called
+    as ``inner_experts(rows, num_tokens_per_expert)``, rows first), shrunk: planned on ep=2
+    (the bank of ``layers.{1}``, a folded rule's index set, is split: parallelize_module once
+    skipped it with a warning), and 2 gloo ranks match one process; on ep=2 x tp=2 with FSDP
+    the fake group counts the predicted collectives."""
+    import warnings
+
+    from benchmarks import ecosystem as eco
+    from shardplan.tools.simulate import simulate
+    from shardplan.tools.verify import verify
+
+    why = eco.library_missing("torchtitan")
+    if why:
+        pytest.skip(why)
+    result = verify("benchmarks.ecosystem:build_titan_deepseek_v3", nproc=2, mesh={"ep": 2}, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    assert result.plan.module_styles()["layers.1.moe.routed_experts.inner_experts"] == "ep_experts"
+    model, tokens = eco.build_titan_deepseek_v3(), torch.randint(0, 64, (2, 16))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*could not be resolved.*")  # a key parallelize_module skips
+        plan = shardplan_plan(model, {"ep": 2, "tp": 2}, (tokens,))
+        counted = simulate(model, plan, (tokens,), fsdp=True)
+    assert counted.matches, f"counted {dict(counted.counted)} != predicted {counted.predicted}"
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_hugging_faces_ep_plan_imports_as_a_priced_plan_and_exports_back(model_type: str) -> None:
+    """``from_hf_ep_plan`` reads the model's ``base_model_ep_plan``: the banks it names go whole
+    over ep, every other weight stays whole (transformers' expert parallelism has no tp), and
+    the plan exports back to the very ep_plan it came from."""
+    import warnings
+
+    from shardplan.interop.hf import build_hf_model, from_hf_ep_plan, hf_ep_plan
+
+    model, inputs, kwargs = build_hf_model(model_type, tiny=True)
+    theirs = hf_ep_plan(model)
+    assert "ep_dispatch_experts" in theirs.values(), theirs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = from_hf_ep_plan(model=model, mesh={"dp": 2, "ep": 2}, example_inputs=inputs, example_kwargs=kwargs)
+    assert {r.style for r in plan.rules} == {"ep_experts", "replicate"}, plan.rules
+    assert plan.estimate.collectives["forward"].all_to_all > 0
+    ours, config = plan.to_hf_ep_plan(model)
+    assert ours == theirs and config == {"ep_size": 2, "fsdp_size": 4}
+
+
+def test_an_ep_plan_import_that_cannot_be_honoured_is_refused() -> None:
+    from shardplan.interop.hf import build_hf_model, from_hf_ep_plan
+
+    model, inputs, kwargs = build_hf_model("mixtral", tiny=True)
+    with pytest.raises(ValueError, match=r"no tensor parallelism; got mesh \{'ep': 2, 'tp': 2\}"):
+        from_hf_ep_plan(model=model, mesh={"ep": 2, "tp": 2}, example_inputs=inputs, example_kwargs=kwargs)
+    with pytest.raises(ValueError, match=r"'colwise'\} are not expert-parallel styles"):
+        from_hf_ep_plan({"model.layers.*.self_attn.q_proj": "colwise"}, model=model, mesh={"ep": 2},
+                        example_inputs=inputs, example_kwargs=kwargs)
+    with pytest.raises(ValueError, match=r"names model.layers.\*.mlp.gate ep_dispatch_experts, but shardplan cannot split"):
+        from_hf_ep_plan({"model.layers.*.mlp.gate": "ep_dispatch_experts"}, model=model, mesh={"ep": 2},
+                        example_inputs=inputs, example_kwargs=kwargs)

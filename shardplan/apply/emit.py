@@ -117,8 +117,10 @@ def _experts_over_ep(model: nn.Module, device_mesh, plan: Plan) -> None:
         raise ValueError(f"the plan splits experts over {plan.mesh.ep_axis} and {plan.mesh.tp_axis}, but the mesh's "
                          f"axes are {names}; make the mesh with the plan's axes {tuple(plan.mesh.axes)}")
     mesh = device_mesh[axes[0]] if len(axes) == 1 else device_mesh[axes]
-    parallelize_module(model, mesh, {r.module: ExpertParallel(inner_tp=r.inner == "moe_tp_experts",
-                                                              reduce_output=r.output_layouts != "Partial") for r in rules})
+    # a folded rule's index set (``layers.{1-3}``: DeepSeek's dense first layers) is one key per
+    # index: parallelize_module has no index sets, and skips a key it cannot match with a warning
+    parallelize_module(model, mesh, _fnmatch_keys({r.module: ExpertParallel(
+        inner_tp=r.inner == "moe_tp_experts", reduce_output=r.output_layouts != "Partial") for r in rules}))
 
 
 def _region_style(region: Region) -> ParallelStyle:

@@ -5,7 +5,9 @@ Contract
 ``ExpertParallel()`` is a ``ParallelStyle`` for an expert bank that the model calls as
 ``bank(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` and that applies
 the routing weights itself (Hugging Face's routed banks: Mixtral, Qwen3-MoE, DeepSeek-V3,
-gpt-oss, ...), applied with a 1-D ``ep`` mesh or a 2-D ``(ep, tp)`` one. Its 3-D weights
+gpt-oss, ...), or as ``bank(num_tokens_per_expert [E], rows [N, H]) -> [N, H]`` (either
+order) on rows the model sorted by expert (torchtitan's ``GroupedExperts``: the layer routes,
+sorts, scales and adds back itself), applied with a 1-D ``ep`` mesh or a 2-D ``(ep, tp)`` one. Its 3-D weights
 and 2-D biases become ``Shard(0)`` DTensors: rank ``r`` of ``ep`` holds experts
 ``[r E/ep, (r + 1) E/ep)``, whole, or on ``(ep, tp)`` split inside over tp as
 ``moe_tp_experts`` splits them (the class doc).
@@ -18,6 +20,10 @@ A call on each rank (its own tokens; ``ep`` is a data axis everywhere else):
    (``num_experts`` and the parameters swapped for the call only), top-1 at weight 1;
 3. the rows sent back the same way, put back in ``(token, slot)`` order, and the routing
    weights applied on the sending rank, where the router's gradient belongs.
+
+Sorted rows (the second convention) skip steps 1's sort and 3's weights: the counts say
+which run of rows goes to which rank; the rows received (by sending rank, then expert) are
+regrouped by expert for the bank and put back before they return.
 
 A rank that receives no rows still runs one zero row through its experts and drops it: its
 backward then takes part in the return all-to-all (without it the other ranks wait forever).
@@ -128,11 +134,12 @@ def _check_routed(module: nn.Module) -> None:
     """The bank's forward takes the tokens, the chosen experts and their weights."""
     params = [p for p in inspect.signature(module.forward).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(params) < 3:
+    if len(params) < 2:
         names = ", ".join(p.name for p in params)
         raise ValueError(f"{type(module).__name__}.forward({names}) is not called with its routing; expert "
                          "parallelism here dispatches banks called as forward(hidden [T, H], top_k_index [T, k], "
-                         "top_k_weights [T, k]); keep this bank on tp (moe_tp_experts)")
+                         "top_k_weights [T, k]) or forward(num_tokens_per_expert [E], rows sorted by expert [N, H]); "
+                         "keep this bank on tp (moe_tp_experts)")
 
 
 @contextmanager
@@ -163,8 +170,52 @@ def _exchange(rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], gro
     return torch.ops._c10d_functional.wait_tensor(moved)
 
 
-def _ep_forward(module: nn.Module, run: Callable, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor, *, group: Any, ep: int, local: int, tp: _TpInside | None) -> torch.Tensor:
+def _ep_forward(module: nn.Module, run: Callable, *args: torch.Tensor, group: Any, ep: int, local: int,
+                tp: _TpInside | None) -> torch.Tensor:
+    if len(args) == 2:  # num_tokens_per_expert [E] and rows sorted by expert [N, H], in either order
+        counts_first = args[0].dim() == 1 and not args[0].is_floating_point()
+        counts, rows = args if counts_first else args[::-1]
+        call = run if counts_first else (lambda c, r: run(r, c))
+        return _ep_sorted(module, call, counts, rows, group=group, ep=ep, local=local, tp=tp)
+    return _ep_routed(module, run, *args, group=group, ep=ep, local=local, tp=tp)
+
+
+def _ep_sorted(module: nn.Module, run: Callable, counts: torch.Tensor, rows: torch.Tensor, *, group: Any, ep: int,
+               local: int, tp: _TpInside | None) -> torch.Tensor:
+    """``run(counts, rows)`` on this rank's experts and the rows the ranks send them."""
+    if tp is not None and rows.requires_grad:
+        rows = _CopyToTP.apply(rows, tp.group)
+    counts = counts.reshape(ep, local).to(torch.int64)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    send_sizes, recv_sizes = counts.sum(1).tolist(), received.sum(1).tolist()
+    got = _exchange(rows, recv_sizes, send_sizes, group)
+    # got holds rank 0's rows for our expert 0, 1, ..., then rank 1's: regroup by expert
+    perm = _by_expert(received)
+    with _local_bank(module, local=local, ep=ep, tp=tp):
+        if got.shape[0]:
+            y = run(received.sum(0), got[perm])[torch.argsort(perm)]
+        else:  # nothing received: one zero row keeps this rank in the backward's all-to-all
+            zero = got.sum(0, keepdim=True)
+            y = run(torch.nn.functional.one_hot(received.new_zeros(()), local), zero)[:0]
+    out = _exchange(y, send_sizes, recv_sizes, group)
+    return _ReduceFromTP.apply(out, tp.group) if tp is not None and tp.reduce_output else out
+
+
+def _by_expert(received: torch.Tensor) -> torch.Tensor:
+    """Row order that groups rows arriving as ``received[j, e]`` rows from rank j for expert e
+    (ranks outer) by expert (experts outer, ranks inner)."""
+    sizes = received.reshape(-1)
+    starts = torch.cumsum(sizes, 0) - sizes
+    blocks = torch.arange(sizes.numel(), device=sizes.device).view(received.shape).t().reshape(-1)
+    block_sizes, block_starts = sizes[blocks], starts[blocks]
+    within = torch.arange(int(sizes.sum()), device=sizes.device) - torch.repeat_interleave(
+        torch.cumsum(block_sizes, 0) - block_sizes, block_sizes)
+    return torch.repeat_interleave(block_starts, block_sizes) + within
+
+
+def _ep_routed(module: nn.Module, run: Callable, hidden: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor, *, group: Any, ep: int, local: int, tp: _TpInside | None) -> torch.Tensor:
     if tp is not None:  # the tp ranks' partial sums meet below: these gradients are summed over tp
         hidden, top_k_weights = (_CopyToTP.apply(t, tp.group) if t.requires_grad else t for t in (hidden, top_k_weights))
     k = top_k_index.shape[-1]

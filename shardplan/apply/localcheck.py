@@ -11,6 +11,11 @@ local tensor holds ``num_heads / tp`` heads) fails here, and the check raises
 :class:`~shardplan.decide.solve.PlanningError` naming the module and the source line, instead of
 handing the user a plan that crashes on the cluster. The plan is therefore the same with or
 without a process group.
+
+A weight module whose own code cannot run on meta even unsharded (an expert bank splitting
+its rows by ``counts.tolist()``) is stood in for (:func:`stand_in_for`: a meta tensor of its
+output's planned local shape), and the block runs again, so the code around it is checked;
+only code of the block's own that fails so skips the check, with a warning.
 """
 
 from __future__ import annotations
@@ -301,6 +306,7 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
     call = graph.traced.calls[target][0]
     block = _meta_copy(graph.model.get_submodule(target))
     shard(block, mesh, _sub_plan(plan, target))
+    stand_in_for(block, graph, plan, placements, target)
     args, kwargs = _local_args(call, placements, plan.tp)
     stack = _track_modules(block)
     views: list[tuple[str, tuple[int, ...]]] = []
@@ -314,6 +320,13 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
         # it fails whole too (experts routing on meta): not its style's doing. A leaf with no
         # call of its own recorded (export records the root's only) is judged by its block's
         if leaf is not None and (_fails_unsharded(graph.model.get_submodule(leaf), calls[0]) if calls else block_fails()):
+            stood = graph.strategy_cache.setdefault("check stands in", set())
+            if leaf != target and leaf not in stood and _reads_values(exc) and _module_op(graph, leaf) is not None:
+                # its own code needs values meta tensors lack (experts that split their rows by
+                # counts read with .tolist()): the block runs again with it stood in, shaped as
+                # the trace recorded it, so the code around it (attention) is still checked
+                stood.add(leaf)
+                return _run_one(graph, plan, placements, mesh, target)
             leaf = None
         if leaf is None and block_fails():
             raise LocalShapeError(
@@ -329,6 +342,43 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
             culprit, leaf,
         ) from None
     _check_views(graph, plan, placements, target, views)
+
+
+def _reads_values(exc: BaseException) -> bool:
+    """A meta tensor asked for its values (``.tolist()``, ``.item()``): code meta cannot run,
+    whatever the plan, not a size the plan got wrong."""
+    text = str(exc)
+    return "Cannot copy out of meta tensor" in text or ("item()" in text and "meta" in text)
+
+
+class _Shaped(nn.Module):
+    """A weight module's place in a check: returns a meta tensor of its output's planned
+    local shape, as the trace recorded it, whatever it is handed."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.shape, self.dtype = shape, dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device="meta")
+
+
+def _module_op(graph: OpGraph, fqn: str) -> Any:
+    """The one call of weight module ``fqn`` with one output in the op graph, or None."""
+    ops = [op for op in graph.ops if op.kind == "module" and op.target == fqn and op.output is not None]
+    return ops[0] if len(ops) == 1 else None
+
+
+def stand_in_for(block: nn.Module, graph: OpGraph, plan: Plan, placements: dict[int, str], target: str) -> None:
+    """Put :class:`_Shaped` in ``block`` (a sharded meta copy of ``target``) in place of each
+    weight module under it whose own code the check found cannot run on meta."""
+    for fqn in sorted(graph.strategy_cache.get("check stands in", ())):
+        if target and not fqn.startswith(target + "."):
+            continue
+        value = graph.values[_module_op(graph, fqn).output]
+        parent, _, name = (fqn[len(target) + 1:] if target else fqn).rpartition(".")
+        (block.get_submodule(parent) if parent else block)._modules[name] = _Shaped(
+            local_shape(value.shape, placements.get(value.id, "R"), plan.tp), value.dtype)
 
 
 def _said(exc: Exception) -> str:

@@ -27,7 +27,7 @@ from ..plan.model import CutFix, LocalAttributes, LocalViews, Plan, ViewFix, int
 from .emit import shard
 from .localcheck import (
     LocalShapeError, _ViewRecorder, _check_mesh, _expected_views, _local_args, _meta_copy, _sub_plan, _targets,
-    _track_modules, _view_ops, check_local_shapes,
+    _track_modules, _view_ops, check_local_shapes, stand_in_for,
 )
 from .localviews import CUT_FUNCTIONS, discover_fixes, read_cut
 
@@ -260,6 +260,7 @@ def _run_view_target(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn
         if tp_mesh is None:
             return
         block = shard(_meta_copy(graph.model.get_submodule(target)), tp_mesh, _sub_plan(plan, target))
+        stand_in_for(block, graph, plan, placements, target)
         args, kwargs = _local_args(call, placements, plan.tp)
         with contextlib.suppress(Exception), torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), \
                 prepare(block, fqn[len(target):].lstrip(".")):

@@ -46,23 +46,39 @@ class Bank:
 
 
 def routed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Bank]:
-    """Expert banks called as ``bank(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``.
-    A bank called otherwise (a shared expert written as a bank, Llama 4's bank of every token)
-    is not one: it is listed in ``unread`` as ``"<fqn>: <shapes>"`` when a list is given."""
+    """Expert banks called as ``bank(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``
+    or, on rows sorted by expert, ``bank(num_tokens_per_expert [E], rows [N, H])``
+    (torchtitan's; a bank of N rows at top-1). A bank called otherwise (a shared expert
+    written as a bank, Llama 4's bank of every token) is not one: it is listed in ``unread``
+    as ``"<fqn>: <shapes>"`` when a list is given."""
     out = []
     for op in graph.ops:
         if op.kind != "module" or op.module_kind != "experts":
             continue
         shapes = [tuple(graph.values[v].shape) for v in op.inputs]
         dtypes = [graph.values[v].dtype for v in op.inputs]
-        if not (len(shapes) == 3 and len(shapes[0]) == 2 and shapes[1] == shapes[2] and len(shapes[1]) == 2
-                and shapes[1][0] == shapes[0][0] and not dtypes[1].is_floating_point and dtypes[2].is_floating_point):
-            if unread is not None:
-                unread.append(f"{op.target}: called with tensors of shapes {shapes}")
-            continue
-        experts = next(graph.model.get_submodule(op.target).parameters(recurse=False)).shape[0]
-        out.append(Bank(op.target, int(experts), shapes[0][0], shapes[1][1], shapes[0][1], op.multiplicity))
+        experts = int(next(graph.model.get_submodule(op.target).parameters(recurse=False)).shape[0])
+        if _routed(shapes, dtypes):
+            out.append(Bank(op.target, experts, shapes[0][0], shapes[1][1], shapes[0][1], op.multiplicity))
+        elif _sorted(shapes, dtypes, experts):
+            rows = max(shapes, key=len)
+            out.append(Bank(op.target, experts, rows[0], 1, rows[1], op.multiplicity))
+        elif unread is not None:
+            unread.append(f"{op.target}: called with tensors of shapes {shapes}")
     return out
+
+
+def _routed(shapes: list[tuple], dtypes: list) -> bool:
+    return (len(shapes) == 3 and len(shapes[0]) == 2 and shapes[1] == shapes[2] and len(shapes[1]) == 2
+            and shapes[1][0] == shapes[0][0] and not dtypes[1].is_floating_point and dtypes[2].is_floating_point)
+
+
+def _sorted(shapes: list[tuple], dtypes: list, experts: int) -> bool:
+    """Counts [E] (integers) and rows [N, H], in either order (torchtitan passes rows first)."""
+    if len(shapes) != 2:
+        return False
+    (counts, c_type), (rows, r_type) = sorted(zip(shapes, dtypes), key=lambda sd: len(sd[0]))
+    return counts == (experts,) and not c_type.is_floating_point and len(rows) == 2 and r_type.is_floating_point
 
 
 def expert_count(graph: OpGraph) -> int | None:
@@ -90,7 +106,8 @@ def _checked_banks(graph: OpGraph, plan: Plan, axis: str, ep: int, unread: list[
         raise PlanningError(
             f"mesh has {axis}={ep}, but no expert bank of {type(graph.model).__name__} is called with its routing "
             f"({unread[0]}); expert parallelism needs bank(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) "
-            "(Hugging Face's Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss); plan it on tp, where its experts are split inside")
+            "(Hugging Face's Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss) or bank(num_tokens_per_expert [E], rows sorted "
+            "by expert [N, H]) (torchtitan's); plan it on tp, where its experts are split inside")
     if not banks:
         raise PlanningError(f"mesh has {axis}={ep}, but {type(graph.model).__name__} has no expert bank (3-D [E, ...] "
                             f"weights called with the router's choice; experts written as a ModuleList are not split "

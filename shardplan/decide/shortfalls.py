@@ -235,6 +235,11 @@ def _reshape_message(src: tuple[int, ...], dst: tuple[int, ...], d: int, tp: int
     at = f" ({where})" if where else ""
     merged = next((gi for gi, _ in view_groups(tuple(src), tuple(dst)) if d in gi), [d])
     before = [k for k in merged if k < d and src[k] != 1]
+    into = next((gj for gi, gj in view_groups(tuple(src), tuple(dst)) if d in gi), [])
+    if before and all(dst[k] == 1 for k in into[1:]):  # no dim after the merged one: not heads
+        return (f"reshape {list(src)} -> {list(dst)} turns its {src[d]} features into rows of dim {before[0]} "
+                f"(size {src[before[0]]}){at}: one value per row, so no split of the features survives it; "
+                "it reads them whole")
     if before:
         return (f"reshape {list(src)} -> {list(dst)} merges its {src[d]} features with dim {before[0]} (size "
                 f"{src[before[0]]}) before them{at}: a split of the merged dim would split dim {before[0]}, not the "

@@ -53,7 +53,7 @@ from .hf_models import TINY, build_hf_model, positional, shrink_config
 
 __all__ = [
     "STYLE_FAMILY", "HF_TO_SHARDPLAN", "UNSUPPORTED_HF_STYLES", "style_family", "hf_tp_plan",
-    "from_hf_tp_plan", "to_hf_tp_plan", "agreement", "Agreement", "weight_kind", "build_hf_model",
+    "from_hf_tp_plan", "to_hf_tp_plan", "hf_ep_plan", "from_hf_ep_plan", "agreement", "Agreement", "weight_kind", "build_hf_model",
     "shrink_config", "positional", "hf_weight_counts", "TINY",
 ]
 
@@ -242,6 +242,62 @@ def from_hf_tp_plan(
     notes = [f"tp_plan entry not applied: {p}" for p in problems]
     notes += [f"tp_plan key {k!r} matches no module of {type(model).__name__}; ignored" for k in unused]
     return plan.model_copy(update={"warnings": plan.warnings + notes}) if notes else plan
+
+
+# --------------------------------------------------------------------------- HF ep_plan -> Plan
+
+# transformers' expert-parallel styles (distributed/expert_parallel.py): the bank's dispatch,
+# its parameters' shards, the router left whole
+_EP_BANK, _EP_PARAM, _EP_ROUTER = "ep_dispatch_experts", "grouped_gemm", "ep_router"
+
+
+def hf_ep_plan(model: nn.Module) -> dict[str, str]:
+    """Hugging Face's expert-parallel plan of ``model`` (its config's ``base_model_ep_plan``),
+    keys as its ``named_modules``; empty for a model without one."""
+    for fqn, mod in model.named_modules():
+        config = getattr(mod, "config", None)
+        if config is not None and _is_base_model(mod):
+            return {_prefixed(fqn, k): v for k, v in (getattr(config, "base_model_ep_plan", None) or {}).items()}
+    return {}
+
+
+def from_hf_ep_plan(mapping: Mapping[str, str] | None = None, *, model: nn.Module, mesh: Any,
+                    example_inputs: tuple | None = None, example_kwargs: dict | None = None, **options: Any) -> Plan:
+    """A shardplan :class:`Plan` that splits the banks ``mapping`` (an HF ``ep_plan``; default
+    :func:`hf_ep_plan`) names ``ep_dispatch_experts`` by whole experts over the mesh's ep axis
+    and keeps every other weight whole, as transformers' expert parallelism does; priced by
+    the cost model (:func:`~shardplan.api.price_styles`). ``ValueError`` for a mesh without an
+    ep axis or with tp, a style that is not one of HF's expert-parallel styles, or a named bank
+    shardplan cannot split over ep."""
+    from ..api import price_styles
+    from ..decide.axes import expert_axis, tp_axis_of
+
+    mapping = dict(hf_ep_plan(model) if mapping is None else mapping)
+    axes = dict(mesh) if isinstance(mesh, Mapping) else {"tp": int(mesh)}
+    tp = tp_axis_of(axes, options.get("tp_axis"))
+    if expert_axis(axes, tp) is None or axes.get(tp or "", 1) > 1:
+        raise ValueError(f"an ep_plan splits experts over an ep axis with no tensor parallelism; got mesh {axes}: "
+                         "give one like {'ep': 8} or {'dp': 2, 'ep': 4}")
+    odd = {k: v for k, v in mapping.items() if v not in (_EP_BANK, _EP_PARAM, _EP_ROUTER)}
+    if odd:
+        raise ValueError(f"ep_plan entries {odd} are not expert-parallel styles ({_EP_BANK}, {_EP_PARAM}, {_EP_ROUTER}); "
+                         "import tensor-parallel entries with from_hf_tp_plan")
+    banks = [k for k, v in mapping.items() if v == _EP_BANK]
+    whole = {_generic(f): "replicate" for f in _weight_leaves(model) if not any(matches(k, f) for k in banks)}
+    plan = price_styles(model, axes, whole, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
+    split = [r.module for r in plan.rules if r.style == "ep_experts"]
+    missing = [k for k in banks if any(matches(k, f) for f, _ in model.named_modules())
+               and not any(matches(k, f) for r in split for f in _fqns(r, plan))]
+    if missing:
+        raise ValueError(f"ep_plan names {missing[0]} {_EP_BANK}, but shardplan cannot split it over ep (see "
+                         "shardplan plan --mesh ep=N for why); drop the key to keep it whole")
+    return plan
+
+
+def _fqns(pattern: str, plan: Plan) -> list[str]:
+    from ..plan.model import expand_pattern
+
+    return expand_pattern(pattern, plan.model.repeats)
 
 
 # --------------------------------------------------------------------------- agreement
