@@ -43,7 +43,7 @@ from .analyze.snapshot import preserved
 from .decide import assemble, shortfalls
 from .decide.axes import DATA_AXES, check_axes, expert_axis, mesh_axes, state_shards, tp_axis_of  # noqa: F401 - mesh_axes re-exported
 from .decide.experts import expert_count, expert_parallel
-from .apply.localcheck import LocalShapeError, check_local_shapes
+from .apply.localcheck import SHARDED_NORM_GATHERS, LocalShapeError, check_local_shapes
 from .apply.localsizes import find_local_attributes
 from .apply.standins import OuterCodeError, check_outer_code, stood_blocks
 from .plan.model import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint, matches
@@ -417,7 +417,8 @@ def _assemble(model, graph, solution, ctx, entries, blocks, *, opts, axes, tp_ax
               whole: dict[str, str]) -> Plan:
     leaves = {op.target for op in graph.ops if op.kind == "module"}
     notes = shortfalls.plan_warnings(graph, solution, ctx.tp, budget=opts.memory_budget is not None, kept=set(whole)) + [
-        f"{module}: replicated, since its own forward fails on its shards: {why.splitlines()[0]}" if module in leaves
+        f"{module}: replicated: {why.splitlines()[0]}" if module in leaves and why.startswith(SHARDED_NORM_GATHERS)
+        else f"{module}: replicated, since its own forward fails on its shards: {why.splitlines()[0]}" if module in leaves
         else f"{module}: runs on whole activations, its weights still sharded: {why.splitlines()[0]}"
         for module, why in whole.items()
     ]

@@ -548,3 +548,62 @@ def test_bloom_attention_is_split_by_heads_and_matches_one_process_on_gloo(nproc
     attn = "transformer.h.0.self_attention"
     assert (styles[f"{attn}.query_key_value"], styles[f"{attn}.dense"]) == ("colwise", "rowwise"), result.plan.warnings
     assert [r.fold for r in result.plan.regions if r.fold] == [4], result.plan.regions
+
+
+def _norm_pins() -> dict[str, str]:
+    return {"attn.*.q_norm": "norm_sharded", "attn.*.k_norm": "norm_sharded"}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_norm_over_all_heads_runs_on_the_heads_split_with_its_statistic_all_reduced(tp: int) -> None:
+    """OLMo 2 normalizes q and k over all heads (``q_norm`` of ``[b, s, heads * hd]``). At a
+    real width the planner keeps q/k colwise and runs the norm on the split features
+    (``norm_sharded``: DTensor all-reduces the statistic, one value per row) instead of
+    gathering q and k for it, as Hugging Face's plan and vLLM do; the norm's weight is split
+    with the features."""
+    with torch.device("meta"):
+        model = natural.QKNormLM(natural.HandRMSNorm, dim=2048, heads=16)
+    tokens = torch.zeros(1, 4096, dtype=torch.long, device="meta")
+    plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=(tokens,), explain=False)
+    styles = _block_styles(plan, "attn.0.")
+    assert styles == {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
+                      "q_norm": "norm_sharded", "k_norm": "norm_sharded"}, plan.warnings
+
+
+def test_a_norm_over_all_heads_on_split_features_matches_one_process_and_its_collectives() -> None:
+    from shardplan.interop.hf import build_hf_model
+
+    model = natural.qk_rms_norm()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    plan = shardplan.price_styles(model, {"tp": 2}, _norm_pins(), example_inputs=(tokens,))
+    assert _block_styles(plan, "attn.0.")["q_proj"] == "colwise" and not plan.warnings, plan.warnings
+    result = verify("tests.portability.natural:qk_rms_norm", plan=plan, nproc=2, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    counted = simulate(model, plan, (tokens,))
+    assert counted.matches, f"counted {dict(counted.counted)} != predicted {counted.predicted}"
+    # with FSDP over dp: the norm's Shard(0) weight is sharded again over dp, as a colwise bias is
+    tokens4 = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    fresh = natural.qk_rms_norm()  # simulate applied the plan to ``model``
+    both = shardplan.price_styles(fresh, {"dp": 2, "tp": 2}, _norm_pins(), example_inputs=(tokens4,), data_parallel="fsdp")
+    assert both.module_styles()["attn.0.q_norm"] == "norm_sharded"
+    counted = simulate(fresh, both, (tokens4,), fsdp=True)
+    assert counted.matches, f"counted {dict(counted.counted)} != predicted {counted.predicted}"
+    hf, inputs, kwargs = build_hf_model("olmo2", tiny=True, device="cpu")
+    pins = {f"model.layers.*.self_attn.{n}": "norm_sharded" for n in ("q_norm", "k_norm")}
+    olmo = shardplan.price_styles(hf, {"tp": 2}, pins, example_inputs=inputs, example_kwargs=kwargs)
+    assert simulate(hf, olmo, inputs, kwargs).matches
+    with pytest.raises(ValueError, match=r"q_norm: style 'norm_sharded' has no Hugging Face tp_plan counterpart"):
+        olmo.to_hf_tp_plan(hf)
+
+
+def test_a_norm_whose_code_gathers_split_features_is_kept_whole() -> None:
+    """A LayerNorm written with ``var``: DTensor gathers the features for it, so on split
+    features it would cost an all-gather, not the all-reduce it was priced at; the local
+    check counts its collectives and the planner keeps it whole, saying why."""
+    with torch.device("meta"):
+        model = natural.qk_layer_norm()
+    tokens = torch.zeros(2, 64, dtype=torch.long, device="meta")
+    plan = shardplan.price_styles(model, {"tp": 2}, _norm_pins(), example_inputs=(tokens,))
+    assert _block_styles(plan, "attn.0.")["q_norm"] == "replicate"
+    assert any(w.startswith("attn.0.q_norm: replicated: its code on features split tp ways makes") and
+               "all_gather" in w for w in plan.warnings), plan.warnings

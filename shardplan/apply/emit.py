@@ -39,7 +39,7 @@ from .attention_style import MultiheadAttentionParallel
 from .gradsync import install_gradient_sync
 from .localviews import install_local_views
 from .head_styles import (
-    ColwiseKVGathered, ColwiseKVReplicated, ColwisePartialInput, Conv1DRowwisePartialSums, FoldedSlice, GatherPartialGrad,
+    ColwiseKVGathered, ColwiseKVReplicated, ColwisePartialInput, Conv1DRowwisePartialSums, FoldedSlice, GatherPartialGrad, NormSharded,
     ReplicatePartialGrad, RowwisePartialSums,
 )
 from .styles import (
@@ -89,6 +89,8 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False, scala
         return LocalVocabParallel(output_layouts=out)
     if rule.style == "embedding_rowwise":
         return RowwiseParallel(input_layouts=inp or Replicate(), output_layouts=out or Replicate())
+    if rule.style == "norm_sharded":
+        return NormSharded()
     if rule.style in ("sequence_parallel", "replicated_with_grad_allreduce"):
         return SequenceParallel(sequence_dim=(inp or Shard(1)).dim, use_local_output=True)
     if rule.style == "moe_tp_experts":

@@ -13,6 +13,8 @@ Like :mod:`.styles` (whose parameter helpers they use), each class is applied by
 * ``GatherPartialGrad``, ``ReplicatePartialGrad``, ``ColwisePartialInput``: MLA's latent
   projection (gathered, or whole) and its reader, around a whole value whose gradient comes
   back Partial (the shared rotary key, broadcast to heads split tp ways);
+* ``NormSharded``: a norm over features split tp ways (OLMo 2's q_norm over all heads) run
+  on DTensors, its statistic all-reduced, its weight split with the features;
 * ``FoldedSlice``: a whole input with the heads folded into the batch (Bloom's ALiBi,
   ``[b * heads, 1, keys]``), cut to this rank's heads of every batch row where the module
   receives it.
@@ -32,7 +34,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from .styles import Conv1DRowwise, _distribute_own, _restore_params, _swap_to_local
 
 __all__ = ["grouped_mesh", "ColwiseKVReplicated", "ColwiseKVGathered", "GatherPartialGrad", "ReplicatePartialGrad", "ColwisePartialInput",
-           "FoldedSlice"]
+           "FoldedSlice", "NormSharded"]
 
 
 def grouped_mesh(tp_mesh: Any, groups: int) -> Any:
@@ -245,4 +247,32 @@ class FoldedSlice(ParallelStyle):
             return args, kwargs
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class NormSharded(ParallelStyle):
+    """``norm_sharded``: the module's own code on a ``Shard(-1)`` DTensor of its input.
+
+    ``y = x / rms(x) * w`` over features split tp ways: DTensor computes the statistic
+    ``x.pow(2).mean(-1)`` as a partial result and all-reduces it (``[b, s, 1]``, one value per
+    row) before ``rsqrt``, the rest stays on each rank's features, and ``w`` (and a bias) are
+    ``Shard(0)`` with them, so their gradients are each rank's own rows. The output goes on
+    as the local ``Shard(-1)`` tensor, as colwise's does."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name, p in list(module.named_parameters(recurse=False)):
+            shard = distribute_tensor(p.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+
+        def enter(mod, args):
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [Shard(x.dim() - 1)], run_check=False)
+            return (x, *args[1:])
+
+        def leave(mod, args, output):
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
         return module

@@ -28,7 +28,9 @@ from typing import Any, Callable, Collection, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from ..analyze.graph import OpGraph
@@ -307,12 +309,15 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
     block = _meta_copy(graph.model.get_submodule(target))
     shard(block, mesh, _sub_plan(plan, target))
     stand_in_for(block, graph, plan, placements, target)
+    _no_gathers_in_sharded_norms(block, _sub_plan(plan, target), target)
     args, kwargs = _local_args(call, placements, plan.tp)
     stack = _track_modules(block)
     views: list[tuple[str, tuple[int, ...]]] = []
     try:
         with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), _ViewRecorder(block, stack, views):
             block(*args, **kwargs)
+    except _GathersFeatures as exc:
+        raise LocalShapeError(str(exc), exc.module, exc.module) from None
     except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
         leaf = _failing_leaf(block, stack, target)  # a weight module's own forward: it can be kept whole
         calls = graph.traced.calls.get(leaf, []) if leaf is not None else []
@@ -342,6 +347,54 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
             culprit, leaf,
         ) from None
     _check_views(graph, plan, placements, target, views)
+
+
+SHARDED_NORM_GATHERS = "its code on features split tp ways makes"
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts the collectives dispatched inside it (``c10d_functional`` ops, waits aside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented  # DTensor first: its redistributions come back through here (CommDebugMode's way)
+        name = str(func.overloadpacket)
+        if "c10d" in name and "wait" not in name and "wrap" not in name:
+            self.seen[name] = self.seen.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class _GathersFeatures(Exception):
+    def __init__(self, message: str, module: str) -> None:
+        super().__init__(message)
+        self.module = module
+
+
+def _no_gathers_in_sharded_norms(block: nn.Module, plan: Plan, target: str) -> None:
+    """Each ``norm_sharded`` module of ``block`` counts the collectives its code makes on
+    DTensors; one that gathers its features (a LayerNorm whose ``var`` DTensor runs whole)
+    raises, and the planner keeps it whole: the strategy was priced at one all-reduce."""
+    for rule in (r for r in plan.rules if r.style == "norm_sharded"):
+        for name in expand_pattern(rule.module, plan.model.repeats):
+            module, counter = block.get_submodule(name), _Collectives()
+            fqn = f"{target}.{name}" if target else name
+
+            def enter(mod, args, counter=counter):
+                counter.__enter__()
+
+            def leave(mod, args, output, counter=counter, fqn=fqn):
+                counter.__exit__(None, None, None)
+                gathers = {op: n for op, n in counter.seen.items() if "all_reduce" not in op}
+                if gathers:
+                    raise _GathersFeatures(f"{fqn}: {SHARDED_NORM_GATHERS} {gathers} (DTensor runs "
+                                           "part of it on whole features), not one all-reduce: it runs whole", fqn)
+
+            module.register_forward_pre_hook(enter)
+            module.register_forward_hook(leave)
 
 
 def _reads_values(exc: BaseException) -> bool:

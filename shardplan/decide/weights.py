@@ -558,6 +558,7 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
             "replicate", ("R",), f"S{last}", bwd=(("all_gather", x.nbytes),), param_bytes=pbytes,
             mem_bytes=2 * x.nbytes, act_bytes=x.nbytes / tp, layouts={"weight": "R", "output": f"S{last}"},
         ))
+        out += _sharded_norm(x, module, pbytes, last, tp) if _projected(graph, op) else []
         # the same on a value split by heads that only the norm reads, gathered where the norm
         # receives it (BitNet's attn_sub_norm over the attention's output, before o_proj): one
         # all-gather forward, the gradient the output's all-gather makes whole sliced back;
@@ -580,6 +581,31 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
             act_bytes=x.nbytes, layouts={"weight": "R", "input": "R"},
         ))
     return out + (_grouped_norm(x, module, pbytes, tp) if op.inputs[0] in grouped_values(graph, tp) else [])
+
+
+def _projected(graph: OpGraph, op: Op) -> bool:
+    """The norm reads a projection's output (q_norm(q_proj(x))), not the residual stream."""
+    producer = graph.ops[graph.values[op.inputs[0]].producer]
+    return producer.kind == "module" and producer.module_kind in ("linear", "conv1d")
+
+
+def _sharded_norm(x, module: nn.Module, pbytes: int, last: int, tp: int) -> list[Strategy]:
+    """A norm over features split tp ways, on its split (OLMo 2's q_norm over all heads,
+    ``Shard(2)`` from a colwise q_proj): its code runs on DTensors, where the statistic over the
+    features (``x.pow(2).mean(-1)``) is a partial result all-reduced once, ``[b, s, 1]``, and
+    its weight is split with the features; backward reduce-scatters once. Instead of gathering
+    q and k for the norm, as vLLM and Hugging Face do, each layer moves ``b s`` values. Only a
+    norm written out in the model's own code (not torch's fused kernels, which DTensor runs
+    on whole features) with parameters over the features alone; the local check counts the
+    collectives its code makes and keeps it whole if it gathers."""
+    params = list(module.parameters(recurse=False))
+    if type(module).forward.__module__.startswith("torch.nn.") or not params or any(
+            tuple(p.shape) != (x.shape[last],) for p in params):
+        return []
+    stat = x.nbytes // x.shape[last] // x.dtype.itemsize * 4  # one fp32 value per row
+    return [Strategy("norm_sharded", (f"S{last}",), f"S{last}", fwd=(("all_reduce", stat),), bwd=(("reduce_scatter", stat),),
+                     param_bytes=pbytes / tp, mem_bytes=2 * x.nbytes / tp, act_bytes=x.nbytes / tp,
+                     layouts={"weight": "S0", "input": f"S{last}", "output": f"S{last}"})]
 
 
 def _param_grad_allreduces(module: nn.Module) -> tuple:

@@ -71,6 +71,7 @@ STYLE_FAMILY: dict[str, str] = {
     "local_colwise": "colwise",
     "local_packed_colwise": "colwise",
     "embedding_colwise": "colwise",  # embedding table split on the hidden dim (output features)
+    "norm_sharded": "colwise",  # shardplan's: a norm over features split tp ways, its weight split with them
     # row-parallel: split on the input features; vocab-parallel embeddings split on the rows
     "rowwise": "rowwise",
     "rowwise_split_input": "rowwise",

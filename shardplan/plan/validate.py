@@ -37,7 +37,8 @@ def sharded_dim(style: str, module: Any) -> int | None:
 
     nn.Linear stores W as [out, in] (colwise splits dim 0, rowwise dim 1); Hugging Face's
     Conv1D stores [in, out], so each style splits the other dim; an Embedding [vocab, dim]
-    splits the vocabulary rowwise and the features colwise. Norm styles split nothing."""
+    splits the vocabulary rowwise and the features colwise. Norm styles split nothing, but
+    ``norm_sharded``, whose weight goes with the features it normalizes."""
     from ..analyze.graph import module_kind
 
     kind = module_kind(module)
@@ -47,6 +48,8 @@ def sharded_dim(style: str, module: Any) -> int | None:
         return 0  # whole experts, over the ep axis (not tp)
     if style == "attention_heads" and kind == "attention":
         return 0  # in_proj_weight [3E, E]: each rank's heads of q, k and v
+    if style == "norm_sharded":
+        return 0  # a norm's weight [features], split with the features it normalizes
 
     col = {"linear": 0, "conv1d": 1, "embedding": 1}.get(kind)
     row = {"linear": 1, "conv1d": 0, "embedding": 0}.get(kind)

@@ -462,3 +462,68 @@ class FoldedAlibiLM(nn.Module):
 def folded_alibi() -> FoldedAlibiLM:
     torch.manual_seed(0)
     return FoldedAlibiLM()
+
+
+# q and k normalized over all heads together (OLMo 2's q_norm/k_norm of [b, s, heads * hd]),
+# the norm written out as people write it: RMSNorm by pow/mean/rsqrt, LayerNorm by mean/var
+
+
+class HandRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+class HandLayerNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight, self.bias = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        mean, var = x.mean(-1, keepdim=True), x.var(-1, keepdim=True, unbiased=False)
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+class QKNormAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, norm: type) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.q_norm, self.k_norm = norm(dim), norm(dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k = self.q_norm(self.q_proj(x)), self.k_norm(self.k_proj(x))
+        q, k, v = (t.view(b, s, -1, x.shape[-1] // self.heads).transpose(1, 2) for t in (q, k, self.v_proj(x)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class QKNormLM(nn.Module):
+    def __init__(self, norm: type, vocab: int = 256, dim: int = 256, heads: int = 8, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.norms = nn.ModuleList(HandRMSNorm(dim) for _ in range(layers))
+        self.attn = nn.ModuleList(QKNormAttention(dim, heads, norm) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for norm, attn in zip(self.norms, self.attn):
+            x = x + attn(norm(x))
+        return self.head(x)
+
+
+def qk_rms_norm() -> QKNormLM:
+    torch.manual_seed(0)
+    return QKNormLM(HandRMSNorm)
+
+
+def qk_layer_norm() -> QKNormLM:
+    torch.manual_seed(0)
+    return QKNormLM(HandLayerNorm)
