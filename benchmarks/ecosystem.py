@@ -505,7 +505,7 @@ def compare(row: Row, ours: dict[str, str], theirs: dict[str, str], plan) -> Non
 ATTENTION_NAME = re.compile(r"(self_|cross_)?(attn|attention)")
 SPLIT_COLWISE = ("colwise", "packed_colwise", "colwise_kv_gathered", "colwise_kv_replicated")
 SPLIT_ROWWISE = ("rowwise",)
-OUT_NAMES = ("wo", "o_proj", "out_proj", "output_proj", "c_proj", "dense")
+OUT_NAMES = ("wo", "Wo", "o_proj", "out_proj", "output_proj", "c_proj", "dense")
 HEAD_NAMES = ("wq", "wq_b", "q_proj", "q_b_proj", "wqkv", "Wqkv", "W_pack", "qkv_proj", "qkv", "query_key_value",
               "c_attn", "query", "in_proj", "wk", "wv", "k_proj", "v_proj", "wkv", "wkv_b", "kv_b_proj", "kv_proj",
               "key", "value")
