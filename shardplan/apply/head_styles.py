@@ -265,9 +265,9 @@ class NormSharded(ParallelStyle):
             module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
 
         def enter(mod, args):
-            x = args[0]
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, [Shard(x.dim() - 1)], run_check=False)
+            x, features = args[0], Shard(args[0].dim() - 1)
+            x = x.redistribute(device_mesh, [features]) if isinstance(x, DTensor) else DTensor.from_local(
+                x, device_mesh, [features], run_check=False)
             return (x, *args[1:])
 
         def leave(mod, args, output):

@@ -380,21 +380,20 @@ def _no_gathers_in_sharded_norms(block: nn.Module, plan: Plan, target: str) -> N
     raises, and the planner keeps it whole: the strategy was priced at one all-reduce."""
     for rule in (r for r in plan.rules if r.style == "norm_sharded"):
         for name in expand_pattern(rule.module, plan.model.repeats):
-            module, counter = block.get_submodule(name), _Collectives()
-            fqn = f"{target}.{name}" if target else name
+            module = block.get_submodule(name)
+            # the copy's own forward, wrapped (hooks outside it keep making its input a DTensor):
+            # the mode is left however the forward ends
+            module.forward = functools.partial(_counted, module.forward, f"{target}.{name}" if target else name)
 
-            def enter(mod, args, counter=counter):
-                counter.__enter__()
 
-            def leave(mod, args, output, counter=counter, fqn=fqn):
-                counter.__exit__(None, None, None)
-                gathers = {op: n for op, n in counter.seen.items() if "all_reduce" not in op}
-                if gathers:
-                    raise _GathersFeatures(f"{fqn}: {SHARDED_NORM_GATHERS} {gathers} (DTensor runs "
-                                           "part of it on whole features), not one all-reduce: it runs whole", fqn)
-
-            module.register_forward_pre_hook(enter)
-            module.register_forward_hook(leave)
+def _counted(forward: Callable, fqn: str, *args: Any, **kwargs: Any) -> Any:
+    with _Collectives() as counter:
+        out = forward(*args, **kwargs)
+    gathers = {op: n for op, n in counter.seen.items() if "all_reduce" not in op}
+    if gathers:
+        raise _GathersFeatures(f"{fqn}: {SHARDED_NORM_GATHERS} {gathers} (DTensor runs part of it on whole features), "
+                               "not one all-reduce: it runs whole", fqn)
+    return out
 
 
 def _reads_values(exc: BaseException) -> bool:
