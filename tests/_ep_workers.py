@@ -79,6 +79,28 @@ def bank_routed_to_one_rank(rank: int, world: int) -> dict:
             "grads": _compare(_grads(bank), _grads(ref)), "num_experts": bank.num_experts}
 
 
+def sorted_rows_to_one_rank(rank: int, world: int) -> dict:
+    """torchtitan's convention (``bank(num_tokens_per_expert, rows sorted by expert)``), every
+    row for rank 0's experts (0 and 1 of 4): the other ranks receive nothing and must still
+    take part in backward's all-to-all. One process runs every rank's rows, by expert."""
+    from tests.portability.titan_moe import GroupedExperts
+
+    torch.manual_seed(0)
+    bank = GroupedExperts(8, 6, 4)
+    ref = copy.deepcopy(bank)
+    rows = torch.randn(world, 5, 8)
+    counts = torch.tensor([3, 2, 0, 0])
+    whole = torch.cat([rows[:, :3].reshape(-1, 8), rows[:, 3:].reshape(-1, 8)])  # expert 0's rows, then 1's
+    ref_out = ref(counts * world, whole)
+    ref_out.pow(2).sum().div(world).backward()
+    mine = torch.cat([ref_out[3 * rank:3 * rank + 3], ref_out[3 * world + 2 * rank:3 * world + 2 * rank + 2]])
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    parallelize_module(bank, mesh, ExpertParallel())
+    out = bank(counts, rows[rank])
+    out.pow(2).sum().backward()
+    return {"out": (out - mine.detach()).abs().max().item(), "grads": _compare(_grads(bank), _grads(ref))}
+
+
 def _head(out) -> torch.Tensor:
     """The logits, or a base model's last hidden state."""
     return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state

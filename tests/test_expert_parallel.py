@@ -60,6 +60,12 @@ def test_a_rank_that_receives_no_tokens_still_takes_part() -> None:
         assert result["num_experts"] == 4, "num_experts is the local count during the call only"
 
 
+def test_a_rank_that_receives_no_sorted_rows_still_takes_part() -> None:
+    """The same under torchtitan's convention: every row for rank 0's experts."""
+    for result in run_on_gloo(w.sorted_rows_to_one_rank, world_size=2, timeout_s=120):
+        assert result["out"] < 1e-6 and max(result["grads"].values()) < 1e-6, result
+
+
 def test_an_ep_that_does_not_divide_the_experts_is_refused() -> None:
     with fake_process_group(3):
         mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("ep",))
