@@ -43,7 +43,7 @@ from .analyze.snapshot import preserved
 from .decide import assemble, shortfalls
 from .decide.axes import DATA_AXES, check_axes, expert_axis, mesh_axes, state_shards, tp_axis_of  # noqa: F401 - mesh_axes re-exported
 from .decide.experts import expert_count, expert_parallel
-from .apply.localcheck import SHARDED_NORM_GATHERS, LocalShapeError, check_local_shapes
+from .apply.localcheck import LocalShapeError, check_local_shapes
 from .apply.localsizes import find_local_attributes
 from .apply.standins import OuterCodeError, check_outer_code, stood_blocks
 from .plan.model import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint, matches
@@ -199,7 +199,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
         state_shards=state_shards(axes, tp_axis, opts.data_parallel),
         forced=_pin(graph, extra.get("_pinned") or {}) if axes[tp_axis] > 1 else _replicate_all(graph),
     )
-    whole: dict[str, str] = {}  # module -> why it runs on whole activations
+    whole: dict[str, str] = {}  # module -> the plan's warning for running it whole (_kept_whole)
     attributes: list = []  # modules whose size attributes take their local value (a head count)
     views: list = []  # modules whose views spell a width read off a whole tensor (nanoGPT's view(B, T, C))
     notes: list[str] = []  # what the check made the planner give up (sequence parallel)
@@ -250,7 +250,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 continue
             if exc.leaf is not None and exc.leaf not in whole and not extra.get("strict") and len(whole) < 16:
                 # the module's own forward fails on its shards: that module stays whole
-                whole[exc.leaf] = str(exc).split(": ", 1)[1]
+                whole[exc.leaf] = _kept_whole(graph, exc.leaf, exc)
                 ctx.forced = {**ctx.forced, **_replicate_module(graph, exc.leaf)}
                 continue
             if exc.module not in whole and _drop_sequence_parallel(graph, solution, ctx, exc):
@@ -269,7 +269,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
             if extra.get("strict") or len(whole) >= 16:
                 raise
             # its code uses a global size: let it see whole tensors, weights still sharded
-            whole[exc.module] = str(exc).split(": ", 1)[1]
+            whole[exc.module] = _kept_whole(graph, exc.module, exc)
             ctx.forced = {**ctx.forced, **_run_whole(graph, exc.module, ctx)}
     if extra.get("explain", True):
         decisions = explain_decisions(
@@ -409,19 +409,27 @@ def _run_whole(graph: OpGraph, module: str, ctx: SolveContext) -> dict[int, str]
     return pins
 
 
+def _kept_whole(graph: OpGraph, module: str, exc: LocalShapeError) -> str:
+    """The warning for ``module`` kept whole after the local check failed on it: a weight
+    module is replicated (its own forward fails on its shards, or, ``exc.collectives``, its
+    code makes other collectives than its style was priced at); a block's code runs on whole
+    activations."""
+    why = str(exc).split(": ", 1)[1].splitlines()[0]
+    if exc.collectives:
+        return f"{module}: replicated: {why}"
+    if any(op.kind == "module" and op.target == module for op in graph.ops):
+        return f"{module}: replicated, since its own forward fails on its shards: {why}"
+    return f"{module}: runs on whole activations, its weights still sharded: {why}"
+
+
 def _replicate_module(graph: OpGraph, module: str) -> dict[int, str]:
     return {op.index: "replicate" for op in graph.ops if op.kind == "module" and op.target == module}
 
 
 def _assemble(model, graph, solution, ctx, entries, blocks, *, opts, axes, tp_axis, strict: bool,
               whole: dict[str, str]) -> Plan:
-    leaves = {op.target for op in graph.ops if op.kind == "module"}
-    notes = shortfalls.plan_warnings(graph, solution, ctx.tp, budget=opts.memory_budget is not None, kept=set(whole)) + [
-        f"{module}: replicated: {why.splitlines()[0]}" if module in leaves and why.startswith(SHARDED_NORM_GATHERS)
-        else f"{module}: replicated, since its own forward fails on its shards: {why.splitlines()[0]}" if module in leaves
-        else f"{module}: runs on whole activations, its weights still sharded: {why.splitlines()[0]}"
-        for module, why in whole.items()
-    ]
+    notes = shortfalls.plan_warnings(graph, solution, ctx.tp, budget=opts.memory_budget is not None,
+                                     kept=set(whole)) + list(whole.values())
     plan = Plan(
         model=ModelInfo(class_name=type(model).__name__, fingerprint=fingerprint(model),
                         num_params=sum(p.numel() for p in model.parameters()), repeats=assemble.repeats(graph)),

@@ -23,14 +23,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+from collections import Counter
 from typing import Any, Callable, Collection, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from ..analyze.graph import OpGraph
@@ -40,6 +39,7 @@ from ..plan.model import Plan, expand_pattern
 from ..decide.placements import groups_of, local_shape, shard_dim
 from ..decide.propagation import quiet_probes
 from ..decide.solve import PlanningError
+from .collectives import record_collectives
 from .emit import shard
 from .mesh import fake_process_group, make_mesh
 
@@ -49,12 +49,14 @@ __all__ = ["check_local_shapes", "LocalShapeError", "LocalCheckUnavailable"]
 class LocalShapeError(PlanningError):
     """A block's shards fail to run; ``module`` is the innermost module that was running."""
 
-    def __init__(self, message: str, module: str | None, leaf: str | None = None) -> None:
+    def __init__(self, message: str, module: str | None, leaf: str | None = None, *, collectives: bool = False) -> None:
         super().__init__(message)
         self.module = module
         # the weight module whose own forward was running (a Linear subclass that topk's and
         # scatter_'s its output, Llama 4's router): splitting it is what fails
         self.leaf = leaf
+        # it ran, but its code made other collectives than its style was priced at
+        self.collectives = collectives
 
 
 def _targets(graph: OpGraph) -> list[str]:
@@ -316,8 +318,8 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
     try:
         with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), _ViewRecorder(block, stack, views):
             block(*args, **kwargs)
-    except _GathersFeatures as exc:
-        raise LocalShapeError(str(exc), exc.module, exc.module) from None
+    except LocalShapeError:
+        raise  # a sharded norm that gathers (_counted): already said
     except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
         leaf = _failing_leaf(block, stack, target)  # a weight module's own forward: it can be kept whole
         calls = graph.traced.calls.get(leaf, []) if leaf is not None else []
@@ -349,31 +351,6 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
     _check_views(graph, plan, placements, target, views)
 
 
-SHARDED_NORM_GATHERS = "its code on features split tp ways makes"
-
-
-class _Collectives(TorchDispatchMode):
-    """Counts the collectives dispatched inside it (``c10d_functional`` ops, waits aside)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is DTensor for t in types):
-            return NotImplemented  # DTensor first: its redistributions come back through here (CommDebugMode's way)
-        name = str(func.overloadpacket)
-        if "c10d" in name and "wait" not in name and "wrap" not in name:
-            self.seen[name] = self.seen.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
-class _GathersFeatures(Exception):
-    def __init__(self, message: str, module: str) -> None:
-        super().__init__(message)
-        self.module = module
-
-
 def _no_gathers_in_sharded_norms(block: nn.Module, plan: Plan, target: str) -> None:
     """Each ``norm_sharded`` module of ``block`` counts the collectives its code makes on
     DTensors; one that gathers its features (a LayerNorm whose ``var`` DTensor runs whole)
@@ -387,12 +364,12 @@ def _no_gathers_in_sharded_norms(block: nn.Module, plan: Plan, target: str) -> N
 
 
 def _counted(forward: Callable, fqn: str, *args: Any, **kwargs: Any) -> Any:
-    with _Collectives() as counter:
+    with record_collectives(1) as events:
         out = forward(*args, **kwargs)
-    gathers = {op: n for op, n in counter.seen.items() if "all_reduce" not in op}
+    gathers = dict(Counter(kind for kind, *_ in events if kind != "all_reduce"))
     if gathers:
-        raise _GathersFeatures(f"{fqn}: {SHARDED_NORM_GATHERS} {gathers} (DTensor runs part of it on whole features), "
-                               "not one all-reduce: it runs whole", fqn)
+        raise LocalShapeError(f"{fqn}: its code on features split tp ways makes {gathers} (DTensor runs part of it "
+                              "on whole features), not one all-reduce: it runs whole", fqn, fqn, collectives=True)
     return out
 
 
