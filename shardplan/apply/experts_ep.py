@@ -170,6 +170,16 @@ def _exchange(rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], gro
     return torch.ops._c10d_functional.wait_tensor(moved)
 
 
+def _send(rows: torch.Tensor, counts: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[list, list]]:
+    """``counts[j, e]`` rows (in that order) to rank j's expert e: the counts exchanged first
+    (the one host sync), then the rows. Returns the rows received, ``received[j, e]`` (from
+    rank j for this rank's expert e) and the sizes of the way back (sent, received)."""
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    send_sizes, recv_sizes = counts.sum(1).tolist(), received.sum(1).tolist()
+    return _exchange(rows, recv_sizes, send_sizes, group), received, (send_sizes, recv_sizes)
+
+
 def _ep_forward(module: nn.Module, run: Callable, *args: torch.Tensor, group: Any, ep: int, local: int,
                 tp: _TpInside | None) -> torch.Tensor:
     if len(args) == 2:  # num_tokens_per_expert [E] and rows sorted by expert [N, H], in either order
@@ -185,11 +195,7 @@ def _ep_sorted(module: nn.Module, run: Callable, counts: torch.Tensor, rows: tor
     """``run(counts, rows)`` on this rank's experts and the rows the ranks send them."""
     if tp is not None and rows.requires_grad:
         rows = _CopyToTP.apply(rows, tp.group)
-    counts = counts.reshape(ep, local).to(torch.int64)
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
-    send_sizes, recv_sizes = counts.sum(1).tolist(), received.sum(1).tolist()
-    got = _exchange(rows, recv_sizes, send_sizes, group)
+    got, received, sizes = _send(rows, counts.reshape(ep, local).to(torch.int64), group)
     # got holds rank 0's rows for our expert 0, 1, ..., then rank 1's: regroup by expert
     perm = _by_expert(received)
     with _local_bank(module, local=local, ep=ep, tp=tp):
@@ -198,7 +204,7 @@ def _ep_sorted(module: nn.Module, run: Callable, counts: torch.Tensor, rows: tor
         else:  # nothing received: one zero row keeps this rank in the backward's all-to-all
             zero = got.sum(0, keepdim=True)
             y = run(torch.nn.functional.one_hot(received.new_zeros(()), local), zero)[:0]
-    out = _exchange(y, send_sizes, recv_sizes, group)
+    out = _exchange(y, *sizes, group)
     return _ReduceFromTP.apply(out, tp.group) if tp is not None and tp.reduce_output else out
 
 
@@ -222,11 +228,7 @@ def _ep_routed(module: nn.Module, run: Callable, hidden: torch.Tensor, top_k_ind
     ids = top_k_index.reshape(-1)
     order = torch.argsort(ids, stable=True)  # pairs by expert, so by the rank that owns it
     send = hidden.reshape(-1, hidden.shape[-1])[order // k]
-    counts = torch.bincount(ids, minlength=local * ep).view(ep, local)
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
-    send_sizes, recv_sizes = counts.sum(1).tolist(), received.sum(1).tolist()
-    rows = _exchange(send, recv_sizes, send_sizes, group)
+    rows, received, sizes = _send(send, torch.bincount(ids, minlength=local * ep).view(ep, local), group)
     # rank j sent its rows for our expert 0, then expert 1, ...: each row's local expert id
     local_ids = torch.arange(local, device=ids.device).repeat(ep).repeat_interleave(received.reshape(-1)).unsqueeze(-1)
     with _local_bank(module, local=local, ep=ep, tp=tp):
@@ -235,7 +237,7 @@ def _ep_routed(module: nn.Module, run: Callable, hidden: torch.Tensor, top_k_ind
         else:  # nothing received: one zero row keeps this rank in the backward's all-to-all
             zero = rows.sum(0, keepdim=True)
             y = run(zero, local_ids.new_zeros(1, 1), zero.new_ones(1, 1))[:0]
-    back = _exchange(y, send_sizes, recv_sizes, group)
+    back = _exchange(y, *sizes, group)
     pairs = torch.empty_like(back)
     pairs[order] = back
     weights = top_k_weights.reshape(-1, k, 1).to(pairs.dtype)

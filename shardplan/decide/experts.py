@@ -60,8 +60,7 @@ def routed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Ban
         experts = int(next(graph.model.get_submodule(op.target).parameters(recurse=False)).shape[0])
         if _routed(shapes, dtypes):
             out.append(Bank(op.target, experts, shapes[0][0], shapes[1][1], shapes[0][1], op.multiplicity))
-        elif _sorted(shapes, dtypes, experts):
-            rows = max(shapes, key=len)
+        elif rows := _sorted_rows(shapes, dtypes, experts):
             out.append(Bank(op.target, experts, rows[0], 1, rows[1], op.multiplicity))
         elif unread is not None:
             unread.append(f"{op.target}: called with tensors of shapes {shapes}")
@@ -73,12 +72,14 @@ def _routed(shapes: list[tuple], dtypes: list) -> bool:
             and shapes[1][0] == shapes[0][0] and not dtypes[1].is_floating_point and dtypes[2].is_floating_point)
 
 
-def _sorted(shapes: list[tuple], dtypes: list, experts: int) -> bool:
-    """Counts [E] (integers) and rows [N, H], in either order (torchtitan passes rows first)."""
+def _sorted_rows(shapes: list[tuple], dtypes: list, experts: int) -> tuple | None:
+    """The rows' shape ``[N, H]`` of a call with counts [E] (integers) and rows sorted by expert,
+    in either order (torchtitan passes rows first); None for any other call."""
     if len(shapes) != 2:
-        return False
+        return None
     (counts, c_type), (rows, r_type) = sorted(zip(shapes, dtypes), key=lambda sd: len(sd[0]))
-    return counts == (experts,) and not c_type.is_floating_point and len(rows) == 2 and r_type.is_floating_point
+    found = counts == (experts,) and not c_type.is_floating_point and len(rows) == 2 and r_type.is_floating_point
+    return rows if found else None
 
 
 def expert_count(graph: OpGraph) -> int | None:

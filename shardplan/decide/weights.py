@@ -115,7 +115,7 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
         if sp_opt is True and any(s.name != "replicate" for s in found):  # the user asked for sequence parallel norms
             # a norm over all heads (OLMo 2's q_norm) may still hand on each rank's heads: its
             # input is a projection's output, not the residual stream sequence parallel splits
-            projected = graph.ops[graph.values[op.inputs[0]].producer].kind == "module"
+            projected = _producer(graph, op).kind == "module"
             found = [replace(s, off_sequence=s.name == "replicate" and not (projected and s.output != "R"))
                      for s in found]
     elif kind == "experts":
@@ -583,9 +583,13 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
     return out + (_grouped_norm(x, module, pbytes, tp) if op.inputs[0] in grouped_values(graph, tp) else [])
 
 
+def _producer(graph: OpGraph, op: Op) -> Op:
+    return graph.ops[graph.values[op.inputs[0]].producer]
+
+
 def _projected(graph: OpGraph, op: Op) -> bool:
     """The norm reads a projection's output (q_norm(q_proj(x))), not the residual stream."""
-    producer = graph.ops[graph.values[op.inputs[0]].producer]
+    producer = _producer(graph, op)
     return producer.kind == "module" and producer.module_kind in ("linear", "conv1d")
 
 

@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from ..plan.model import STYLES, Plan, matches
+from ..plan.model import STYLES, Plan, expand_pattern, matches
 from .hf_models import TINY, build_hf_model, positional, shrink_config
 
 __all__ = [
@@ -288,17 +288,11 @@ def from_hf_ep_plan(mapping: Mapping[str, str] | None = None, *, model: nn.Modul
     plan = price_styles(model, axes, whole, example_inputs=example_inputs, example_kwargs=example_kwargs, **options)
     split = [r.module for r in plan.rules if r.style == "ep_experts"]
     missing = [k for k in banks if any(matches(k, f) for f, _ in model.named_modules())
-               and not any(matches(k, f) for r in split for f in _fqns(r, plan))]
+               and not any(matches(k, f) for r in split for f in expand_pattern(r, plan.model.repeats))]
     if missing:
         raise ValueError(f"ep_plan names {missing[0]} {_EP_BANK}, but shardplan cannot split it over ep (see "
                          "shardplan plan --mesh ep=N for why); drop the key to keep it whole")
     return plan
-
-
-def _fqns(pattern: str, plan: Plan) -> list[str]:
-    from ..plan.model import expand_pattern
-
-    return expand_pattern(pattern, plan.model.repeats)
 
 
 # --------------------------------------------------------------------------- agreement

@@ -128,8 +128,7 @@ def _refuse_for_hf(plan) -> None:
             f"{r.module}: {r.style} with activations split on the sequence (sequence_parallel), which Hugging Face's "
             "tp_plan cannot express (its rowwise and embedding_rowwise always all-reduce to Replicate); plan with "
             f"sequence_parallel=False for Hugging Face, or {_APPLY}")
-    cut = [g for g in plan.regions if g.input != "output" and g.input_layouts == "Replicate"
-           and g.desired_input_layouts.startswith("Shard")]
+    cut = [g for g in plan.regions if g.is_slice]
     if cut:
         # the region is what hands the module its rank's part of a whole bias (ALiBi) to add to
         # scores split by heads; Hugging Face's tp_plan has no such entry, so its ranks would

@@ -162,10 +162,14 @@ class Region(_Strict):
                              "give both, with input: output and 0 <= output_index < num_outputs, or neither")
         return self
 
+    @property
+    def is_slice(self) -> bool:
+        """A whole input cut where the module receives it (Replicate -> Shard(d)): no collective."""
+        return self.input != "output" and self.input_layouts == "Replicate" and self.desired_input_layouts.startswith("Shard")
+
     @model_validator(mode="after")
     def _fold_cuts_a_whole_input(self) -> "Region":
-        if self.fold is not None and not (self.input != "output" and self.input_layouts == "Replicate"
-                                          and self.desired_input_layouts.startswith("Shard")):
+        if self.fold is not None and not self.is_slice:
             raise ValueError(f"fold {self.fold} with input {self.input!r}, {self.input_layouts} -> "
                              f"{self.desired_input_layouts}: a fold cuts a module's whole input (Replicate -> Shard(d)); "
                              "drop fold or give those layouts")
