@@ -93,12 +93,17 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
 
 
-def plan_yaml(tp: int, n_head: int = 8, n_kv: int = 2, *, parts: list[int] | None = None) -> str:
-    """The hand-written plan: ``packed: [h, kv, kv]`` unless ``parts`` says otherwise."""
+def plan_yaml(tp: int, n_head: int = 8, n_kv: int = 2, *, parts: list[int] | None = None, whole: bool = False) -> str:
+    """The hand-written plan: ``packed: [h, kv, kv]`` unless ``parts`` says otherwise; with
+    ``whole`` (one kv head, MQA), ``packed: [h, 2], whole_parts: 1``: the k/v tail gathered
+    whole on every rank, so only the query sizes are made local."""
     model = GQAModel(n_head, n_kv)
-    parts = parts or [n_head, n_kv, n_kv]
+    parts = parts or ([n_head, 2 * n_kv] if whole else [n_head, n_kv, n_kv])
     local = {"n_head": n_head // tp, "n_kv": n_kv // tp, "q_size": n_head * HEAD_DIM // tp,
              "kv_size": n_kv * HEAD_DIM // tp}
+    if whole:
+        local = {"n_head": n_head // tp, "q_size": n_head * HEAD_DIM // tp}
+    packed = {"packed": parts, **({"whole_parts": 1} if whole else {})}
     rules = [("embed", "replicate"), ("layers.*.norm1", "replicate"), ("layers.*.attn.wqkv", "packed_colwise"),
              ("layers.*.attn.wo", "rowwise"), ("layers.*.norm2", "replicate"), ("layers.*.mlp.w1", "colwise"),
              ("layers.*.mlp.w2", "rowwise"), ("norm", "replicate"), ("head", "replicate")]
@@ -107,7 +112,7 @@ def plan_yaml(tp: int, n_head: int = 8, n_kv: int = 2, *, parts: list[int] | Non
         "model": {"class_name": "GQAModel", "fingerprint": fingerprint(model),
                   "num_params": sum(p.numel() for p in model.parameters()), "repeats": {"layers": LAYERS}},
         "mesh": {"axes": {"tp": tp}, "tp_axis": "tp"},
-        "rules": [{"module": m, "style": s, **({"packed": parts} if s == "packed_colwise" else {})} for m, s in rules],
+        "rules": [{"module": m, "style": s, **(packed if s == "packed_colwise" else {})} for m, s in rules],
         "attributes": [{"module": "layers.*.attn", "values": local}],
     }
     return shardplan.Plan.model_validate(data).to_yaml()
@@ -149,8 +154,8 @@ def train(model: nn.Module, steps: int = 2, *, foreach: bool | None = None) -> d
     return out
 
 
-def train_sharded(rank: int, world_size: int, yaml: str, foreach: bool | None) -> dict[str, Any]:
-    return train(sharded(0, world_size, yaml), foreach=foreach)
+def train_sharded(rank: int, world_size: int, yaml: str, foreach: bool | None, n_kv: int = 2) -> dict[str, Any]:
+    return train(sharded(0, world_size, yaml, n_kv=n_kv), foreach=foreach)
 
 
 def save_sharded(rank: int, world_size: int, yaml: str, folder: str, n_kv: int = 2) -> dict[str, Any]:

@@ -470,7 +470,16 @@ def _view_ops(graph: OpGraph, placements: dict[int, str], target: str) -> list:
     repeat altogether: HF's repeat_kv returns at n_rep == 1)."""
     return [op for op in graph.ops if op.kind == "function" and op.target in _SIZED_OPS
             and (not target or op.owner == target or op.owner.startswith(target + "."))
-            and (not op.inputs or (groups_of(placements.get(op.inputs[0], "R")) or ("",))[0] != "e")]
+            and (not op.inputs or (groups_of(placements.get(op.inputs[0], "R")) or ("",))[0] != "e")
+            and not _after_one_head_repeat(graph, placements, op)]
+
+
+def _after_one_head_repeat(graph: OpGraph, placements: dict[int, str], op) -> bool:
+    """A view of one whole kv head (``Rp``) repeated to the rank's query heads: with one
+    query head per rank the code may skip the repeat and its view (HF's repeat_kv at n_rep 1)."""
+    producer = graph.ops[graph.values[op.inputs[0]].producer] if op.inputs and op.inputs[0] in graph.values else None
+    return producer is not None and producer.target in ("expand", "expand_as", "repeat_interleave", "repeat") \
+        and bool(producer.inputs) and placements.get(producer.inputs[0]) == "Rp"
 
 
 # ops whose output shape the code spells out: views, and constants made from sizes alone

@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..plan.validate import part_rows
 from .packed import PackedShard, check_parts, distribute
 
 __all__ = [
@@ -308,15 +309,17 @@ class PackedColwise(ColwiseParallel):
     with ``use_local_output=False``), and the parameters' gradients keep their placement,
     which a DTensor matmul would relabel as an equal-parts ``_StridedShard``."""
 
-    def __init__(self, *, parts: int | Sequence[int], conv1d: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *, parts: int | Sequence[int], conv1d: bool = False, whole_parts: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.parts, self.conv1d = (parts if isinstance(parts, int) else tuple(parts)), conv1d
+        # MQA's [Q; K; V] with one kv head: the last parts gathered whole after the matmul
+        self.whole_parts = whole_parts
 
     def _unequal(self) -> bool:
         return not isinstance(self.parts, int) and len(set(self.parts)) > 1
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        if self._unequal():
+        if self._unequal() or self.whole_parts:
             return self._apply_local(module, device_mesh)
         if not self.conv1d:
             return super()._apply(module, device_mesh)
@@ -347,7 +350,7 @@ class PackedColwise(ColwiseParallel):
         layout = self.input_layouts[0] if isinstance(self.input_layouts, tuple) else self.input_layouts
         module.register_forward_pre_hook(partial(_packed_enter, names=names, mesh=device_mesh, layout=layout))
         module.register_forward_hook(partial(_packed_leave, mesh=device_mesh, parts=self.parts,
-                                             use_local_output=self.use_local_output))
+                                             use_local_output=self.use_local_output, whole_parts=self.whole_parts))
         return module
 
     @staticmethod
@@ -369,14 +372,29 @@ def _packed_enter(module, args, *, names, mesh, layout):
     return (x, *rest)
 
 
-def _packed_leave(module, args, output, *, mesh, parts, use_local_output):
+def _packed_leave(module, args, output, *, mesh, parts, use_local_output, whole_parts=0):
     _restore_params(module, args, output)
+    if whole_parts and isinstance(output, torch.Tensor):
+        return _gather_tail(output, mesh, parts, whole_parts)
     if use_local_output or not isinstance(output, torch.Tensor):
         return output
     shape = list(output.shape)
     shape[-1] *= mesh.size()
     return DTensor.from_local(output, mesh, [PackedShard(output.ndim - 1, parts=parts)], run_check=False,
                               shape=torch.Size(shape), stride=_contiguous_strides(shape))
+
+
+def _gather_tail(output: torch.Tensor, mesh: Any, parts: Sequence[int], whole_parts: int) -> torch.Tensor:
+    """[q_r, t_r] -> [q_r, T]: the rank's slice of the last ``whole_parts`` parts (MQA's k
+    and v head) all-gathered over tp, so every rank holds them whole beside its query heads.
+    Each rank's gradient of T is its own query heads' share (Partial): the gather's backward
+    is then a reduce-scatter, summing the shares and keeping the rank's slice."""
+    tp = mesh.size()
+    rows = part_rows(tuple(parts), output.shape[-1] * tp)
+    tail = sum(rows[-whole_parts:]) // tp
+    lead, mine = output.split([output.shape[-1] - tail, tail], dim=-1)
+    whole = DTensor.from_local(mine, mesh, [Shard(output.ndim - 1)], run_check=False).redistribute(placements=[Replicate()])
+    return torch.cat([lead, whole.to_local(grad_placements=(Partial(),))], dim=-1)
 
 
 def _contiguous_strides(shape: list[int]) -> tuple[int, ...]:

@@ -95,7 +95,7 @@ def rules(
                 input_layouts=inp, output_layouts=_rule_output(op, s, partial, returned),
                 copy_output=s.name != "replicate" and _modified_in_place(graph, op),
                 use_local_output=False if op.index in partial else None,
-                packed=s.layouts.get("packed"), groups=s.layouts.get("groups"),
+                packed=s.layouts.get("packed"), whole_parts=s.layouts.get("whole_parts"), groups=s.layouts.get("groups"),
                 output_grad_partial=s.layouts.get("output_grad") == "P", input_grad_partial=s.layouts.get("input_grad") == "P",
                 read_outside=op.target in read_elsewhere(graph),
                 why=_why(why.get(patterned(op.target, graph, pmap)[0])),

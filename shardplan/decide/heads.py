@@ -18,6 +18,7 @@ import math
 
 from ..analyze.graph import Op, OpGraph
 from .placements import VIEW_OPS, Strategy, group_counts, grouped, shard_dim, view_groups
+from .tails import tail_owners
 
 __all__ = ["grouped_variants", "grouped_conversions", "partial_grad_twins", "grouped_values", "viewed_heads",
            "partial_grad_owners", "under_partial_grad_owner"]
@@ -191,8 +192,9 @@ _GROUPED_DEPTH = 48  # ops from a k/v projection to attention: view, norm, RoPE,
 def partial_grad_owners(graph: OpGraph, tp: int) -> frozenset[str]:
     """Modules whose own code expands a size-1 dim of a gradient-needing value to a size tp
     divides (a shared key broadcast to every head), or scales values by such a one (a gate
-    ``sigmoid(gate(x))`` of ``[tokens, 1]`` times a shared expert's partial sums, Qwen2-MoE's):
-    where ``Rp`` strategies are offered."""
+    ``sigmoid(gate(x))`` of ``[tokens, 1]`` times a shared expert's partial sums, Qwen2-MoE's),
+    or cuts a whole tail off a fused projection (:mod:`.tails`): where ``Rp`` strategies are
+    offered."""
     key = ("partial_grad_owners", tp)
     cached = graph.strategy_cache.get(key)
     if cached is None:
@@ -204,6 +206,7 @@ def partial_grad_owners(graph: OpGraph, tp: int) -> frozenset[str]:
                 found.add(op.owner)
             elif op.target == "mul" and _scales_by_broadcast(op, graph):
                 found.add(op.owner)
+        found |= tail_owners(graph, tp)  # MQA's kv head cut off a fused projection, whole on every rank
         cached = graph.strategy_cache[key] = frozenset(found)
     return cached
 

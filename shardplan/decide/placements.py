@@ -17,7 +17,17 @@ across the ranks whose query heads read them, when a model has fewer kv heads th
 * ``"S{d}e{n}"`` (expanded groups): the ``repeat_kv`` expand ``[b, n, 1, s, hd] -> [b, n, g,
   s, hd]`` of a grouped value, run with ``g / (tp / n)`` copies per rank: dim ``d`` holds
   the rank's group, dim ``d + 1`` its share of the group's query heads, so merging the two
-  gives exactly the rank's Shard(d) slice of the query heads. A :class:`Strategy` names the placements
+  gives exactly the rank's Shard(d) slice of the query heads.
+
+One more holds a fused projection whose trailing part is too few heads to split (MQA's one k
+and v head fused after the query heads, Falcon-7B's ``query_key_value``, StarCoder's
+``c_attn``):
+
+* ``"S{d}w{n}"`` (whole tail): the leading ``size - n`` entries of dim ``d`` are split tp
+  ways and the trailing ``n`` held whole by every rank, so a rank holds ``[q_r, k, v]``. The
+  tail's gradient on each rank is its own query heads' share, ``Rp`` once cut off.
+
+A :class:`Strategy` names the placements
 of an op's inputs and output, the collectives its forward and backward issue, and its
 per-device bytes and flops. Nothing here knows any op: :mod:`.strategies` (plain ops) and
 :mod:`.weights` (weight styles) build the strategies.
@@ -31,7 +41,7 @@ from typing import Any
 
 from ..analyze.graph import Op
 
-__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "split_widths", "slice_range", "index_items", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts",
+__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "split_widths", "slice_range", "index_items", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts", "whole_tail", "tail_of",
            "view_groups", "VIEW_OPS",
            "local_shape"]
 
@@ -110,6 +120,17 @@ def grouped(dim: int, num_groups: int, *, expanded: bool = False) -> str:
     return f"S{dim}{'e' if expanded else 'g'}{num_groups}"
 
 
+def whole_tail(dim: int, n: int) -> str:
+    """``S{dim}w{n}``: dim ``dim`` split tp ways but for its last ``n`` entries, held whole."""
+    return f"S{dim}w{n}"
+
+
+def tail_of(p: str | None) -> int | None:
+    """``n`` of a whole-tail placement ``S{d}w{n}``; None for any other."""
+    m = re.fullmatch(r"S\d+w(\d+)", p or "")
+    return int(m.group(1)) if m else None
+
+
 def group_counts(tp: int) -> list[int]:
     """Group counts a kv-grouped value may have at this tp: divisors strictly between 1 and tp."""
     return [n for n in range(2, tp) if tp % n == 0]
@@ -123,12 +144,17 @@ def groups_of(p: str) -> tuple[str, int] | None:
 
 def local_shape(shape: tuple[int, ...], p: str, tp: int) -> tuple[int, ...]:
     """One rank's shape of a value placed ``p``: a Shard(d) value holds 1/tp of dim d, a
-    grouped one 1/n of it, an expanded one also 1/(tp/n) of dim d + 1."""
+    grouped one 1/n of it, an expanded one also 1/(tp/n) of dim d + 1, a whole-tail one
+    1/tp of its head and all of its tail."""
     d = shard_dim(p)
     if d is None:
         return tuple(shape)
     kind, n = groups_of(p) or ("", tp)
     out = list(shape)
+    tail = tail_of(p)
+    if tail is not None:
+        out[d] = (out[d] - tail) // tp + tail
+        return tuple(out)
     out[d] //= n
     if kind == "e":
         out[d + 1] //= tp // n

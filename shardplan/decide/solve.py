@@ -411,7 +411,7 @@ def _same_choice(prog: _Program, a: int, b: int, key, values, rows, lo, hi) -> N
 
 def _rule_key(s: Strategy) -> tuple:
     """What a module's rule records of its strategy."""
-    return (s.name, *(repr(s.layouts.get(k)) for k in ("input", "output", "packed", "groups", "output_grad", "input_grad")))
+    return (s.name, *(repr(s.layouts.get(k)) for k in ("input", "output", "packed", "whole_parts", "groups", "output_grad", "input_grad")))
 
 
 def _tied_second_owners(graph: OpGraph) -> set[int]:
@@ -444,7 +444,7 @@ def _vectors(prog: _Program) -> tuple[np.ndarray, ...]:
             params[col] = 0.0 if op.index in tied else s.param_bytes * op.multiplicity
             weights[col] = 0.0 if op.index in tied else s.weight_bytes * op.multiplicity
             acts[col] = s.act_bytes * op.multiplicity
-            whole[col] = op.multiplicity if _heads_whole(op, s) else 0.0
+            whole[col] = op.multiplicity if _heads_whole(op, s, prog.graph) else 0.0
             off_sequence[col] = op.multiplicity if s.off_sequence else 0.0
     for key, col in prog.entry_of.items():
         time[col] = prog.entry_cost[key]
@@ -453,12 +453,21 @@ def _vectors(prog: _Program) -> tuple[np.ndarray, ...]:
     return time, params, acts, weights, whole, off_sequence
 
 
-def _heads_whole(op: Op, s: Strategy) -> bool:
+def _heads_whole(op: Op, s: Strategy, graph: OpGraph) -> bool:
     """Attention computed whole on every rank: ``scaled_dot_product_attention`` with a whole
-    output, an attention module (``nn.MultiheadAttention``) replicated."""
+    output, an attention module (``nn.MultiheadAttention``) replicated, or attention written
+    as batched products of two activations (``q @ k.transpose(-1, -2)``, then ``probs @ v``:
+    Falcon's, nanoGPT's) with a whole output."""
     if op.kind == "module":
         return op.module_kind == "attention" and s.name == "replicate"
-    return op.target == "scaled_dot_product_attention" and shard_dim(s.output or "R") is None
+    if shard_dim(s.output or "R") is not None:
+        return False
+    if op.target in ("matmul", "bmm") and len(op.inputs) == 2 and op.output is not None:
+        consts = graph.strategy_cache.get("const_values")
+        if consts is None:
+            consts = graph.strategy_cache["const_values"] = frozenset(o.output for o in graph.ops if o.kind == "const")
+        return len(graph.values[op.output].shape) >= 4 and not any(v in consts for v in op.inputs)
+    return op.target == "scaled_dot_product_attention"
 
 
 def solve(graph: OpGraph, ctx: SolveContext) -> Solution:

@@ -44,6 +44,7 @@ from .placements import (
 from .propagation import dtensor_strategies, in_place_strategies, metadata_only
 from .scatter import cut_twins, gather_twins, scatter_twins
 from .slices import slice_twins
+from .tails import tail_strategies
 from .weights import module_strategies, slice_partition
 
 __all__ = ["Strategy", "op_strategies", "shard_dim", "placement_str", "packed", "chunk_count", "param_only_values"]
@@ -184,6 +185,8 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
         strategies += folded_variants(op, graph, tp, strategies, lambda v: _shape(graph, v), out_shape)
     if grouped_in:
         strategies += grouped_conversions(op, graph, tp, out_shape)
+    if name in VIEWS or name in ("split", "getitem"):  # MQA's kv head cut off a fused projection
+        strategies += tail_strategies(op, graph, tp, out_shape)
     if under_partial_grad_owner(op.owner, graph, tp):
         strategies += partial_grad_twins(op, graph, tp, strategies, out_shape)
     strategies += slice_twins(op, graph, strategies)  # a whole bias cut where its module receives it
@@ -395,10 +398,14 @@ def _matmul(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
         return []
     result = []
     nd = len(out_shape)
-    for o in range(nd - 2):  # batch dims sharded on both operands
+    for o in range(nd - 2):  # batch dims sharded on both operands, or on one that the other broadcasts along
         da, db = o - (nd - len(a)), o - (nd - len(b))
-        if out_shape[o] % tp == 0 and da >= 0 and db >= 0 and a[da] == b[db] == out_shape[o]:
-            result.append(Strategy("", (f"S{da}", f"S{db}"), f"S{o}"))
+        if out_shape[o] % tp or out_shape[o] < tp:
+            continue
+        sa = f"S{da}" if da >= 0 and a[da] == out_shape[o] else "R" if da < 0 or a[da] == 1 else None
+        sb = f"S{db}" if db >= 0 and b[db] == out_shape[o] else "R" if db < 0 or b[db] == 1 else None
+        if sa and sb and (sa, sb) != ("R", "R"):
+            result.append(Strategy("", (sa, sb), f"S{o}"))
     if a[-2] % tp == 0:
         result.append(Strategy("", (f"S{len(a) - 2}", "R"), f"S{nd - 2}"))
     if b[-1] % tp == 0:

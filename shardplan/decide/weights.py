@@ -59,6 +59,7 @@ from torch import nn
 from ..analyze.graph import Op, OpGraph
 from ..analyze.graph import module_kind as module_kind_of
 from .heads import grouped_values, under_partial_grad_owner, viewed_heads
+from .tails import tailed_colwise
 from .elementwise import scalar_elementwise_dims
 from .placements import (
     Strategy, group_counts, grouped, narrow_index, packed, slice_range, sliced_part, split_parts, split_widths,
@@ -244,6 +245,9 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
                 "packed_colwise", (f"S{d}",), packed(last, n), entry=(f"S{d}",),
                 layouts={"weight": w, "packed": parts, "input": f"S{d}"}, **col,
             ))
+    if module_kind_of(module) in ("linear", "conv1d"):  # MQA's [Q; K; V]: the kv head whole on every rank
+        out += tailed_colwise(op, graph, tp, weight=col_w, inputs=["R"] + [f"S{d}" for d in _seq_dims(x.shape, tp)] if sp else ["R"],
+                              common=col)
     if n_in % tp == 0:
         out += _rowwise(x, y, module, pbytes, flops, tp, sp, row_w)
     if module_kind_of(module) == "linear":

@@ -146,6 +146,10 @@ def _refuse_for_hf(plan) -> None:
                 f"{r.module}: {r.style} with input {r.input_layouts or 'default'} / output {r.output_layouts or 'default'}, "
                 f"layouts Hugging Face's {r.style!r} does not have (it takes {_layouts(accept[0])} in, gives "
                 f"{_layouts(accept[1])} out); {_APPLY}")
+        if r.whole_parts:
+            raise ValueError(
+                f"{r.module}: packed_colwise with its last {r.whole_parts} part(s) gathered whole (one kv head fused "
+                f"after the query heads); Hugging Face's styles have no such layout; {_APPLY}")
         if r.style == "packed_colwise" and (r.packed or 2) != 2:
             raise ValueError(
                 f"{r.module}: packed_colwise of {r.packed} fused parts; Hugging Face's packed_colwise splits two "

@@ -108,6 +108,10 @@ class Rule(_Strict):
     # packed_colwise: how many equal parts the output dim holds, or the relative widths of
     # unequal ones ([4, 1, 1]: a GQA [Q; K; V] of 8 q and 2 kv heads; rows [64, 16, 16] too)
     packed: Packed = None
+    # packed_colwise: the last this many parts are gathered whole on every rank (MQA's one k
+    # and v head fused after the query heads: rank r holds [q_r, k, v]); their rows are still
+    # split tp ways at rest, as the other parts' are
+    whole_parts: Annotated[int, Field(strict=True, ge=1)] | None = None
     # ep_experts: the bank's experts E, split whole over the mesh's ep axis (E / ep per rank),
     # and with a tp axis too, how each rank's experts sit on it: split inside as
     # moe_tp_experts splits them, or whole on every tp rank (replicate, the default)
@@ -132,6 +136,15 @@ class Rule(_Strict):
     # temperature scaling scores split by heads): all-reduced once when backward ends
     partial_grads: list[str] = Field(default_factory=list)
     why: str = ""
+
+    @model_validator(mode="after")
+    def _whole_parts_of_packed(self) -> "Rule":
+        n = len(self.packed) if isinstance(self.packed, list) else 0
+        if self.whole_parts is not None and (self.style != "packed_colwise" or not 0 < self.whole_parts < n):
+            raise ValueError(f"whole_parts {self.whole_parts} with style {self.style} and packed {self.packed}: "
+                             "whole_parts is for packed_colwise with a list of part widths, fewer than the parts "
+                             "(packed: [8, 1], whole_parts: 1 for 8 query heads and one k/v head fused after them)")
+        return self
 
 
 class Region(_Strict):

@@ -342,6 +342,44 @@ def fused_gqa() -> FusedGQALM:
     return FusedGQALM()
 
 
+def fused_mqa() -> FusedGQALM:
+    """gpt-fast's attention with one kv head (``n_local_heads=1``): [Q; K; V] of unequal
+    widths in one Linear, the kv head repeated to every query head."""
+    torch.manual_seed(0)
+    model = FusedGQALM()
+    model.layers = nn.ModuleList(FusedGQAAttention(128, 8, 1) for _ in range(2))
+    return model
+
+
+class FalconMQAAttention(nn.Module):
+    """Falcon-7B's multi-query attention: q heads and the one k and v head fused in one
+    Linear, its output viewed as ``heads + 2`` heads and indexed apart (``[..., :-2, :]``,
+    ``[..., [-2], :]``), the shared head broadcast by the matmul."""
+
+    def __init__(self, dim: int = 128, n_head: int = 8) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = n_head, dim // n_head
+        self.query_key_value = nn.Linear(dim, dim + 2 * self.head_dim, bias=False)
+        self.dense = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        fused = self.query_key_value(x).view(b, s, self.num_heads + 2, self.head_dim)
+        q, k, v = fused[..., :-2, :], fused[..., [-2], :], fused[..., [-1], :]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        scores = (q @ k.transpose(-1, -2)) / self.head_dim ** 0.5
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        y = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        return self.dense(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+def falcon_mqa() -> FusedGQALM:
+    torch.manual_seed(0)
+    model = FusedGQALM()
+    model.layers = nn.ModuleList(FalconMQAAttention() for _ in range(2))
+    return model
+
+
 # A packed q/k/v cut apart the other ways people write it, the width read off the input
 
 
