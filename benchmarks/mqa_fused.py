@@ -2,10 +2,11 @@
 
 For StarCoder's, SantaCoder's and a 64-head Falcon multi-query shape (``gpt_bigcode`` and
 ``falcon`` from transformers, built from configs on the meta device, nothing downloaded),
-and gpt-fast-style code with one kv head, one table from one run:
+and gpt-fast-style code with one kv head and with 2 kv heads at tp=4, one table from one run:
 
 * ``auto``: shardplan's plan; ``qkv`` its style for the fused projection (``packed_colwise
-  +tail``: the query heads split tp ways, the one k/v head all-gathered whole on every rank);
+  +tail``: the query heads split tp ways, the k and v heads all-gathered whole on the ranks
+  whose query heads read them, all of tp for one kv head);
 * ``gathered``: the same model with that projection pinned to ``colwise_gather_output`` and
   its output projection to ``colwise_gather_output`` (attention whole on every rank: what
   the planner gave before, and what a plan without the layout must do);
@@ -39,12 +40,12 @@ def _hf(kind: str, **config):
         return AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
 
 
-def _gpt_fast():
+def _gpt_fast(dim: int, heads: int, kv: int):
     from tests.portability.natural import FusedGQAAttention, FusedGQALM
 
     with torch.device("meta"):
-        model = FusedGQALM(vocab=32000, dim=4096, layers=4)
-        model.layers = torch.nn.ModuleList(FusedGQAAttention(4096, 32, 1) for _ in range(4))
+        model = FusedGQALM(vocab=32000, dim=dim, layers=4)
+        model.layers = torch.nn.ModuleList(FusedGQAAttention(dim, heads, kv) for _ in range(4))
     return model.to(torch.bfloat16)
 
 
@@ -59,7 +60,8 @@ CASES = [  # name, builder, tp, fused projection pattern, output projection patt
                                                      num_hidden_layers=32, multi_query=True,
                                                      new_decoder_architecture=False), 8,
      "transformer.h.*.self_attention.query_key_value", "transformer.h.*.self_attention.dense"),
-    ("gpt-fast, 1 kv head (32 heads)", _gpt_fast, 8, "layers.*.wqkv", "layers.*.wo"),
+    ("gpt-fast, 1 kv head (32 heads)", lambda: _gpt_fast(4096, 32, 1), 8, "layers.*.wqkv", "layers.*.wo"),
+    ("gpt-fast, Qwen2-1.5B attention (12 heads, 2 kv)", lambda: _gpt_fast(1536, 12, 2), 4, "layers.*.wqkv", "layers.*.wo"),
 ]
 
 

@@ -95,15 +95,15 @@ def tokens() -> torch.Tensor:
 
 def plan_yaml(tp: int, n_head: int = 8, n_kv: int = 2, *, parts: list[int] | None = None, whole: bool = False) -> str:
     """The hand-written plan: ``packed: [h, kv, kv]`` unless ``parts`` says otherwise; with
-    ``whole`` (one kv head, MQA), ``packed: [h, 2], whole_parts: 1``: the k/v tail gathered
-    whole on every rank, so only the query sizes are made local."""
+    ``whole`` (one kv head, MQA), ``whole_parts: 2``: k and v gathered whole on every rank,
+    so only the query sizes are made local."""
     model = GQAModel(n_head, n_kv)
-    parts = parts or ([n_head, 2 * n_kv] if whole else [n_head, n_kv, n_kv])
+    parts = parts or [n_head, n_kv, n_kv]
     local = {"n_head": n_head // tp, "n_kv": n_kv // tp, "q_size": n_head * HEAD_DIM // tp,
              "kv_size": n_kv * HEAD_DIM // tp}
     if whole:
         local = {"n_head": n_head // tp, "q_size": n_head * HEAD_DIM // tp}
-    packed = {"packed": parts, **({"whole_parts": 1} if whole else {})}
+    packed = {"packed": parts, **({"whole_parts": 2} if whole else {})}
     rules = [("embed", "replicate"), ("layers.*.norm1", "replicate"), ("layers.*.attn.wqkv", "packed_colwise"),
              ("layers.*.attn.wo", "rowwise"), ("layers.*.norm2", "replicate"), ("layers.*.mlp.w1", "colwise"),
              ("layers.*.mlp.w2", "rowwise"), ("norm", "replicate"), ("head", "replicate")]

@@ -89,19 +89,21 @@ def test_unequal_gqa_parts_are_packed_by_parts(tp: int) -> None:
     assert not plan.warnings, plan.warnings
 
 
-def test_unequal_gqa_parts_with_fewer_kv_heads_than_ranks_are_gathered_with_the_split_named() -> None:
+def test_unequal_gqa_parts_with_fewer_kv_heads_than_ranks_gather_each_kv_head_in_its_group() -> None:
+    """4 kv heads on 8 ranks: the query heads split, each kv head gathered whole on the 2
+    ranks whose query heads read it (``whole_parts: 2, groups: 4``, :mod:`shardplan.decide.tails`)."""
     with torch.device("meta"):
         model = fused.split_gqa()
-    plan = shardplan.plan_model(model, {"tp": 8}, example_inputs=TOKENS)  # 4 kv heads on 8 ranks
-    assert plan.rule_for("layers.0.attn.qkv").style == "colwise_gather_output"
-    (warning,) = [w for w in plan.warnings if w.startswith("layers.*.attn.qkv")]
-    assert "makes 4 groups (heads) of its 32 features, which tp=8 does not divide" in warning, warning
+    plan = shardplan.plan_model(model, {"tp": 8}, example_inputs=TOKENS)
+    qkv = plan.rule_for("layers.0.attn.qkv")
+    assert (qkv.style, qkv.packed, qkv.whole_parts, qkv.groups) == ("packed_colwise", [2, 1, 1], 2, 4), plan.warnings
+    assert plan.rule_for("layers.0.attn.proj").style == "rowwise" and not plan.warnings, plan.warnings
 
 
 def test_unequal_slices_of_phi3_are_packed_by_parts() -> None:
     """Phi-3 slices its qkv_proj ``[..., :query_pos]``, ``[query_pos:query_pos + kv]``, ``[...:]``
     (4 heads, 2 kv heads: q 64, k 32, v 32): the slices tile it, so each rank holds its heads of
-    every part ([2, 1, 1]); at tp=4 the 2 kv heads cannot stay whole and the view says so."""
+    every part ([2, 1, 1]); at tp=4 each of the 2 kv heads is gathered on the 2 ranks reading it."""
     from shardplan.interop.hf_models import build_hf_model
 
     model, inputs, kwargs = build_hf_model("phi3", tiny=True)
@@ -110,8 +112,9 @@ def test_unequal_slices_of_phi3_are_packed_by_parts() -> None:
     assert (qkv.style, qkv.packed) == ("packed_colwise", [2, 1, 1]) and not plan.warnings, plan.warnings
     assert plan.module_styles()["model.layers.0.self_attn.o_proj"] == "rowwise"
     plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=inputs, example_kwargs=kwargs)
-    (warning,) = [w for w in plan.warnings if w.startswith("model.layers.*.self_attn.qkv_proj")]
-    assert "modeling_phi3.py" in warning and "2 groups (heads)" in warning and "tp=4 does not divide" in warning
+    qkv = plan.rule_for("model.layers.0.self_attn.qkv_proj")
+    assert (qkv.style, qkv.packed, qkv.whole_parts, qkv.groups) == ("packed_colwise", [2, 1, 1], 2, 2), plan.warnings
+    assert plan.module_styles()["model.layers.0.self_attn.o_proj"] == "rowwise" and not plan.warnings, plan.warnings
 
 
 def _parallel_plan(seq: int) -> shardplan.Plan:

@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from torch import nn
 
 import shardplan
 from shardplan.plan.model import CutFix, Plan
@@ -226,15 +227,21 @@ def test_a_fused_gqa_qkv_cut_into_unequal_parts_is_split_by_heads() -> None:
     assert run.passed and run.plan.rule_for("layers.0.wqkv").packed == [4, 1, 1], run.summary()
 
 
+def _fused_six_heads() -> natural.FusedGQALM:
+    model = natural.FusedGQALM(dim=96)
+    model.layers = nn.ModuleList(natural.FusedGQAAttention(96, 6, 2) for _ in range(2))
+    return model
+
+
 def test_attention_run_whole_behind_rowwise_projections_is_said() -> None:
-    """At tp=4 the 2 kv heads cannot each stay on a rank; the plan that shards the weights
-    anyway (q/k/v rowwise after a feature-split embedding) runs attention whole on every
-    rank, which the warnings must say, at the attention, with the split that blocks it."""
-    plan = _plan(natural.fused_gqa, 4)
+    """At tp=4 the 6 query heads cannot be split; the plan that shards the weights anyway
+    (q/k/v rowwise after a feature-split embedding) runs attention whole on every rank,
+    which the warnings must say, at the attention, with the split that blocks it."""
+    plan = _plan(_fused_six_heads, 4)
     (said,) = [w for w in plan.warnings if "attention runs whole" in w]
     assert said.startswith("layers.*: attention runs whole on every rank: `scaled_dot_product_attention`")
-    assert "layers.*.wqkv being " in said and "unequal parts [128, 32, 32]" in said, said
-    assert "tp=4 divides every part's heads" in said, said
+    assert "layers.*.wqkv being " in said and "unequal parts [96, 32, 32]" in said, said
+    assert "tp=4 divides the first part's (query) heads" in said, said
 
 
 @pytest.mark.parametrize("tp", [2, 4])

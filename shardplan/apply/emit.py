@@ -71,7 +71,8 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False, scala
     if rule.style == "colwise":  # an explicit Shard(-1) output is returned to the user as a DTensor
         return col(input_layouts=inp or Replicate(), output_layouts=out or Shard(-1), use_local_output=out is None)
     if rule.style == "packed_colwise":
-        return PackedColwise(parts=rule.packed or 2, conv1d=conv1d, whole_parts=rule.whole_parts or 0, input_layouts=inp or Replicate(),
+        return PackedColwise(parts=rule.packed or 2, conv1d=conv1d, whole_parts=rule.whole_parts or 0, groups=rule.groups or 1,
+                             input_layouts=inp or Replicate(),
                              output_layouts=Shard(-1))
     if rule.style == "colwise_kv_replicated":
         return ColwiseKVReplicated(groups=rule.groups, input_layouts=inp)

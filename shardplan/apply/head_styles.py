@@ -31,18 +31,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from .mesh import group_mesh, grouped_mesh
 from .styles import Conv1DRowwise, _distribute_own, _restore_params, _swap_to_local
 
 __all__ = ["grouped_mesh", "ColwiseKVReplicated", "ColwiseKVGathered", "GatherPartialGrad", "ReplicatePartialGrad", "ColwisePartialInput",
            "FoldedSlice", "NormSharded"]
-
-
-def grouped_mesh(tp_mesh: Any, groups: int) -> Any:
-    """The tp axis as ``(groups, tp / groups)``: rank r is in group r // (tp / groups), so a
-    ``[Shard(0), Replicate()]`` weight gives the ranks of one group the same rows."""
-    name = _axis(tp_mesh)
-    rep = tp_mesh.size() // groups
-    return tp_mesh._unflatten(0, (groups, rep), (f"{name}_kv{groups}", f"{name}_kv{groups}_rep"))
 
 
 class ColwiseKVReplicated(ParallelStyle):
@@ -104,14 +97,10 @@ class ColwiseKVGathered(ParallelStyle):
             param = module._parameters[name]
             dist = distribute_tensor(param.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
-        group = grouped_mesh(device_mesh, self.groups)[f"{_axis(device_mesh)}_kv{self.groups}_rep"]
+        group = group_mesh(device_mesh, self.groups)
         module.register_forward_pre_hook(partial(_kv_enter, names=names, tp_mesh=device_mesh, layout=self.input_layouts))
         module.register_forward_hook(partial(_gather_in_group, group=group))
         return module
-
-
-def _axis(tp_mesh: Any) -> str:
-    return tp_mesh.mesh_dim_names[0] if tp_mesh.mesh_dim_names else "tp"
 
 
 def _gather_in_group(module, args, output, *, group):

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..analyze.graph import OpGraph
 from ..analyze.values import nonzero_at_upper_bound
-from ..decide.placements import groups_of, index_items, local_shape, one_slice, shard_dim
+from ..decide.placements import groups_of, index_items, local_shape, one_slice, shard_dim, tail_of
 from ..decide.propagation import quiet_probes
 from ..plan.model import CutFix, LocalAttributes, LocalViews, Plan, ViewFix, int_attributes
 from .emit import shard
@@ -46,8 +46,8 @@ def _dim_sizes(graph: OpGraph, placements: dict[int, str], fqn: str, tp: int) ->
     for op in graph.ops:
         p = placements.get(op.output, "R") if op.output is not None else "R"
         d = shard_dim(p)
-        if d is None or not (op.owner == fqn or op.owner.startswith(fqn + ".")):
-            continue
+        if d is None or tail_of(p) or not (op.owner == fqn or op.owner.startswith(fqn + ".")):
+            continue  # a whole tail's dim is not cut in equal parts: its cut pieces say how
         shape = graph.values[op.output].shape
         kind, n = groups_of(p) or ("", tp)
         parts = {d: n, d + 1: tp // n} if kind == "e" else {d: n}

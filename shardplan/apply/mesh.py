@@ -8,6 +8,10 @@ Contract
     group on exit.  Raises ``RuntimeError`` if a default group already exists.
     Can be entered again, with another size, in the same process.
 
+``grouped_mesh(tp_mesh, groups)`` / ``group_mesh(tp_mesh, groups)``
+    The tp axis as ``(groups, tp / groups)`` (kv heads in groups, each on ``tp / groups``
+    consecutive ranks), and its inner axis: the ranks of this rank's group.
+
 ``make_mesh(axis_sizes, *, device_type="cpu")``
     ``init_device_mesh`` over the current default group with the mapping's keys
     as dimension names and its values as sizes, in order.  Raises ``ValueError``
@@ -23,7 +27,7 @@ from collections.abc import Iterator, Mapping
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["fake_process_group", "make_mesh"]
+__all__ = ["fake_process_group", "make_mesh", "grouped_mesh", "group_mesh"]
 
 
 @contextlib.contextmanager
@@ -94,3 +98,21 @@ def make_mesh(axis_sizes: Mapping[str, int], *, device_type: str = "cpu") -> Dev
             f"mesh axes {dict(axis_sizes)} have product {product}, but the world size is {world}"
         )
     return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+
+
+def grouped_mesh(tp_mesh: DeviceMesh, groups: int) -> DeviceMesh:
+    """The tp axis as ``(groups, tp / groups)``: rank r is in group r // (tp / groups), so a
+    ``[Shard(0), Replicate()]`` weight gives the ranks of one group the same rows."""
+    name = _axis(tp_mesh)
+    rep = tp_mesh.size() // groups
+    return tp_mesh._unflatten(0, (groups, rep), (f"{name}_kv{groups}", f"{name}_kv{groups}_rep"))
+
+
+def group_mesh(tp_mesh: DeviceMesh, groups: int) -> DeviceMesh:
+    """The ranks of this rank's group (the inner axis of :func:`grouped_mesh`); the tp axis
+    itself for one group."""
+    return tp_mesh if groups == 1 else grouped_mesh(tp_mesh, groups)[f"{_axis(tp_mesh)}_kv{groups}_rep"]
+
+
+def _axis(tp_mesh: DeviceMesh) -> str:
+    return tp_mesh.mesh_dim_names[0] if tp_mesh.mesh_dim_names else "tp"

@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..plan.validate import part_rows
+from .mesh import group_mesh
 from .packed import PackedShard, check_parts, distribute
 
 __all__ = [
@@ -309,11 +310,13 @@ class PackedColwise(ColwiseParallel):
     with ``use_local_output=False``), and the parameters' gradients keep their placement,
     which a DTensor matmul would relabel as an equal-parts ``_StridedShard``."""
 
-    def __init__(self, *, parts: int | Sequence[int], conv1d: bool = False, whole_parts: int = 0, **kwargs: Any) -> None:
+    def __init__(self, *, parts: int | Sequence[int], conv1d: bool = False, whole_parts: int = 0, groups: int = 1,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.parts, self.conv1d = (parts if isinstance(parts, int) else tuple(parts)), conv1d
-        # MQA's [Q; K; V] with one kv head: the last parts gathered whole after the matmul
-        self.whole_parts = whole_parts
+        # fewer kv heads than ranks in a fused [Q; K; V]: the last parts (k, v) gathered
+        # after the matmul over the ranks of each kv head (all of tp for one kv head)
+        self.whole_parts, self.groups = whole_parts, groups
 
     def _unequal(self) -> bool:
         return not isinstance(self.parts, int) and len(set(self.parts)) > 1
@@ -350,7 +353,8 @@ class PackedColwise(ColwiseParallel):
         layout = self.input_layouts[0] if isinstance(self.input_layouts, tuple) else self.input_layouts
         module.register_forward_pre_hook(partial(_packed_enter, names=names, mesh=device_mesh, layout=layout))
         module.register_forward_hook(partial(_packed_leave, mesh=device_mesh, parts=self.parts,
-                                             use_local_output=self.use_local_output, whole_parts=self.whole_parts))
+                                             use_local_output=self.use_local_output, whole_parts=self.whole_parts,
+                                             group=group_mesh(device_mesh, self.groups) if self.whole_parts else None))
         return module
 
     @staticmethod
@@ -372,10 +376,10 @@ def _packed_enter(module, args, *, names, mesh, layout):
     return (x, *rest)
 
 
-def _packed_leave(module, args, output, *, mesh, parts, use_local_output, whole_parts=0):
+def _packed_leave(module, args, output, *, mesh, parts, use_local_output, whole_parts=0, group=None):
     _restore_params(module, args, output)
     if whole_parts and isinstance(output, torch.Tensor):
-        return _gather_tail(output, mesh, parts, whole_parts)
+        return _gather_tail(output, mesh.size(), group, parts, whole_parts)
     if use_local_output or not isinstance(output, torch.Tensor):
         return output
     shape = list(output.shape)
@@ -384,17 +388,19 @@ def _packed_leave(module, args, output, *, mesh, parts, use_local_output, whole_
                               shape=torch.Size(shape), stride=_contiguous_strides(shape))
 
 
-def _gather_tail(output: torch.Tensor, mesh: Any, parts: Sequence[int], whole_parts: int) -> torch.Tensor:
-    """[q_r, t_r] -> [q_r, T]: the rank's slice of the last ``whole_parts`` parts (MQA's k
-    and v head) all-gathered over tp, so every rank holds them whole beside its query heads.
-    Each rank's gradient of T is its own query heads' share (Partial): the gather's backward
-    is then a reduce-scatter, summing the shares and keeping the rank's slice."""
-    tp = mesh.size()
-    rows = part_rows(tuple(parts), output.shape[-1] * tp)
-    tail = sum(rows[-whole_parts:]) // tp
-    lead, mine = output.split([output.shape[-1] - tail, tail], dim=-1)
-    whole = DTensor.from_local(mine, mesh, [Shard(output.ndim - 1)], run_check=False).redistribute(placements=[Replicate()])
-    return torch.cat([lead, whole.to_local(grad_placements=(Partial(),))], dim=-1)
+def _gather_tail(output: torch.Tensor, tp: int, group: Any, parts: Sequence[int], whole_parts: int) -> torch.Tensor:
+    """[q_r, k_r, v_r] -> [q_r, k_g, v_g]: the rank's slices of the last ``whole_parts``
+    parts (k and v) all-gathered, in one collective, over ``group``: the ranks holding the
+    slices of one kv head (all of tp for one kv head), so every rank holds its query heads'
+    kv head whole. Each rank's gradient of it is its own query heads' share (Partial): the
+    gather's backward is then a reduce-scatter, summing the shares and keeping the slices."""
+    local = [rows // tp for rows in part_rows(tuple(parts), output.shape[-1] * tp)]
+    keep, tail = local[:-whole_parts], local[-whole_parts:]
+    *lead, mine = output.split([*keep, sum(tail)], dim=-1)
+    whole = DTensor.from_local(mine, group, [Shard(output.ndim - 1)], run_check=False).redistribute(placements=[Replicate()])
+    # [k_0, v_0, k_1, v_1, ...] (rank by rank) -> [k, v]: each piece's slices side by side
+    ranks = whole.to_local(grad_placements=(Partial(),)).unflatten(-1, (group.size(), sum(tail)))
+    return torch.cat([*lead, *(piece.flatten(-2) for piece in ranks.split(tail, dim=-1))], dim=-1)
 
 
 def _contiguous_strides(shape: list[int]) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ import math
 
 from ..analyze.graph import Op, OpGraph
 from .placements import VIEW_OPS, Strategy, group_counts, grouped, shard_dim, view_groups
-from .tails import tail_owners
+from .tails import grouped_tail_values, tail_owners
 
 __all__ = ["grouped_variants", "grouped_conversions", "partial_grad_twins", "grouped_values", "viewed_heads",
            "partial_grad_owners", "under_partial_grad_owner"]
@@ -176,7 +176,7 @@ def grouped_values(graph: OpGraph, tp: int) -> frozenset[int]:
     if cached is None:
         found: set[int] = set()
         frontier = [op.output for op in graph.ops if op.kind == "module" and op.module_kind == "linear"
-                    and op.output is not None and viewed_heads(op, graph, tp)]
+                    and op.output is not None and viewed_heads(op, graph, tp)] + grouped_tail_values(graph, tp)
         for _ in range(_GROUPED_DEPTH):
             frontier = [v for v in frontier if v not in found]
             found.update(frontier)
@@ -206,7 +206,7 @@ def partial_grad_owners(graph: OpGraph, tp: int) -> frozenset[str]:
                 found.add(op.owner)
             elif op.target == "mul" and _scales_by_broadcast(op, graph):
                 found.add(op.owner)
-        found |= tail_owners(graph, tp)  # MQA's kv head cut off a fused projection, whole on every rank
+        found |= tail_owners(graph, tp)  # one kv head cut off a fused projection, whole on every rank
         cached = graph.strategy_cache[key] = frozenset(found)
     return cached
 

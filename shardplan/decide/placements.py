@@ -26,6 +26,8 @@ and v head fused after the query heads, Falcon-7B's ``query_key_value``, StarCod
 * ``"S{d}w{n}"`` (whole tail): the leading ``size - n`` entries of dim ``d`` are split tp
   ways and the trailing ``n`` held whole by every rank, so a rank holds ``[q_r, k, v]``. The
   tail's gradient on each rank is its own query heads' share, ``Rp`` once cut off.
+  ``"S{d}w{n}g{kv}"``: the tail's pieces hold ``kv`` heads each, in groups as ``S{d}g{kv}``
+  (rank r holds ``[q_r, k_g, v_g]``, g = r // (tp / kv)).
 
 A :class:`Strategy` names the placements
 of an op's inputs and output, the collectives its forward and backward issue, and its
@@ -41,7 +43,7 @@ from typing import Any
 
 from ..analyze.graph import Op
 
-__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "split_widths", "slice_range", "index_items", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts", "whole_tail", "tail_of",
+__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "split_widths", "slice_range", "index_items", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts", "whole_tail", "tail_of", "permutation",
            "view_groups", "VIEW_OPS",
            "local_shape"]
 
@@ -120,15 +122,33 @@ def grouped(dim: int, num_groups: int, *, expanded: bool = False) -> str:
     return f"S{dim}{'e' if expanded else 'g'}{num_groups}"
 
 
-def whole_tail(dim: int, n: int) -> str:
-    """``S{dim}w{n}``: dim ``dim`` split tp ways but for its last ``n`` entries, held whole."""
-    return f"S{dim}w{n}"
+def whole_tail(dim: int, n: int, groups: int = 1) -> str:
+    """``S{dim}w{n}``: dim ``dim`` split tp ways but for its last ``n`` entries, held whole;
+    ``S{dim}w{n}g{groups}``: those held in ``groups`` kv-head groups, as ``S{d}g{n}`` holds them."""
+    return f"S{dim}w{n}" + (f"g{groups}" if groups > 1 else "")
 
 
-def tail_of(p: str | None) -> int | None:
-    """``n`` of a whole-tail placement ``S{d}w{n}``; None for any other."""
-    m = re.fullmatch(r"S\d+w(\d+)", p or "")
-    return int(m.group(1)) if m else None
+def tail_of(p: str | None) -> tuple[int, int] | None:
+    """``(n, groups)`` of a whole-tail placement; None for any other."""
+    m = re.fullmatch(r"S\d+w(\d+)(?:g(\d+))?", p or "")
+    return (int(m.group(1)), int(m.group(2) or 1)) if m else None
+
+
+def permutation(op: Op, ndim: int) -> list[int] | None:
+    """Output dim -> input dim of ``transpose``, ``swapaxes``, ``t`` or ``permute``; None for any other op."""
+    args = [a for a in op.node.args[1:]]
+    name = op.target
+    order = list(range(ndim))
+    if name in ("transpose", "swapaxes", "swapdims") and len(args) == 2:
+        a, b = (int(x) % ndim for x in args)
+        order[a], order[b] = order[b], order[a]
+        return order
+    if name == "t":
+        return order[::-1]
+    if name == "permute":
+        dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+        return [int(x) % ndim for x in dims]
+    return None
 
 
 def group_counts(tp: int) -> list[int]:
@@ -153,7 +173,7 @@ def local_shape(shape: tuple[int, ...], p: str, tp: int) -> tuple[int, ...]:
     out = list(shape)
     tail = tail_of(p)
     if tail is not None:
-        out[d] = (out[d] - tail) // tp + tail
+        out[d] = (out[d] - tail[0]) // tp + tail[0] // tail[1]
         return tuple(out)
     out[d] //= n
     if kind == "e":

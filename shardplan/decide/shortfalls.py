@@ -317,11 +317,12 @@ def _blocked_by(user, shape, dim: int, tp: int, *, graph: OpGraph, value: int) -
     if parts:
         hint = ("; a fused q/k/v splits when written as separate Linears, or with its rows ordered per kv head "
                 "(view(b, s, kv, q_per_kv + 2, head_dim))") if parts[1] == 3 else ""
-        # planned packed by parts (PackedShard) when the cut is a split of sections and each
-        # part keeps whole heads on a rank; a part of fewer heads than ranks cannot
-        return (f"{what} cuts its {shape[dim]} features into {parts[0]}: unequal parts split by heads only when cut by "
-                f"`split([...])` and tp={tp} divides every part's heads, so they run whole here; plan for a tp that "
-                f"divides the kv heads{hint}")
+        # planned packed by parts (PackedShard) when each part keeps whole heads on a rank, and
+        # with kv parts of fewer heads than ranks gathered where read (decide/tails.py): the
+        # query part must still split into whole heads
+        return (f"{what} cuts its {shape[dim]} features into {parts[0]}: unequal parts split by heads only when "
+                f"tp={tp} divides the first part's (query) heads, k and v of fewer heads than ranks gathered where "
+                f"they are read, so they run whole here; plan for a tp that divides the query heads{hint}")
     return f"{what} needs its input whole where tp={tp} splits it (dim {dim}), and everything after it runs on the gathered tensor"
 
 

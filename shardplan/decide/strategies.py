@@ -38,7 +38,8 @@ from ..analyze.graph import Op, OpGraph
 from .folded import folded_factory_strategies, folded_values, folded_variants, folded_view_strategies
 from .heads import grouped_conversions, grouped_values, grouped_variants, partial_grad_twins, under_partial_grad_owner
 from .placements import (
-    VIEW_OPS, Strategy, chunk_count, expanded_dims, groups_of, index_items, narrow_index, packed, placement_str, shard_dim, sliced_part,
+    VIEW_OPS, Strategy, chunk_count, expanded_dims, groups_of, index_items, narrow_index, packed, permutation, placement_str, shard_dim,
+    sliced_part,
     split_parts, split_widths, view_groups, view_parts,
 )
 from .propagation import dtensor_strategies, in_place_strategies, metadata_only
@@ -185,7 +186,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
         strategies += folded_variants(op, graph, tp, strategies, lambda v: _shape(graph, v), out_shape)
     if grouped_in:
         strategies += grouped_conversions(op, graph, tp, out_shape)
-    if name in VIEWS or name in ("split", "getitem"):  # MQA's kv head cut off a fused projection
+    if name in VIEWS or name in PERMUTES or name in ("split", "getitem"):  # kv heads cut off a fused projection
         strategies += tail_strategies(op, graph, tp, out_shape)
     if under_partial_grad_owner(op.owner, graph, tp):
         strategies += partial_grad_twins(op, graph, tp, strategies, out_shape)
@@ -331,7 +332,7 @@ def _view(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
 
 
 def _permute(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
-    order = _permutation(op, len(out_shape))
+    order = permutation(op, len(out_shape))
     if order is None:
         return []
     result = [Strategy("", ("P",), "P")]
@@ -340,22 +341,6 @@ def _permute(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
         if src[d] % tp == 0 and src[d] >= tp:
             result.append(Strategy("", (f"S{d}",), f"S{o}"))
     return result
-
-
-def _permutation(op: Op, ndim: int) -> list[int] | None:
-    args = [a for a in op.node.args[1:]]
-    name = op.target
-    order = list(range(ndim))
-    if name in ("transpose", "swapaxes", "swapdims") and len(args) == 2:
-        a, b = (int(x) % ndim for x in args)
-        order[a], order[b] = order[b], order[a]
-        return order
-    if name == "t":
-        return order[::-1]
-    if name == "permute":
-        dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
-        return [int(x) % ndim for x in dims]
-    return None
 
 
 def _dim_arg(op: Op, ndim: int, default: Any = None) -> Any:

@@ -108,9 +108,9 @@ class Rule(_Strict):
     # packed_colwise: how many equal parts the output dim holds, or the relative widths of
     # unequal ones ([4, 1, 1]: a GQA [Q; K; V] of 8 q and 2 kv heads; rows [64, 16, 16] too)
     packed: Packed = None
-    # packed_colwise: the last this many parts are gathered whole on every rank (MQA's one k
-    # and v head fused after the query heads: rank r holds [q_r, k, v]); their rows are still
-    # split tp ways at rest, as the other parts' are
+    # packed_colwise: the last this many parts (k, v) are gathered whole after the matmul on
+    # the ranks whose query heads read them (one kv head fused after the query heads: rank r
+    # holds [q_r, k, v]); their rows are still split tp ways at rest, as the other parts' are
     whole_parts: Annotated[int, Field(strict=True, ge=1)] | None = None
     # ep_experts: the bank's experts E, split whole over the mesh's ep axis (E / ep per rank),
     # and with a tp axis too, how each rank's experts sit on it: split inside as
@@ -118,7 +118,9 @@ class Rule(_Strict):
     num_experts: Annotated[int, Field(strict=True, ge=1)] | None = None
     inner: Literal["moe_tp_experts", "replicate"] | None = None
     # colwise_kv_replicated: the weight's rows form this many groups (one per kv head), each
-    # held whole by tp / groups ranks; colwise_kv_gathered: each group gathered across them
+    # held whole by tp / groups ranks; colwise_kv_gathered: each group gathered across them;
+    # packed_colwise with whole_parts: the whole parts hold this many kv heads, each gathered
+    # over its tp / groups ranks (absent: one kv head, gathered over all of tp)
     groups: Annotated[int, Field(strict=True, ge=2)] | None = None
     # MLA's shared rotary key, broadcast to heads split tp ways, hands back partial gradients:
     # colwise_gather_output sums its output's (a reduce-scatter backward, not a slice), and a
@@ -143,7 +145,7 @@ class Rule(_Strict):
         if self.whole_parts is not None and (self.style != "packed_colwise" or not 0 < self.whole_parts < n):
             raise ValueError(f"whole_parts {self.whole_parts} with style {self.style} and packed {self.packed}: "
                              "whole_parts is for packed_colwise with a list of part widths, fewer than the parts "
-                             "(packed: [8, 1], whole_parts: 1 for 8 query heads and one k/v head fused after them)")
+                             "(packed: [8, 1, 1], whole_parts: 2 for 8 query heads, then one k and one v head)")
         return self
 
 

@@ -112,6 +112,9 @@ def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) 
     if rule.style in _KV_STYLES and (rule.groups is None or tp % rule.groups or rule.groups >= tp):
         return [f"rule {rule.module} ({rule.style}): groups {rule.groups} must divide tp={tp} and be smaller "
                 "(one group per kv head, each on tp / groups ranks); set groups to the number of kv heads"]
+    if rule.style == "packed_colwise" and rule.groups is not None and (tp % rule.groups or rule.groups >= tp):
+        return [f"rule {rule.module} (packed_colwise): groups {rule.groups} must divide tp={tp} and be smaller "
+                "(the kv heads of its whole parts, each gathered over tp / groups ranks); set it to the kv heads"]
     if rule.style == "packed_colwise" and isinstance(rule.packed, list):
         return _unequal_parts(rule, hits, modules, tp)
     parts = rule.groups if rule.style == "colwise_kv_replicated" else tp

@@ -380,6 +380,36 @@ def falcon_mqa() -> FusedGQALM:
     return model
 
 
+class LitGPTAttention(nn.Module):
+    """litgpt's attention before 2024: the fused rows ordered per query group, viewed
+    ``(B, T, groups, q_per_kv + 2, hs)``, permuted, and split ``(q_per_kv, 1, 1)``; one
+    group here (multi-query: Gemma 2B, Falcon-7B), its k and v expanded to every head."""
+
+    def __init__(self, dim: int = 128, n_head: int = 8, n_query_groups: int = 1) -> None:
+        super().__init__()
+        self.n_head, self.n_query_groups, self.head_size = n_head, n_query_groups, dim // n_head
+        self.attn = nn.Linear(dim, (n_head + 2 * n_query_groups) * self.head_size)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q_per_kv = self.n_head // self.n_query_groups
+        qkv = self.attn(x).view(B, T, self.n_query_groups, q_per_kv + 2, self.head_size)
+        q, k, v = qkv.permute(0, 2, 3, 1, 4).split((q_per_kv, 1, 1), dim=2)
+        k = k.expand(B, self.n_query_groups, q_per_kv, T, self.head_size)
+        v = v.expand(B, self.n_query_groups, q_per_kv, T, self.head_size)
+        q, k, v = (t.reshape(B, -1, T, self.head_size) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def litgpt_mqa() -> FusedGQALM:
+    torch.manual_seed(0)
+    model = FusedGQALM()
+    model.layers = nn.ModuleList(LitGPTAttention() for _ in range(2))
+    return model
+
+
 # A packed q/k/v cut apart the other ways people write it, the width read off the input
 
 
