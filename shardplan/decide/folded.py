@@ -20,6 +20,15 @@ other dims) run on the blocks as they run on a contiguous shard, so their shard-
 strategies hold with ``S0`` read as ``S0p{b}``; the view back to ``[b, h, s, d]`` unfolds
 the blocks into the heads' ``Shard(1)``, and the head count the code views by is made local
 by the local check, as for any view of heads.
+
+Tokens are folded the same way: OPT flattens its residual stream before the MLP
+(``hidden.reshape(-1, h)``), so with the sequence split (``Shard(1)`` of ``[b, s, h]``) the
+tokens are ``S0p{b}`` of ``[b * s, h]``. A norm runs on them per token
+(``sequence_parallel`` on dim 0). A colwise Linear all-gathers them where it receives them
+(:func:`folded_module_twins`), which puts the rows in rank order, not the model's (``S{d}o{k}``,
+:mod:`.placements`); elementwise ops carry that (:func:`rank_order_twins`), and a rowwise
+Linear reduce-scatters its output in the same order, so each rank gets its own tokens back,
+``S0p{b}``, at any batch size, and the view back to ``[b, s, h]`` unfolds them to ``Shard(1)``.
 """
 
 from __future__ import annotations
@@ -29,10 +38,12 @@ import re
 from collections.abc import Callable
 
 from ..analyze.graph import Op, OpGraph
-from .placements import VIEW_OPS, Strategy, expanded_dims, packed, shard_dim, view_groups
+from dataclasses import replace
+
+from .placements import VIEW_OPS, Strategy, expanded_dims, packed, rank_order, shard_dim, view_groups
 
 __all__ = ["folded_values", "folded_view", "folded_view_strategies", "folded_variants", "folded_factory_strategies",
-           "parts_of"]
+           "parts_of", "folded_module_twins", "rank_order_twins"]
 
 _DEPTH = 32  # ops from the fold to the unfold: bmm, scale, mask, softmax, dropout, bmm, view
 
@@ -110,7 +121,7 @@ def folded_values(graph: OpGraph, tp: int) -> dict[int, frozenset[int]]:
             for v, k in frontier:
                 found.setdefault(v, set()).add(k)
             frontier = [(graph.ops[c].output, k) for v, k in frontier for c in graph.consumers.get(v, [])
-                        if graph.ops[c].output is not None and graph.ops[c].kind == "function"]
+                        if graph.ops[c].output is not None and graph.ops[c].kind in ("function", "module")]
         cached = graph.strategy_cache[key] = {v: frozenset(k) for v, k in found.items()}
     return cached
 
@@ -179,6 +190,8 @@ def _twin(s: Strategy, k: int, shapes: list[tuple[int, ...]], out_shape: tuple[i
     places = list(zip(s.inputs, shapes)) + [(s.output, out_shape)]
     if s.name or any(p not in ("R",) and not re.fullmatch(r"S\d+", p or "") for p, _ in places):
         return None  # Partial, grouped, packed and weight strategies have no folded twin
+    if any(p != "R" and shard_dim(p) >= len(shape) for p, shape in places):
+        return None  # a tuple's placement read against its first tensor's shape
     sizes = {shape[shard_dim(p)] for p, shape in places if p != "R"}
     if len(sizes) != 1 or next(iter(sizes)) % (k * tp):
         return None
@@ -187,3 +200,32 @@ def _twin(s: Strategy, k: int, shapes: list[tuple[int, ...]], out_shape: tuple[i
         return p if p == "R" else packed(shard_dim(p), k)
 
     return Strategy("", tuple(fold(p) for p in s.inputs), fold(s.output))
+
+
+def folded_module_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strategy]) -> list[Strategy]:
+    """A Linear reading tokens folded ``S0p{k}`` (sequence parallel): colwise gathering them
+    where it receives them (its rows then in rank order, ``S{last}o{k}``); rowwise reading
+    rows in rank order and reduce-scattering its output back to ``S0p{k}``."""
+    if len(op.inputs) != 1:
+        return []
+    x, y = graph.values[op.inputs[0]], graph.values[op.output]
+    out = []
+    for k in sorted(folded_values(graph, tp).get(op.inputs[0], frozenset())):
+        p = packed(0, k)
+        if len(x.shape) != 2 or x.shape[0] % (k * tp):
+            continue
+        for s in strategies:
+            if s.name == "colwise" and s.inputs == ("R",) and not s.layouts.get("output"):
+                out.append(replace(s, inputs=(p,), output=rank_order(1, k), entry=(p,), layouts={**s.layouts, "input": p}))
+            elif s.name == "rowwise" and s.output == "R" and s.inputs == ("S1",):
+                out.append(replace(s, inputs=(rank_order(1, k),), output=p, fwd=(("reduce_scatter", y.nbytes),),
+                                   bwd=(("all_gather", y.nbytes),), act_bytes=s.act_bytes / tp, layouts={**s.layouts, "output": p}))
+    return out
+
+
+def rank_order_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strategy]) -> list[Strategy]:
+    """An elementwise op (an activation, dropout) on rows in rank order: as on ``S{d}``."""
+    counts = folded_values(graph, tp).get(op.inputs[0], frozenset()) if len(op.inputs) == 1 else ()
+    return [Strategy("", (rank_order(shard_dim(s.output), k),), rank_order(shard_dim(s.output), k))
+            for k in sorted(counts) for s in strategies
+            if not s.name and s.output and len(s.inputs) == 1 and s.inputs[0] == s.output and re.fullmatch(r"S\d+", s.output)]

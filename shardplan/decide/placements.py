@@ -29,6 +29,15 @@ and v head fused after the query heads, Falcon-7B's ``query_key_value``, StarCod
   ``"S{d}w{n}g{kv}"``: the tail's pieces hold ``kv`` heads each, in groups as ``S{d}g{kv}``
   (rank r holds ``[q_r, k_g, v_g]``, g = r // (tp / kv)).
 
+Tokens flattened with the sequence split (``[b, s, h] -> [b * s, h]``, OPT's MLP) are
+``S0p{b}`` (:mod:`.folded`); gathered where a Linear receives them, a rank holds the rows in
+rank order (rank 0's tokens, then rank 1's), not the model's:
+
+* ``"S{d}o{k}"`` (rank order): split on ``d`` like ``S{d}``, its rows those of an ``S0p{k}``
+  value all-gathered in rank order. Only ops that treat rows one by one read it, and a
+  reduce-scatter in the same order hands each rank its own rows back (``S0p{k}``), so no row
+  ever meets another in the wrong place.
+
 A :class:`Strategy` names the placements
 of an op's inputs and output, the collectives its forward and backward issue, and its
 per-device bytes and flops. Nothing here knows any op: :mod:`.strategies` (plain ops) and
@@ -43,7 +52,7 @@ from typing import Any
 
 from ..analyze.graph import Op
 
-__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "split_widths", "slice_range", "index_items", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts", "whole_tail", "tail_of", "permutation",
+__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "split_widths", "slice_range", "index_items", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts", "whole_tail", "tail_of", "permutation", "rank_order", "rank_order_of",
            "view_groups", "VIEW_OPS",
            "local_shape"]
 
@@ -132,6 +141,17 @@ def tail_of(p: str | None) -> tuple[int, int] | None:
     """``(n, groups)`` of a whole-tail placement; None for any other."""
     m = re.fullmatch(r"S\d+w(\d+)(?:g(\d+))?", p or "")
     return (int(m.group(1)), int(m.group(2) or 1)) if m else None
+
+
+def rank_order(dim: int, k: int) -> str:
+    """``S{dim}o{k}``: split on ``dim``, its rows those of a ``S0p{k}`` value gathered in rank order."""
+    return f"S{dim}o{k}"
+
+
+def rank_order_of(p: str | None) -> int | None:
+    """``k`` of a rank-order placement ``S{d}o{k}``; None for any other."""
+    m = re.fullmatch(r"S\d+o(\d+)", p or "")
+    return int(m.group(1)) if m else None
 
 
 def permutation(op: Op, ndim: int) -> list[int] | None:

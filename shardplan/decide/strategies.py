@@ -35,7 +35,7 @@ import torch.fx
 
 from ..analyze.graph import Op, OpGraph
 
-from .folded import folded_factory_strategies, folded_values, folded_variants, folded_view_strategies
+from .folded import folded_factory_strategies, folded_values, folded_variants, folded_view_strategies, rank_order_twins
 from .heads import grouped_conversions, grouped_values, grouped_variants, partial_grad_twins, under_partial_grad_owner
 from .placements import (
     VIEW_OPS, Strategy, chunk_count, expanded_dims, groups_of, index_items, narrow_index, packed, permutation, placement_str, shard_dim,
@@ -184,6 +184,8 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
         strategies += folded_factory_strategies(op, graph, tp, out_shape)
     elif any(v in folded_values(graph, tp) for v in op.inputs):
         strategies += folded_variants(op, graph, tp, strategies, lambda v: _shape(graph, v), out_shape)
+        if name in UNARY | LINEAR_UNARY or (op.node.op == "call_module" and _param_free_elementwise(op, graph)):
+            strategies += rank_order_twins(op, graph, tp, strategies)  # OPT's activation between fc1 and fc2
     if grouped_in:
         strategies += grouped_conversions(op, graph, tp, out_shape)
     if name in VIEWS or name in PERMUTES or name in ("split", "getitem"):  # kv heads cut off a fused projection

@@ -59,6 +59,7 @@ from torch import nn
 from ..analyze.graph import Op, OpGraph
 from ..analyze.graph import module_kind as module_kind_of
 from .heads import grouped_values, under_partial_grad_owner, viewed_heads
+from .folded import folded_module_twins, folded_values
 from .tails import tailed_colwise
 from .elementwise import scalar_elementwise_dims
 from .placements import (
@@ -109,6 +110,7 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
         kind = "read elsewhere"  # its weight is also read as a plain tensor outside it: kept whole
     if kind in ("linear", "conv1d") and len(op.inputs) == 1:
         found = _linear(op, graph, module, tp, sp)
+        found += folded_module_twins(op, graph, tp, found) if sp and kind == "linear" else []
     elif kind == "embedding" and len(op.inputs) <= 1:  # none: a table that makes its positions from a shape
         found = _embedding(op, graph, module, tp, sp)
     elif kind == "norm" and len(op.inputs) == 1 and _acts_like_norm(op, graph, module):
@@ -577,6 +579,11 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
         # dim 1 of (batch, seq, hidden) is the sequence; a deeper dim is heads (q_norm/k_norm)
         name = "sequence_parallel" if d == 1 and len(x.shape) == 3 else "replicated_with_grad_allreduce"
         out.append(_on_shards(op, graph, module, d, tp, name=name))
+    for k in sorted(folded_values(graph, tp).get(op.inputs[0], ())) if sp and len(x.shape) == 2 else []:
+        # tokens flattened with the sequence split (OPT's [b * s, h], :mod:`.folded`): per token
+        if x.shape[0] % (k * tp) == 0:
+            s = _on_shards(op, graph, module, 0, tp, name="sequence_parallel")
+            out.append(replace(s, inputs=(packed(0, k),), output=packed(0, k), layouts={**s.layouts, "input": packed(0, k)}))
     if under_partial_grad_owner(op.target.rpartition(".")[0], graph, tp):
         # on an Rp value (MLA's kv_a_layernorm): whole, its weight gradient a partial sum
         out.append(Strategy(

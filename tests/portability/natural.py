@@ -410,6 +410,43 @@ def litgpt_mqa() -> FusedGQALM:
     return model
 
 
+class UnflattenAttention(nn.Module):
+    """Attention that reads no size off its input: heads by ``unflatten(-1, (heads, -1))``."""
+
+    def __init__(self, dim: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.qkv, self.o = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (self.n_head, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+
+
+class FlatMLPBlock(nn.Module):
+    """OPT's decoder layer as a user writes it: attention on ``[B, T, C]``, then the tokens
+    flattened (``x.reshape(-1, C)``) for the norm and MLP, and viewed back."""
+
+    def __init__(self, dim: int = 128, n_head: int = 8) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(dim), UnflattenAttention(dim, n_head)
+        self.ln_2, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        shape = x.shape
+        x = x.reshape(-1, x.size(-1))
+        x = x + self.fc2(F.relu(self.fc1(self.ln_2(x))))
+        return x.view(shape)
+
+
+def flat_mlp() -> SplitAttentionLM:
+    torch.manual_seed(0)
+    model = SplitAttentionLM()
+    model.blocks = nn.Sequential(*(FlatMLPBlock() for _ in range(2)))
+    return model
+
+
 # A packed q/k/v cut apart the other ways people write it, the width read off the input
 
 
