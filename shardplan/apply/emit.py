@@ -42,10 +42,10 @@ from .head_styles import (
     ColwiseKVGathered, ColwiseKVReplicated, ColwisePartialInput, Conv1DRowwisePartialSums, FoldedSlice, GatherPartialGrad, NormSharded,
     ReplicatePartialGrad, RowwisePartialSums,
 )
+from .packed_colwise import PackedColwise
 from .styles import (
-    AsLinear, Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, LocalVocabParallel, MoEExpertsParallel, PackedColwise,
-    ReplicateParallel,
-    combine, local_during_forward, placement, runs_on_local_tensors,
+    AsLinear, Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, LocalVocabParallel, MoEExpertsParallel,
+    ReplicateParallel, combine, local_during_forward, placement, runs_on_local_tensors,
 )
 
 __all__ = [

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from .mesh import group_mesh, grouped_mesh
+from .mesh import kv_group_mesh, grouped_mesh
 from .styles import Conv1DRowwise, _distribute_own, _restore_params, _swap_to_local
 
 __all__ = ["grouped_mesh", "ColwiseKVReplicated", "ColwiseKVGathered", "GatherPartialGrad", "ReplicatePartialGrad", "ColwisePartialInput",
@@ -97,7 +97,7 @@ class ColwiseKVGathered(ParallelStyle):
             param = module._parameters[name]
             dist = distribute_tensor(param.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
-        group = group_mesh(device_mesh, self.groups)
+        group = kv_group_mesh(device_mesh, self.groups)
         module.register_forward_pre_hook(partial(_kv_enter, names=names, tp_mesh=device_mesh, layout=self.input_layouts))
         module.register_forward_hook(partial(_gather_in_group, group=group))
         return module

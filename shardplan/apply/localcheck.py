@@ -36,6 +36,7 @@ from ..analyze.graph import OpGraph
 from ..analyze.trace import portable_path, user_frame
 from ..analyze.values import nonzero_at_upper_bound
 from ..plan.model import Plan, expand_pattern
+from ..decide.heads import BROADCASTS
 from ..decide.placements import groups_of, local_shape, shard_dim
 from ..decide.propagation import quiet_probes
 from ..decide.solve import PlanningError
@@ -457,29 +458,33 @@ def _expected_views(graph: OpGraph, placements: dict[int, str], target: str, tp:
     """Per module inside ``target`` whose own code views a split value: the local shapes, in
     trace order (a reshape after a kv repeat left out, as the code may skip the repeat)."""
     out: dict[str, list] = {}
-    for op in _view_ops(graph, placements, target):
+    for op in _view_ops(graph, placements, target, tp):
         placement = placements.get(op.output, "R")
         if placement not in ("R", "Rp"):
             out.setdefault(op.owner, []).append(_local_shape(graph.values[op.output].shape, placement, tp))
     return out
 
 
-def _view_ops(graph: OpGraph, placements: dict[int, str], target: str) -> list:
+def _view_ops(graph: OpGraph, placements: dict[int, str], target: str, tp: int) -> list:
     """The views and reshapes the code inside ``target`` makes, in trace order, less those of
     a value whose kv heads were expanded (with one copy per rank the code may skip that
     repeat altogether: HF's repeat_kv returns at n_rep == 1)."""
     return [op for op in graph.ops if op.kind == "function" and op.target in _SIZED_OPS
             and (not target or op.owner == target or op.owner.startswith(target + "."))
             and (not op.inputs or (groups_of(placements.get(op.inputs[0], "R")) or ("",))[0] != "e")
-            and not _after_one_head_repeat(graph, placements, op)]
+            and not _after_one_head_repeat(graph, placements, op, tp)]
 
 
-def _after_one_head_repeat(graph: OpGraph, placements: dict[int, str], op) -> bool:
-    """A view of one whole kv head (``Rp``) repeated to the rank's query heads: with one
-    query head per rank the code may skip the repeat and its view (HF's repeat_kv at n_rep 1)."""
+def _after_one_head_repeat(graph: OpGraph, placements: dict[int, str], op, tp: int) -> bool:
+    """A view of one whole kv head (``Rp``) repeated to the rank's query heads, one query head
+    per rank: the code may skip that repeat and its view (HF's repeat_kv at n_rep == 1)."""
     producer = graph.ops[graph.values[op.inputs[0]].producer] if op.inputs and op.inputs[0] in graph.values else None
-    return producer is not None and producer.target in ("expand", "expand_as", "repeat_interleave", "repeat") \
-        and bool(producer.inputs) and placements.get(producer.inputs[0]) == "Rp"
+    if producer is None or producer.target not in BROADCASTS or not producer.inputs \
+            or placements.get(producer.inputs[0]) != "Rp":
+        return False
+    out = graph.values[producer.output]
+    d = shard_dim(placements.get(producer.output, "R"))
+    return d is not None and out.shape[d] == tp
 
 
 # ops whose output shape the code spells out: views, and constants made from sizes alone

@@ -170,6 +170,8 @@ def _local_numbers(graph: OpGraph, op: Any, name: str, cut: Any, placements: dic
     dim = _cut_dim(name, op, len(shape))
     if dim is None:
         return None
+    if tail_of(placements.get(op.inputs[0], "R")):
+        return None  # a whole tail's dim is not cut in equal parts: sizes made local say how
     local = local_shape(shape, placements.get(op.inputs[0], "R"), tp)[dim]
     if local in (0, shape[dim]) or shape[dim] % local:
         return None
@@ -213,7 +215,7 @@ def _views_as_planned(graph: OpGraph, plan: Plan, placements: dict[int, str], fq
     global shape with the sharded dim / tp), in the order the tracer recorded them (views of
     constants the tracer folded away may come between)."""
     expected = [local_shape(graph.values[op.output].shape, placements.get(op.output, "R"), plan.tp)
-                for op in _view_ops(graph, placements, fqn)]
+                for op in _view_ops(graph, placements, fqn, plan.tp)]
     try:
         seen = iter(_record_views(graph, plan, placements, fqn, mesh))
     except Exception:  # noqa: BLE001 - it ran in the check; any failure here is a refusal

@@ -8,7 +8,7 @@ Contract
     group on exit.  Raises ``RuntimeError`` if a default group already exists.
     Can be entered again, with another size, in the same process.
 
-``grouped_mesh(tp_mesh, groups)`` / ``group_mesh(tp_mesh, groups)``
+``grouped_mesh(tp_mesh, groups)`` / ``kv_group_mesh(tp_mesh, groups)``
     The tp axis as ``(groups, tp / groups)`` (kv heads in groups, each on ``tp / groups``
     consecutive ranks), and its inner axis: the ranks of this rank's group.
 
@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["fake_process_group", "make_mesh", "grouped_mesh", "group_mesh"]
+__all__ = ["fake_process_group", "make_mesh", "grouped_mesh", "kv_group_mesh"]
 
 
 @contextlib.contextmanager
@@ -108,7 +108,7 @@ def grouped_mesh(tp_mesh: DeviceMesh, groups: int) -> DeviceMesh:
     return tp_mesh._unflatten(0, (groups, rep), (f"{name}_kv{groups}", f"{name}_kv{groups}_rep"))
 
 
-def group_mesh(tp_mesh: DeviceMesh, groups: int) -> DeviceMesh:
+def kv_group_mesh(tp_mesh: DeviceMesh, groups: int) -> DeviceMesh:
     """The ranks of this rank's group (the inner axis of :func:`grouped_mesh`); the tp axis
     itself for one group."""
     return tp_mesh if groups == 1 else grouped_mesh(tp_mesh, groups)[f"{_axis(tp_mesh)}_kv{groups}_rep"]

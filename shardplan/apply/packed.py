@@ -22,7 +22,7 @@ parts), so :class:`PackedShard` is ``_StridedShard`` with the parts' relative wi
   layout's plan to the other.
 * Results DTensor computes afresh (a matmul on the DTensor weight) are labelled plain
   ``_StridedShard``: their local tensors are right, their global view is not. So the style
-  (:class:`.styles.PackedColwise`) runs the projection on local tensors, and the weight's
+  (:class:`.packed_colwise.PackedColwise`) runs the projection on local tensors, and the weight's
   gradient comes back through ``to_local``'s backward with the weight's own placement.
 * ``distribute_tensor`` rebuilds every ``_StridedShard`` as the base class (losing the
   parts): cut with :func:`distribute` instead, which shardplan's own code (state dicts,

@@ -36,10 +36,9 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-
-from ..analyze.graph import Op, OpGraph
 from dataclasses import replace
 
+from ..analyze.graph import Op, OpGraph
 from .placements import VIEW_OPS, Strategy, expanded_dims, packed, rank_order, shard_dim, view_groups
 
 __all__ = ["folded_values", "folded_view", "folded_view_strategies", "folded_variants", "folded_factory_strategies",
@@ -206,17 +205,18 @@ def folded_module_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strate
     """A Linear reading tokens folded ``S0p{k}`` (sequence parallel): colwise gathering them
     where it receives them (its rows then in rank order, ``S{last}o{k}``); rowwise reading
     rows in rank order and reduce-scattering its output back to ``S0p{k}``."""
-    if len(op.inputs) != 1:
-        return []
     x, y = graph.values[op.inputs[0]], graph.values[op.output]
+    if len(x.shape) != 2:
+        return []
     out = []
     for k in sorted(folded_values(graph, tp).get(op.inputs[0], frozenset())):
         p = packed(0, k)
-        if len(x.shape) != 2 or x.shape[0] % (k * tp):
+        if x.shape[0] % (k * tp):
             continue
         for s in strategies:
             if s.name == "colwise" and s.inputs == ("R",) and not s.layouts.get("output"):
-                out.append(replace(s, inputs=(p,), output=rank_order(1, k), entry=(p,), layouts={**s.layouts, "input": p}))
+                out.append(replace(s, inputs=(p,), output=rank_order(shard_dim(s.output), k), entry=(p,),
+                                   layouts={**s.layouts, "input": p}))
             elif s.name == "rowwise" and s.output == "R" and s.inputs == ("S1",):
                 out.append(replace(s, inputs=(rank_order(1, k),), output=p, fwd=(("reduce_scatter", y.nbytes),),
                                    bwd=(("all_gather", y.nbytes),), act_bytes=s.act_bytes / tp, layouts={**s.layouts, "output": p}))
@@ -224,8 +224,9 @@ def folded_module_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strate
 
 
 def rank_order_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strategy]) -> list[Strategy]:
-    """An elementwise op (an activation, dropout) on rows in rank order: as on ``S{d}``."""
+    """An op acting entry by entry (an activation, dropout) on rows in rank order: as on
+    ``S{last}``, the features a colwise Linear split."""
     counts = folded_values(graph, tp).get(op.inputs[0], frozenset()) if len(op.inputs) == 1 else ()
-    return [Strategy("", (rank_order(shard_dim(s.output), k),), rank_order(shard_dim(s.output), k))
-            for k in sorted(counts) for s in strategies
-            if not s.name and s.output and len(s.inputs) == 1 and s.inputs[0] == s.output and re.fullmatch(r"S\d+", s.output)]
+    last = f"S{len(graph.values[op.output].shape) - 1}"
+    return [Strategy("", (rank_order(shard_dim(last), k),), rank_order(shard_dim(last), k))
+            for k in sorted(counts) if any(not s.name and s.inputs == (last,) and s.output == last for s in strategies)]

@@ -21,7 +21,7 @@ from .placements import VIEW_OPS, Strategy, group_counts, grouped, shard_dim, vi
 from .tails import grouped_tail_values, tail_owners
 
 __all__ = ["grouped_variants", "grouped_conversions", "partial_grad_twins", "grouped_values", "viewed_heads",
-           "partial_grad_owners", "under_partial_grad_owner"]
+           "partial_grad_owners", "under_partial_grad_owner", "BROADCASTS", "kv_replicated_strategies", "partial_grad_linear_strategies"]
 
 
 def _shape_of(graph: OpGraph, value: int) -> tuple[int, ...]:
@@ -137,7 +137,7 @@ def partial_grad_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strateg
         ins = tuple("Rp" if p == "R" and v in graph.requires_grad else p for p, v in zip(s.inputs, op.inputs))
         if "Rp" in ins:
             out.append(Strategy(s.name, ins, "Rp" if s.output == "R" else s.output))
-    if op.target in _BROADCASTS and len(op.inputs) >= 1:
+    if op.target in BROADCASTS and len(op.inputs) >= 1:
         src = _shape_of(graph, op.inputs[0])
         lead = len(out_shape) - len(src)
         out += [Strategy("", ("Rp",) + ("R",) * (len(op.inputs) - 1), f"S{d + lead}") for d, n in enumerate(src)
@@ -200,7 +200,7 @@ def partial_grad_owners(graph: OpGraph, tp: int) -> frozenset[str]:
     if cached is None:
         found = set()
         for op in graph.ops:
-            if op.target in _BROADCASTS and op.output is not None and op.inputs \
+            if op.target in BROADCASTS and op.output is not None and op.inputs \
                     and op.inputs[0] in graph.requires_grad and _expands_to_split(op, graph, tp) \
                     and not _merged_after(op, graph):
                 found.add(op.owner)
@@ -226,7 +226,7 @@ def _scales_by_broadcast(op: Op, graph: OpGraph) -> bool:
 # ops that copy a size-1 dim of a value to every head: ``expand`` (MLA's shared key, HF's
 # repeat_kv of one kv head), and ``repeat_interleave``/``repeat`` of one kv head (MQA as
 # hand-written code spells it: ``k.repeat_interleave(n_head, dim=1)``)
-_BROADCASTS = ("expand", "expand_as", "repeat_interleave", "repeat")
+BROADCASTS = ("expand", "expand_as", "repeat_interleave", "repeat")
 
 
 def under_partial_grad_owner(fqn: str, graph: OpGraph, tp: int) -> bool:
@@ -252,3 +252,62 @@ def _merged_after(op: Op, graph: OpGraph) -> bool:
         return False
     return bool(users) and all(u.target in ("reshape", "view", "flatten") and u.output is not None
                                and len(graph.values[u.output].shape) < ndim for u in users)
+
+
+# The Linear styles of heads shared across ranks (:mod:`.weights` offers them)
+
+
+def partial_grad_linear_strategies(y, tp: int, col_w: str, col: dict, *, n_out: int, pbytes: float, flops: float,
+                                   grad_allreduces: tuple, seq: list[int]) -> list[Strategy]:
+    """Inside a module that broadcasts a whole value to heads split tp ways (MLA): the
+    gathered colwise output ``Rp``, its gradient a partial sum, so the all-gather's backward
+    is a reduce-scatter (not a slice) and the weight's gradient is complete; the whole module
+    with an ``Rp`` output (the low-rank projection replicated, as the DeepSeek recipe keeps
+    it): its weight's gradient and its input's are partial sums, the first all-reduced when
+    backward ends, the second by the region with its siblings'; and colwise on an ``Rp``
+    input, whose Partial input gradient is left for that producer to sum. The first two also
+    take a sequence-sharded input, gathered on entry like colwise's."""
+    last = len(y.shape) - 1
+    out = []
+    for p in ["R"] + [f"S{d}" for d in seq]:
+        given = {"input": p} if p != "R" else {}
+        out += [Strategy(
+            "colwise_gather_output", (p,), "Rp", fwd=(("all_gather", y.nbytes),), bwd=(("reduce_scatter", y.nbytes),),
+            entry=(p,), layouts={"weight": col_w, "output": "R", "output_grad": "P", **given}, **col,
+        )] if n_out >= tp else []  # a 1-feature gate (Qwen2-MoE's) would leave ranks empty
+        out += [Strategy(
+            "replicated_with_grad_allreduce", (p,), "Rp", bwd=grad_allreduces, entry=(p,),
+            param_bytes=pbytes, flops=flops, act_bytes=y.nbytes,
+            layouts={"weight": "R", "output_grad": "P", **given},
+        )]
+    if n_out % tp == 0:
+        out.append(Strategy("colwise", ("Rp",), f"S{last}", layouts={"weight": col_w, "input_grad": "P"}, **col))
+    return out
+
+
+def kv_replicated_strategies(y, module, pbytes: int, flops: float, tp: int, *, heads: list[int],
+                             seq_dims: list[int]) -> list[Strategy]:
+    """colwise_kv_replicated with ``n`` groups, one per kv head, for each head count ``n``
+    below tp that divides it (:func:`viewed_heads`); on a Replicate input, or a
+    sequence-sharded one gathered on entry as colwise's is."""
+    n_out, last = module.weight.shape[0], len(y.shape) - 1
+    out = []
+    for n in heads:
+        if n_out % n:
+            continue
+        grads = tuple((int(p.numel() * p.element_size() // n), tp // n) for p in module.parameters(recurse=False))
+        common = dict(param_bytes=pbytes / n, flops=flops / n, act_bytes=y.nbytes / n, group_grads=grads)
+        # the same kv head from rows split 1/tp: each of its tp / n ranks computes a slice of
+        # it, gathered across them; backward, their partial output gradients (each rank's
+        # own query heads) are summed and scattered back by a reduce-scatter, so the weight
+        # gradient is complete
+        g, head = tp // n, y.nbytes / n
+        gathered = dict(param_bytes=pbytes / tp, flops=flops / tp, act_bytes=head,
+                        group_comms=(("forward", "all_gather", head, g), ("backward", "reduce_scatter", head, g)))
+        for p in ["R"] + [f"S{d}" for d in seq_dims]:
+            layouts = {"weight": grouped(0, n), "groups": n, **({"input": p} if p != "R" else {})}
+            out.append(Strategy("colwise_kv_replicated", (p,), grouped(last, n), entry=(p,), layouts=layouts, **common))
+            if n_out % tp == 0:
+                out.append(Strategy("colwise_kv_gathered", (p,), grouped(last, n), entry=(p,),
+                                    layouts={**layouts, "weight": "S0"}, **gathered))
+    return out

@@ -52,7 +52,7 @@ from typing import Any
 
 from ..analyze.graph import Op
 
-__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "split_widths", "slice_range", "index_items", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts", "whole_tail", "tail_of", "permutation", "rank_order", "rank_order_of",
+__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "split_widths", "slice_range", "index_items", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts", "whole_tail", "tail_of", "permutation", "rank_order",
            "view_groups", "VIEW_OPS",
            "local_shape"]
 
@@ -146,12 +146,6 @@ def tail_of(p: str | None) -> tuple[int, int] | None:
 def rank_order(dim: int, k: int) -> str:
     """``S{dim}o{k}``: split on ``dim``, its rows those of a ``S0p{k}`` value gathered in rank order."""
     return f"S{dim}o{k}"
-
-
-def rank_order_of(p: str | None) -> int | None:
-    """``k`` of a rank-order placement ``S{d}o{k}``; None for any other."""
-    m = re.fullmatch(r"S\d+o(\d+)", p or "")
-    return int(m.group(1)) if m else None
 
 
 def permutation(op: Op, ndim: int) -> list[int] | None:

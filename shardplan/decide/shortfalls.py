@@ -320,9 +320,10 @@ def _blocked_by(user, shape, dim: int, tp: int, *, graph: OpGraph, value: int) -
         # planned packed by parts (PackedShard) when each part keeps whole heads on a rank, and
         # with kv parts of fewer heads than ranks gathered where read (decide/tails.py): the
         # query part must still split into whole heads
-        return (f"{what} cuts its {shape[dim]} features into {parts[0]}: unequal parts split by heads only when "
-                f"tp={tp} divides the first part's (query) heads, k and v of fewer heads than ranks gathered where "
-                f"they are read, so they run whole here; plan for a tp that divides the query heads{hint}")
+        return (f"{what} cuts its {shape[dim]} features into {parts[0]}: unequal parts split by heads when "
+                f"tp={tp} divides the first part's (query) heads and every part's rows (k and v of fewer heads than "
+                f"ranks gathered where they are read), and the code's sizes can be made local; here they run whole: "
+                f"plan for a tp that divides the query heads, or see the warning naming a size the code reads{hint}")
     return f"{what} needs its input whole where tp={tp} splits it (dim {dim}), and everything after it runs on the gathered tensor"
 
 

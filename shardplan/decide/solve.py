@@ -462,11 +462,11 @@ def _heads_whole(op: Op, s: Strategy, graph: OpGraph) -> bool:
         return op.module_kind == "attention" and s.name == "replicate"
     if shard_dim(s.output or "R") is not None:
         return False
-    if op.target in ("matmul", "bmm") and len(op.inputs) == 2 and op.output is not None:
+    if op.target in ("matmul", "bmm", "__matmul__") and len(op.inputs) == 2 and op.output is not None:
         consts = graph.strategy_cache.get("const_values")
         if consts is None:
             consts = graph.strategy_cache["const_values"] = frozenset(o.output for o in graph.ops if o.kind == "const")
-        return len(graph.values[op.output].shape) >= 4 and not any(v in consts for v in op.inputs)
+        return len(graph.values[op.output].shape) >= 3 and not any(v in consts for v in op.inputs)
     return op.target == "scaled_dot_product_attention"
 
 

@@ -28,6 +28,7 @@ emitter wraps the consumers in one ``PrepareModuleInput`` region:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -38,7 +39,8 @@ from ..analyze.graph import Op, OpGraph
 from .folded import folded_factory_strategies, folded_values, folded_variants, folded_view_strategies, rank_order_twins
 from .heads import grouped_conversions, grouped_values, grouped_variants, partial_grad_twins, under_partial_grad_owner
 from .placements import (
-    VIEW_OPS, Strategy, chunk_count, expanded_dims, groups_of, index_items, narrow_index, packed, permutation, placement_str, shard_dim,
+    VIEW_OPS, Strategy, chunk_count, expanded_dims, groups_of, index_items, local_shape, narrow_index, packed, permutation,
+    placement_str, shard_dim, tail_of,
     sliced_part,
     split_parts, split_widths, view_groups, view_parts,
 )
@@ -46,7 +48,8 @@ from .propagation import dtensor_strategies, in_place_strategies, metadata_only
 from .scatter import cut_twins, gather_twins, scatter_twins
 from .slices import slice_twins
 from .tails import tail_strategies
-from .weights import module_strategies, slice_partition
+from .packing import slice_partition
+from .weights import module_strategies
 
 __all__ = ["Strategy", "op_strategies", "shard_dim", "placement_str", "packed", "chunk_count", "param_only_values"]
 
@@ -72,6 +75,8 @@ LINEAR_UNARY = {"neg", "contiguous", "clone", "float", "half", "bfloat16", "doub
 ADDITIVE = {"add", "sub", "iadd", "isub", "__add__", "__sub__", "__radd__", "__rsub__", "rsub", "add_", "sub_"}
 MULTIPLICATIVE = {"mul", "truediv", "div", "imul", "itruediv", "__mul__", "__truediv__", "__rmul__", "mul_", "div_"}
 BROADCAST = {"where", "maximum", "minimum", "pow", "eq", "ne", "lt", "gt", "le", "ge", "and_", "or_", "floordiv", "lerp"}
+# ops whose every output entry reads its own input entry only (not its position: triu, tril)
+_PER_ENTRY = (UNARY | LINEAR_UNARY) - {"triu", "tril"}
 VIEWS = VIEW_OPS
 PERMUTES = {"transpose", "permute", "t", "movedim", "swapaxes", "swapdims"}
 REDUCE_SUM = {"sum"}
@@ -184,7 +189,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
         strategies += folded_factory_strategies(op, graph, tp, out_shape)
     elif any(v in folded_values(graph, tp) for v in op.inputs):
         strategies += folded_variants(op, graph, tp, strategies, lambda v: _shape(graph, v), out_shape)
-        if name in UNARY | LINEAR_UNARY or (op.node.op == "call_module" and _param_free_elementwise(op, graph)):
+        if name in _PER_ENTRY or (op.node.op == "call_module" and _param_free_elementwise(op, graph)):
             strategies += rank_order_twins(op, graph, tp, strategies)  # OPT's activation between fc1 and fc2
     if grouped_in:
         strategies += grouped_conversions(op, graph, tp, out_shape)
@@ -204,10 +209,20 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
         key = (s.inputs, s.output, s.entry)
         if key not in seen and len(s.inputs) == len(op.inputs) and not _partial_gradient(op, graph, s):
             seen.add(key)
-            factor = 1 if s.output in ("R", "Rp") else (groups_of(s.output) or ("", tp))[1] if "g" in s.output else tp
+            factor = _share(s.output, out_shape, tp)
             result.append(Strategy(s.name, s.inputs, s.output, entry=s.entry, mem_bytes=mem / factor, flops=flops / factor,
                                    act_bytes=graph.values[op.output].nbytes / factor))
     return result
+
+
+def _share(p: str | None, shape: tuple[int, ...], tp: int) -> float:
+    """The divisor of an op's bytes and flops per rank: 1 whole, the group count kv-grouped,
+    whole value over local piece for a whole tail (its tail is on every rank), else tp."""
+    if p in ("R", "Rp"):
+        return 1
+    if tail_of(p) and shape:
+        return math.prod(shape) / math.prod(local_shape(shape, p, tp))
+    return (groups_of(p) or ("", tp))[1] if "g" in (p or "") else tp
 
 
 def _partial_gradient(op: Op, graph: OpGraph, s: Strategy) -> bool:
@@ -257,10 +272,14 @@ def _sdpa_flops(op: Op, graph: OpGraph) -> float:
 _ELEMENTWISE_MODULES = ("torch.nn.modules.activation", "torch.nn.modules.dropout", "transformers.activations")
 
 
+# activation modules that normalize along a dim (each output reads the whole dim): not elementwise
+_ROW_MIXING = (torch.nn.Softmax, torch.nn.Softmin, torch.nn.LogSoftmax, torch.nn.Softmax2d)
+
+
 def _param_free_elementwise(op: Op, graph: OpGraph) -> bool:
     """Activation/dropout modules: same shape in and out, one tensor input."""
     cls = type(graph.model.get_submodule(op.node.target))
-    known = cls.__module__ in _ELEMENTWISE_MODULES or cls is torch.nn.Identity
+    known = (cls.__module__ in _ELEMENTWISE_MODULES and not issubclass(cls, _ROW_MIXING)) or cls is torch.nn.Identity
     return known and len(op.inputs) == 1 and _shape(graph, op.inputs[0]) == _shape(graph, op.output)
 
 

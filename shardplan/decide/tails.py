@@ -82,7 +82,29 @@ def _tail_of_value(graph: OpGraph, value: int, dim: int, tp: int) -> Tail | None
         found.add(_from_cuts(graph, sorted(cuts), shape[dim], tp))
     tail = found.pop() if len(found) == 1 else None
     lead = shape[dim] - tail.n if tail else 0
-    return tail if tail and lead % tp == 0 and lead >= tp and tp % tail.groups == 0 else None
+    if not tail or lead % tp or lead < tp or tp % tail.groups or _ambiguous(graph, cuts, lead, tail, tp):
+        return None
+    return tail
+
+
+def _ambiguous(graph: OpGraph, cuts: list[tuple[int, int, int]], lead: int, tail: Tail, tp: int) -> bool:
+    """A piece indexed from the start (``[..., [h], :]``) where a rank's ``[q_r, k, v]`` is
+    long enough to hold that index too: unless the code computes it from a size made local,
+    it reads another piece there with the right shape, which no check on shapes can tell."""
+    local = lead // tp + tail.n // tail.groups
+    return any(a >= lead and a < local and not _from_end(graph.ops[graph.values[out].producer], lead + tail.n)
+               for a, _, out in cuts)
+
+
+def _from_end(op: Op, size: int) -> bool:
+    """The index of ``op`` (a getitem) is written from the end of the dim (``[-2]``, ``[-2:]``)."""
+    items = index_items(op.node.args[1], len(op.node.args[0].meta["val"].shape))
+    picks = [i for i in items if i != slice(None)]
+    if len(picks) != 1:
+        return False
+    item = picks[0]
+    bound = item.start if isinstance(item, slice) else min(item) if isinstance(item, list) else item
+    return isinstance(bound, int) and bound < 0
 
 
 def _from_cuts(graph: OpGraph, cuts: list[tuple[int, int, int]], size: int, tp: int) -> Tail | None:
@@ -94,19 +116,24 @@ def _from_cuts(graph: OpGraph, cuts: list[tuple[int, int, int]], size: int, tp: 
 
 def _pieces(graph: OpGraph, pieces: list[tuple[int, int | None]], tp: int) -> Tail | None:
     """The pieces' widths and kv heads: the count a view splits each piece's last dim into
-    (``[b, s, kv * hd] -> [b, s, kv, hd]``, kv below tp), one when none does."""
+    (``[b, s, kv * hd] -> [b, s, kv, hd]``), one when none does. None when a piece is viewed
+    into heads tp divides (split by heads as any part is) or that do not divide tp, or the
+    pieces disagree."""
     counts = {_viewed_count(graph, out, tp) if out is not None else 1 for _, out in pieces}
-    return Tail(tuple(w for w, _ in pieces), counts.pop()) if len(counts) == 1 else None
+    kv = counts.pop() if len(counts) == 1 else None
+    return Tail(tuple(w for w, _ in pieces), kv) if kv else None
 
 
-def _viewed_count(graph: OpGraph, value: int, tp: int) -> int:
+def _viewed_count(graph: OpGraph, value: int, tp: int) -> int | None:
+    """The kv heads a view of ``value``'s last dim makes: 1 with no such view, None for a
+    count that is not 1 or a kv group count at this tp."""
     src = graph.values[value].shape if value in graph.values else ()
+    i = len(src) - 1
     for c in graph.consumers.get(value, []):
         dst = graph.values[graph.ops[c].output].shape if graph.ops[c].output is not None else ()
-        i = len(src) - 1
         if graph.ops[c].target in VIEW_OPS and src and dst[:i] == src[:i] and len(dst) == i + 2 \
-                and dst[i] in group_counts(tp) and dst[i] * dst[i + 1] == src[i]:
-            return dst[i]
+                and dst[i] * dst[i + 1] == src[i]:
+            return dst[i] if dst[i] == 1 or dst[i] in group_counts(tp) else None
     return 1
 
 
@@ -118,17 +145,21 @@ def _through(user: Op, graph: OpGraph, shape: tuple[int, ...], dim: int, tp: int
         d = user.node.kwargs.get("dim", args[2] if len(args) > 2 else 0)
         widths = split_widths(user, shape[dim]) if isinstance(d, int) and d % len(shape) == dim else None
         items = [graph.ops[c] for c in graph.consumers.get(user.output, [])]
-        outs = {u.node.args[1]: u.output for u in items if u.target == "getitem"}
+        outs = {u.node.args[1] % len(widths): u.output for u in items if u.target == "getitem"} if widths else {}
         return _pieces(graph, [(w, outs.get(i)) for i, w in enumerate(widths[1:], 1)], tp) if widths else None
     if user.output is None or len(user.inputs) != 1:
         return None
-    out = graph.values[user.output].shape
-    order = permutation(user, len(out)) if user.target not in VIEW_OPS else None
-    mapped = (order.index(dim), 1) if order else _view_dim(shape, out, dim) if user.target in VIEW_OPS else None
-    if mapped is None:
-        return None
-    tail = tail_of_value(graph, user.output, mapped[0], tp)
+    mapped = _mapped_dim(user, shape, graph.values[user.output].shape, dim)
+    tail = tail_of_value(graph, user.output, mapped[0], tp) if mapped else None
     return tail.scaled(mapped[1]) if tail else None
+
+
+def _mapped_dim(op: Op, src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> tuple[int, int] | None:
+    """Where a permute or view puts ``dim`` and how many entries of it one entry there holds."""
+    if op.target in VIEW_OPS:
+        return _view_dim(src, dst, dim)
+    order = permutation(op, len(dst))
+    return (order.index(dim), 1) if order else None
 
 
 def _view_dim(src: tuple[int, ...], dst: tuple[int, ...], dim: int) -> tuple[int, int] | None:
@@ -190,8 +221,8 @@ def tail_strategies(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy
 
 
 def _carried(op: Op, graph: OpGraph, tp: int, src, out_shape, d: int, tail: Tail) -> list[Strategy]:
-    order = permutation(op, len(out_shape)) if op.target not in VIEW_OPS else None
-    mapped = (order.index(d), 1) if order else _view_dim(src, out_shape, d) if op.target in VIEW_OPS else None
+    """A view or permute of a whole-tail value: the same tail where the op puts the dim."""
+    mapped = _mapped_dim(op, src, out_shape, d)
     after = tail_of_value(graph, op.output, mapped[0], tp) if mapped else None
     if after is None or after.scaled(mapped[1]) != tail:
         return []
@@ -205,6 +236,7 @@ def _split_item(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
     i = op.node.args[1] if len(op.node.args) > 1 else None
     if split is None or split.target != "split" or not isinstance(i, int) or not split.inputs:
         return []
+    i %= len(op.node.args[0].meta["val"])
     out = []
     for d in range(len(graph.values[split.inputs[0]].shape)):
         tail = tail_of_value(graph, split.inputs[0], d, tp)
@@ -232,7 +264,7 @@ def tailed_colwise(op: Op, graph: OpGraph, tp: int, *, weight: str, inputs: list
     act = y.nbytes * ((size - tail.n) // tp + tail.n // tail.groups) / size
     layouts = {"weight": f"{weight}p{len(parts)}", "packed": [p // unit for p in parts], "whole_parts": len(tail.pieces),
                **({"groups": tail.groups} if tail.groups > 1 else {})}
-    if tail.groups == 1:  # over the whole tp axis
+    if tail.groups == 1:
         comms = dict(fwd=(("all_gather", held),), bwd=(("reduce_scatter", held),))
     else:
         comms = dict(group_comms=(("forward", "all_gather", held, ranks), ("backward", "reduce_scatter", held, ranks)))
@@ -243,6 +275,7 @@ def tailed_colwise(op: Op, graph: OpGraph, tp: int, *, weight: str, inputs: list
 
 
 def _tailed_linears(graph: OpGraph, tp: int) -> list[tuple[Op, Tail]]:
+    """Each Linear whose output has a whole tail, with that tail."""
     out = []
     for op in graph.ops:
         shape = graph.values[op.output].shape if op.kind == "module" and op.output is not None else ()
@@ -255,7 +288,8 @@ def _tailed_linears(graph: OpGraph, tp: int) -> list[tuple[Op, Tail]]:
 def tail_owners(graph: OpGraph, tp: int) -> set[str]:
     """Modules that call a Linear whose output has a whole tail: where the tail's ``Rp``
     pieces meet the split query heads (``Rp`` strategies are offered there)."""
-    return {op.target.rpartition(".")[0] for op, tail in _tailed_linears(graph, tp) if tail.groups == 1}
+    owners = {op.target.rpartition(".")[0] for op, tail in _tailed_linears(graph, tp) if tail.groups == 1}
+    return owners - {""}  # a Linear the root calls: the whole model would take Rp strategies
 
 
 def grouped_tail_values(graph: OpGraph, tp: int) -> list[int]:

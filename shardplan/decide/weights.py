@@ -24,6 +24,9 @@ The matrix math (Linear computes y = x @ W.T, W is [out, in]):
   up by ``chunk(2)``; q/k/v by ``split(width)``, slices, a ``(3, heads, head_dim)`` view):
   each rank keeps its slice of every part, so the local cuts are the parts' local slices.
   A contiguous split would hand rank 0 the whole gate and rank 1 the up.
+* packed_colwise with whole_parts: [Q; K; V] with fewer kv heads than ranks (MQA's one):
+  each part split tp ways at rest, so rank r computes [q_r, k_r, v_r]; k and v are then
+  all-gathered over the ranks of their kv head, so [q_r, k_g, v_g] (:mod:`.tails`).
 * rowwise_split_input: rowwise on an input that arrives whole; each rank slices its
   features locally, and backward all-gathers the sliced input gradient.
 * colwise_kv_replicated: fewer kv heads than tp (Megatron's and vLLM's answer). The k/v
@@ -58,16 +61,16 @@ from torch import nn
 
 from ..analyze.graph import Op, OpGraph
 from ..analyze.graph import module_kind as module_kind_of
-from .heads import grouped_values, under_partial_grad_owner, viewed_heads
+from .heads import (
+    grouped_values, kv_replicated_strategies, partial_grad_linear_strategies, under_partial_grad_owner, viewed_heads,
+)
+from .packing import packed_into, unequal_parts
 from .folded import folded_module_twins, folded_values
 from .tails import tailed_colwise
 from .elementwise import scalar_elementwise_dims
-from .placements import (
-    Strategy, group_counts, grouped, narrow_index, packed, slice_range, sliced_part, split_parts, split_widths,
-    view_parts,
-)
+from .placements import Strategy, group_counts, grouped, packed
 
-__all__ = ["module_strategies", "STYLE_NAMES", "slice_partition"]
+__all__ = ["module_strategies", "STYLE_NAMES"]
 
 STYLE_NAMES = (
     "colwise",
@@ -230,10 +233,10 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
             out.append(Strategy(
                 "colwise", (f"S{d}",), f"S{last}", entry=(f"S{d}",), layouts={"weight": col_w, "input": f"S{d}"}, **col,
             ))
-    k = _packed_into(op, graph)
+    k = packed_into(op, graph)
     parts: int | list[int] | None = k if k and n_out % (k * tp) == 0 else None
     if parts is None and module_kind_of(module) == "linear":
-        parts = _unequal_parts(op, graph, tp)
+        parts = unequal_parts(op, graph, tp)
     if parts and module_kind_of(module) in ("linear", "conv1d"):
         # the output features are weight dim 0 of nn.Linear ([out, in]), dim 1 of HF's Conv1D;
         # unequal parts (GQA's [Q; K; V]) are placed PackedShard, rank r holding [q_r; k_r; v_r]
@@ -247,144 +250,19 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
                 "packed_colwise", (f"S{d}",), packed(last, n), entry=(f"S{d}",),
                 layouts={"weight": w, "packed": parts, "input": f"S{d}"}, **col,
             ))
-    if module_kind_of(module) in ("linear", "conv1d"):  # MQA's [Q; K; V]: the kv head whole on every rank
-        out += tailed_colwise(op, graph, tp, weight=col_w, inputs=["R"] + [f"S{d}" for d in _seq_dims(x.shape, tp)] if sp else ["R"],
-                              common=col)
+    # k and v of fewer heads than ranks fused after the query heads: gathered where read
+    seq_in = [f"S{d}" for d in _seq_dims(x.shape, tp)] if sp else []
+    out += tailed_colwise(op, graph, tp, weight=col_w, inputs=["R", *seq_in], common=col)
     if n_in % tp == 0:
         out += _rowwise(x, y, module, pbytes, flops, tp, sp, row_w)
     if module_kind_of(module) == "linear":
         seq = _seq_dims(x.shape, tp) if sp else []
-        out += _kv_replicated(x, y, module, pbytes, flops, tp, heads=viewed_heads(op, graph, tp), seq_dims=seq)
+        out += kv_replicated_strategies(y, module, pbytes, flops, tp, heads=viewed_heads(op, graph, tp), seq_dims=seq)
     if under_partial_grad_owner(op.target.rpartition(".")[0], graph, tp) and module_kind_of(module) == "linear":
-        out += _partial_grad_linear(x, y, module, tp, col_w, col, flops=flops, seq=_seq_dims(x.shape, tp) if sp else [])
+        out += partial_grad_linear_strategies(y, tp, col_w, col, n_out=n_out, pbytes=pbytes, flops=flops,
+                                              grad_allreduces=_param_grad_allreduces(module),
+                                              seq=_seq_dims(x.shape, tp) if sp else [])
     return out
-
-
-def _partial_grad_linear(x, y, module: nn.Module, tp: int, col_w: str, col: dict, *, flops: float,
-                         seq: list[int]) -> list[Strategy]:
-    """Inside a module that broadcasts a whole value to heads split tp ways (MLA): the
-    gathered colwise output ``Rp``, its gradient a partial sum, so the all-gather's backward
-    is a reduce-scatter (not a slice) and the weight's gradient is complete; the whole module
-    with an ``Rp`` output (the low-rank projection replicated, as the DeepSeek recipe keeps
-    it): its weight's gradient and its input's are partial sums, the first all-reduced when
-    backward ends, the second by the region with its siblings'; and colwise on an ``Rp``
-    input, whose Partial input gradient is left for that producer to sum. The first two also
-    take a sequence-sharded input, gathered on entry like colwise's."""
-    last, n_out = len(y.shape) - 1, _features(module)[1]
-    out = []
-    for p in ["R"] + [f"S{d}" for d in seq]:
-        given = {"input": p} if p != "R" else {}
-        out += [Strategy(
-            "colwise_gather_output", (p,), "Rp", fwd=(("all_gather", y.nbytes),), bwd=(("reduce_scatter", y.nbytes),),
-            entry=(p,), layouts={"weight": col_w, "output": "R", "output_grad": "P", **given}, **col,
-        )] if n_out >= tp else []  # a 1-feature gate (Qwen2-MoE's) would leave ranks empty
-        out += [Strategy(
-            "replicated_with_grad_allreduce", (p,), "Rp", bwd=_param_grad_allreduces(module), entry=(p,),
-            param_bytes=_param_bytes(module), flops=flops, act_bytes=y.nbytes,
-            layouts={"weight": "R", "output_grad": "P", **given},
-        )]
-    if n_out % tp == 0:
-        out.append(Strategy("colwise", ("Rp",), f"S{last}", layouts={"weight": col_w, "input_grad": "P"}, **col))
-    return out
-
-
-def _kv_replicated(x, y, module: nn.Module, pbytes: int, flops: float, tp: int, *, heads: list[int],
-                   seq_dims: list[int]) -> list[Strategy]:
-    """colwise_kv_replicated with ``n`` groups, one per kv head, for each head count ``n``
-    below tp that divides it (:func:`.heads.viewed_heads`); on a Replicate input, or a
-    sequence-sharded one gathered on entry as colwise's is."""
-    n_out, last = module.weight.shape[0], len(y.shape) - 1
-    out = []
-    for n in heads:
-        if n_out % n:
-            continue
-        grads = tuple((int(p.numel() * p.element_size() // n), tp // n) for p in module.parameters(recurse=False))
-        common = dict(param_bytes=pbytes / n, flops=flops / n, act_bytes=y.nbytes / n, group_grads=grads)
-        # the same kv head from rows split 1/tp: each of its tp / n ranks computes a slice of
-        # it, gathered across them; backward, their partial output gradients (each rank's
-        # own query heads) are summed and scattered back by a reduce-scatter, so the weight
-        # gradient is complete
-        g, head = tp // n, y.nbytes / n
-        gathered = dict(param_bytes=pbytes / tp, flops=flops / tp, act_bytes=head,
-                        group_comms=(("forward", "all_gather", head, g), ("backward", "reduce_scatter", head, g)))
-        for p in ["R"] + [f"S{d}" for d in seq_dims]:
-            layouts = {"weight": grouped(0, n), "groups": n, **({"input": p} if p != "R" else {})}
-            out.append(Strategy("colwise_kv_replicated", (p,), grouped(last, n), entry=(p,), layouts=layouts, **common))
-            if n_out % tp == 0:
-                out.append(Strategy("colwise_kv_gathered", (p,), grouped(last, n), entry=(p,),
-                                    layouts={**layouts, "weight": "S0"}, **gathered))
-    return out
-
-
-def _packed_into(op: Op, graph: OpGraph) -> int | None:
-    """k when every consumer cuts the output's last dim into the same k equal parts: a
-    fused gate/up or q/k/v projection split by ``chunk``/``split``, sliced part by part, or
-    viewed as ``(k, heads, head_dim)``."""
-    shape = graph.values[op.output].shape
-    last = len(shape) - 1
-    users = [graph.ops[c] for c in graph.consumers.get(op.output, [])]
-    counts = {_parts_taken(u, graph, shape, last) for u in users}
-    return counts.pop() if len(counts) == 1 and None not in counts else None
-
-
-def slice_partition(graph: OpGraph, value: int) -> tuple[int, ...] | None:
-    """The widths of the parts the consumers of ``value`` slice its last dim into, when every
-    one takes one contiguous range and together they tile it (Phi-3's ``qkv[..., :q_pos]``,
-    ``qkv[..., q_pos:q_pos + kv]``, ``qkv[..., q_pos + kv:]``; ``narrow`` alike)."""
-    shape = graph.values[value].shape
-    ranges = set()
-    for c in graph.consumers.get(value, []):
-        user = graph.ops[c]
-        index = user.node.args[1] if user.target == "getitem" and len(user.node.args) > 1 else (
-            narrow_index(user.node.args, len(shape)) if user.target == "narrow" else None)
-        found = slice_range(index, shape) if index is not None and shape else None
-        if found is None or found[0] != len(shape) - 1:
-            return None
-        ranges.add(found[1:])
-    bounds = sorted(ranges)
-    if len(bounds) < 2 or bounds[0][0] != 0 or bounds[-1][1] != shape[-1] or any(
-            a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
-        return None
-    return tuple(b - a for a, b in bounds)
-
-
-def _unequal_parts(op: Op, graph: OpGraph, tp: int) -> list[int] | None:
-    """The relative widths of unequal parts, when every consumer cuts the output's last dim
-    by the same ``split`` of sections (GQA: ``split([h * hd, kv * hd, kv * hd], -1)``), or
-    slices it into ranges that tile it (:func:`slice_partition`), and tp divides each part;
-    ``[4, 1, 1]`` for 8 query heads beside 2 kv heads."""
-    shape = graph.values[op.output].shape
-    last = len(shape) - 1
-    found = set()
-    for c in graph.consumers.get(op.output, []):
-        user = graph.ops[c]
-        args = user.node.args
-        dim = user.node.kwargs.get("dim", args[2] if len(args) > 2 else 0)
-        widths = split_widths(user, shape[last]) if isinstance(dim, int) and dim % (last + 1) == last else None
-        found.add(widths)
-    widths = found.pop() if len(found) == 1 else None
-    widths = widths or slice_partition(graph, op.output)
-    if widths is None or len(set(widths)) == 1 or any(w % tp for w in widths):
-        return None
-    unit = math.gcd(*widths)
-    return [w // unit for w in widths]
-
-
-def _parts_taken(user: Op, graph: OpGraph, shape: tuple[int, ...], last: int) -> int | None:
-    if user.target in ("chunk", "split", "tensor_split"):
-        args = user.node.args
-        dim = user.node.kwargs.get("dim", args[2] if len(args) > 2 else 0)
-        return split_parts(user, shape[last]) if isinstance(dim, int) and dim % (last + 1) == last else None
-    index = user.node.args[1] if user.target == "getitem" and len(user.node.args) > 1 else (
-        narrow_index(user.node.args, len(shape)) if user.target == "narrow" else None)
-    if index is not None:
-        # the parts' width is that of each slice: every slice must take one whole part
-        found = sliced_part(index, shape)
-        return found[1] if found and found[0] == last else None
-    if user.target in ("view", "reshape") and user.output is not None:
-        found = view_parts(shape, graph.values[user.output].shape)
-        return found[1] if found and found[0] == last else None
-    return None
 
 
 def _ceil_div_bytes(total: int, dim: int, tp: int) -> float:

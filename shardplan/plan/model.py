@@ -142,6 +142,9 @@ class Rule(_Strict):
     @model_validator(mode="after")
     def _whole_parts_of_packed(self) -> "Rule":
         n = len(self.packed) if isinstance(self.packed, list) else 0
+        if self.groups is not None and self.style == "packed_colwise" and self.whole_parts is None:
+            raise ValueError(f"groups {self.groups} with packed_colwise and no whole_parts: groups says over how many "
+                             "ranks the whole parts are gathered; give whole_parts too, or drop groups")
         if self.whole_parts is not None and (self.style != "packed_colwise" or not 0 < self.whole_parts < n):
             raise ValueError(f"whole_parts {self.whole_parts} with style {self.style} and packed {self.packed}: "
                              "whole_parts is for packed_colwise with a list of part widths, fewer than the parts "
