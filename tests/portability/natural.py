@@ -342,13 +342,18 @@ def fused_gqa() -> FusedGQALM:
     return FusedGQALM()
 
 
+def _fused_lm(attention) -> FusedGQALM:
+    """``FusedGQALM`` with its layers' attention built by ``attention()``."""
+    torch.manual_seed(0)
+    model = FusedGQALM()
+    model.layers = nn.ModuleList(attention() for _ in range(2))
+    return model
+
+
 def fused_mqa() -> FusedGQALM:
     """gpt-fast's attention with one kv head (``n_local_heads=1``): [Q; K; V] of unequal
     widths in one Linear, the kv head repeated to every query head."""
-    torch.manual_seed(0)
-    model = FusedGQALM()
-    model.layers = nn.ModuleList(FusedGQAAttention(128, 8, 1) for _ in range(2))
-    return model
+    return _fused_lm(lambda: FusedGQAAttention(128, 8, 1))
 
 
 class FalconMQAAttention(nn.Module):
@@ -374,10 +379,7 @@ class FalconMQAAttention(nn.Module):
 
 
 def falcon_mqa() -> FusedGQALM:
-    torch.manual_seed(0)
-    model = FusedGQALM()
-    model.layers = nn.ModuleList(FalconMQAAttention() for _ in range(2))
-    return model
+    return _fused_lm(FalconMQAAttention)
 
 
 class LitGPTAttention(nn.Module):
@@ -404,10 +406,7 @@ class LitGPTAttention(nn.Module):
 
 
 def litgpt_mqa() -> FusedGQALM:
-    torch.manual_seed(0)
-    model = FusedGQALM()
-    model.layers = nn.ModuleList(LitGPTAttention() for _ in range(2))
-    return model
+    return _fused_lm(LitGPTAttention)
 
 
 class UnflattenAttention(nn.Module):
