@@ -38,7 +38,7 @@ from ..analyze.graph import Op, OpGraph
 from .scatter import cut_rows, gather_rows, is_cut, is_gather, is_scatter, scatter_rows
 from .slices import is_slice, slice_rows
 from .placements import shard_dim
-from .strategies import Strategy, op_strategies
+from .strategies import MATMUL, Strategy, op_strategies
 from .weights import read_elsewhere
 
 __all__ = ["SolveContext", "Solution", "solve", "PlanningError", "strategy_time", "comm_time",
@@ -462,7 +462,7 @@ def _heads_whole(op: Op, s: Strategy, graph: OpGraph) -> bool:
         return op.module_kind == "attention" and s.name == "replicate"
     if shard_dim(s.output or "R") is not None:
         return False
-    if op.target in ("matmul", "bmm", "__matmul__") and len(op.inputs) == 2 and op.output is not None:
+    if op.target in MATMUL and len(op.inputs) == 2 and op.output is not None:
         consts = graph.strategy_cache.get("const_values")
         if consts is None:
             consts = graph.strategy_cache["const_values"] = frozenset(o.output for o in graph.ops if o.kind == "const")
