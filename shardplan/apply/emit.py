@@ -35,6 +35,7 @@ from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern, set_
 
 from .agree import agree
 from .experts_ep import ExpertParallel
+from .experts_listed import shard_listed_experts
 from .attention_style import MultiheadAttentionParallel
 from .gradsync import install_gradient_sync
 from .localviews import install_local_views
@@ -106,7 +107,7 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False, scala
 def _experts_over_ep(model: nn.Module, device_mesh, plan: Plan) -> None:
     """``ep_experts`` rules: whole experts over the ep axis's sub-mesh, each bank's forward
     replaced by the all-to-all dispatch (:class:`.experts_ep.ExpertParallel`)."""
-    rules = [r for r in plan.rules if r.style == "ep_experts"]
+    rules = [r for r in plan.rules if r.style == "ep_experts" and not _listed(r, model, plan)]
     if not rules:
         return
     names = device_mesh.mesh_dim_names or ()
@@ -124,6 +125,22 @@ def _experts_over_ep(model: nn.Module, device_mesh, plan: Plan) -> None:
     # index: parallelize_module has no index sets, and skips a key it cannot match with a warning
     parallelize_module(model, mesh, _fnmatch_keys({r.module: ExpertParallel(
         inner_tp=r.inner == "moe_tp_experts", reduce_output=r.output_layouts != "Partial") for r in rules}))
+
+
+def _listed(rule: Rule, model: nn.Module, plan: Plan) -> bool:
+    """An ``ep_experts`` rule on an ``nn.ModuleList`` of experts (not a 3-D bank)."""
+    return any(isinstance(model.get_submodule(f), nn.ModuleList) for f in expand_pattern(rule.module, plan.model.repeats))
+
+
+def _lists_over_ep(model: nn.Module, device_mesh, plan: Plan) -> None:
+    """``ep_experts`` rules on lists of experts (:mod:`.experts_listed`): applied after the
+    tensor-parallel styles, which split each expert inside as the plan says, so that the
+    experts other ranks hold are dropped whole."""
+    lists = [f for r in plan.rules if r.style == "ep_experts" and _listed(r, model, plan)
+             for f in expand_pattern(r.module, plan.model.repeats)]
+    for fqn in lists:
+        layer, _, child = fqn.rpartition(".")
+        shard_listed_experts(model.get_submodule(layer), child, device_mesh[plan.mesh.ep_axis])
 
 
 def _region_style(region: Region) -> ParallelStyle:
@@ -357,6 +374,7 @@ def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
     tied = _tied_groups(model)
     _experts_over_ep(model, device_mesh, plan)
     if mesh is None:  # no tensor parallelism: only the experts are split
+        _lists_over_ep(model, device_mesh, plan)
         return model
     parallelize_module(model, mesh, to_parallelize_plan(plan, model))
     set_local_attributes(model, plan)
@@ -391,4 +409,5 @@ def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
     partial_grads += [f"{fqn}.{name}" if fqn else name for rule in plan.rules if rule.partial_grads
                       for fqn in expand_pattern(rule.module, plan.model.repeats) for name in rule.partial_grads]
     install_gradient_sync(model, partial_grads)
+    _lists_over_ep(model, device_mesh, plan)
     return model

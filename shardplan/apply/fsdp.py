@@ -10,7 +10,8 @@ Contract
 ends up a DTensor on the (data..., tp) mesh. The model is modified in place and returned.
 An expert-parallel plan (``mesh.ep_axis``) treats ep as one more data axis for every module
 but its ``ep_experts`` banks: each bank is its own unit over the data axes outside ep and tp
-(none: its parameters are left out of its block's unit), made before the block's.
+(none: its parameters are left out of its block's unit), made before the block's; experts
+written as a list are each their own unit, those the rank holds.
 The units and their ``reshard_after_forward`` come from :func:`shardplan.decide.fsdp.fsdp_units`,
 which the estimate prices too (choices, after torchtitan's ``apply_fsdp``, documented there).
 Mistakes (no data axis, an axis the mesh lacks, a model ``apply_plan`` has not sharded, a plan
@@ -70,7 +71,7 @@ def fully_shard_plan(model: nn.Module, device_mesh: DeviceMesh, plan: Plan, *, o
         inside = [b for b in banks if not path or b == path or b.startswith(path + ".")]
         banks = [b for b in banks if b not in inside]
         ignored = set()
-        for bank in inside:
+        for bank in (unit for b in inside for unit in _expert_units(model.get_submodule(b), b)):
             if expert_mesh is not None:
                 fully_shard(model.get_submodule(bank), mesh=expert_mesh, reshard_after_forward=reshard, **config)
             else:
@@ -78,6 +79,14 @@ def fully_shard_plan(model: nn.Module, device_mesh: DeviceMesh, plan: Plan, *, o
         fully_shard(model.get_submodule(path), mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None,
                     **config)
     return model
+
+
+def _expert_units(module: nn.Module, fqn: str) -> list[str]:
+    """A bank is one unit; a list of experts, each expert this rank holds (its dispatch calls
+    each once per layer call, so each unit's all-gather runs on every rank)."""
+    if not isinstance(module, nn.ModuleList):
+        return [fqn]
+    return [f"{fqn}.{name}" for name, m in module.named_children() if any(True for _ in m.parameters())]
 
 
 def _expert_data_mesh(device_mesh: DeviceMesh, plan: Plan) -> DeviceMesh | None:

@@ -246,16 +246,28 @@ def _check_mesh(plan: Plan, mesh: Any) -> Iterator[Any]:
         yield _caller_tp_mesh(mesh, plan)
 
 
-def _fails_unsharded(module: nn.Module, call) -> bool:
+def _fails_unsharded(module: nn.Module, call, graph: OpGraph | None = None, target: str = "") -> bool:
     """Does the block fail on meta tensors with no plan at all (a meta kernel that refuses a
-    dtype, ``autocast("meta")``)? Then a failure of its shards says nothing about the plan."""
+    dtype, ``autocast("meta")``)? Then a failure of its shards says nothing about the plan.
+    With ``graph``, the modules the check stands in for in ``target`` are stood in here too,
+    whole."""
     args, kwargs = tree_map_only(torch.Tensor, _on_meta, call.example)
-    try:
-        with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound():
-            _meta_copy(module)(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - any failure: the code cannot run on meta here
-        return True
-    return False
+    for _ in range(8):
+        copy = _meta_copy(module)
+        if graph is not None:
+            _stand_in(copy, graph, target, lambda value: tuple(value.shape))
+        stack = _track_modules(copy)
+        try:
+            with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound():
+                copy(*args, **kwargs)
+            return False
+        except Exception as exc:  # noqa: BLE001 - any failure: the code cannot run on meta here
+            # unless a module inside reads values (its stand-in is then used by the sharded run too)
+            reader = _value_reader(graph, stack, target) if graph is not None and _reads_values(exc) else None
+            if reader is None:
+                return True
+            graph.strategy_cache.setdefault("check stands in", set()).add(reader)
+    return True
 
 
 class LocalCheckUnavailable(PlanningError):
@@ -322,9 +334,16 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
     except LocalShapeError:
         raise  # a sharded norm that gathers (_counted): already said
     except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
+        reader = _value_reader(graph, stack, target) if _reads_values(exc) else None
+        if reader is not None:
+            # a module whose own code reads values meta tensors lack (a MoE layer that counts
+            # its experts' tokens with .tolist()): the block runs again with it stood in,
+            # shaped as the trace recorded it, so the code around it (attention) is still checked
+            graph.strategy_cache.setdefault("check stands in", set()).add(reader)
+            return _run_one(graph, plan, placements, mesh, target)
         leaf = _failing_leaf(block, stack, target)  # a weight module's own forward: it can be kept whole
         calls = graph.traced.calls.get(leaf, []) if leaf is not None else []
-        block_fails = functools.cache(lambda: _fails_unsharded(graph.model.get_submodule(target), call))
+        block_fails = functools.cache(lambda: _fails_unsharded(graph.model.get_submodule(target), call, graph, target))
         # it fails whole too (experts routing on meta): not its style's doing. A leaf with no
         # call of its own recorded (export records the root's only) is judged by its block's
         if leaf is not None and (_fails_unsharded(graph.model.get_submodule(leaf), calls[0]) if calls else block_fails()):
@@ -375,10 +394,11 @@ def _counted(forward: Callable, fqn: str, *args: Any, **kwargs: Any) -> Any:
 
 
 def _reads_values(exc: BaseException) -> bool:
-    """A meta tensor asked for its values (``.tolist()``, ``.item()``): code meta cannot run,
-    whatever the plan, not a size the plan got wrong."""
+    """A meta tensor asked for its values (``.tolist()``, ``.item()``), or an op with no meta
+    kernel (``bincount``): code meta cannot run, whatever the plan, not a size the plan got wrong."""
     text = str(exc)
-    return "Cannot copy out of meta tensor" in text or ("item()" in text and "meta" in text)
+    return ("Cannot copy out of meta tensor" in text or ("item()" in text and "meta" in text)
+            or "attempted to run this operator with Meta tensors" in text)
 
 
 class _Shaped(nn.Module):
@@ -399,16 +419,42 @@ def _module_op(graph: OpGraph, fqn: str) -> Any:
     return ops[0] if len(ops) == 1 else None
 
 
+def _output_value(graph: OpGraph, fqn: str) -> Any:
+    """The value module ``fqn`` returns at its one call: a weight module's op's, or what the
+    trace recorded for a module it ran through; None for several calls or outputs."""
+    op = _module_op(graph, fqn)
+    if op is not None:
+        return graph.values[op.output]
+    calls = graph.traced.calls.get(fqn, [])
+    if len(calls) != 1 or len(calls[0].outputs) != 1 or calls[0].items:
+        return None
+    return graph.value_of(calls[0].outputs[0])
+
+
+def _value_reader(graph: OpGraph, stack: list[str], target: str) -> str | None:
+    """The innermost running module under ``target`` (not ``target`` itself) that a check can
+    stand in for, not already stood in: the one whose code asked a meta tensor for values."""
+    stood = graph.strategy_cache.get("check stands in", set())
+    for name in reversed(stack):
+        fqn = ".".join(n for n in (target, name) if n)
+        if name and fqn not in stood and _output_value(graph, fqn) is not None:
+            return fqn
+    return None
+
+
 def stand_in_for(block: nn.Module, graph: OpGraph, plan: Plan, placements: dict[int, str], target: str) -> None:
     """Put :class:`_Shaped` in ``block`` (a sharded meta copy of ``target``) in place of each
-    weight module under it whose own code the check found cannot run on meta."""
+    module under it whose own code the check found cannot run on meta."""
+    _stand_in(block, graph, target, lambda value: local_shape(value.shape, placements.get(value.id, "R"), plan.tp))
+
+
+def _stand_in(block: nn.Module, graph: OpGraph, target: str, shape_of: Callable[[Any], tuple[int, ...]]) -> None:
     for fqn in sorted(graph.strategy_cache.get("check stands in", ())):
         if target and not fqn.startswith(target + "."):
             continue
-        value = graph.values[_module_op(graph, fqn).output]
+        value = _output_value(graph, fqn)
         parent, _, name = (fqn[len(target) + 1:] if target else fqn).rpartition(".")
-        (block.get_submodule(parent) if parent else block)._modules[name] = _Shaped(
-            local_shape(value.shape, placements.get(value.id, "R"), plan.tp), value.dtype)
+        (block.get_submodule(parent) if parent else block)._modules[name] = _Shaped(shape_of(value), value.dtype)
 
 
 def _said(exc: Exception) -> str:
@@ -468,9 +514,12 @@ def _expected_views(graph: OpGraph, placements: dict[int, str], target: str, tp:
 def _view_ops(graph: OpGraph, placements: dict[int, str], target: str, tp: int) -> list:
     """The views and reshapes the code inside ``target`` makes, in trace order, less those of
     a value whose kv heads were expanded (with one copy per rank the code may skip that
-    repeat altogether: HF's repeat_kv returns at n_rep == 1)."""
+    repeat altogether: HF's repeat_kv returns at n_rep == 1), and those inside a module the
+    check stands in for (they never run)."""
+    stood = graph.strategy_cache.get("check stands in", ())
     return [op for op in graph.ops if op.kind == "function" and op.target in _SIZED_OPS
             and (not target or op.owner == target or op.owner.startswith(target + "."))
+            and not any(op.owner == s or op.owner.startswith(s + ".") for s in stood)
             and (not op.inputs or (groups_of(placements.get(op.inputs[0], "R")) or ("",))[0] != "e")
             and not _after_one_head_repeat(graph, placements, op, tp)]
 

@@ -373,7 +373,8 @@ def local_during_forward(model: nn.Module, paths: list[str]) -> None:
     def swap(module, args):
         for path in paths:
             owner, name = _owner(module, path)
-            if isinstance(owner._parameters[name], DTensor):  # not already swapped by its own style
+            # not already swapped by its own style (or gone: the local check stood its module in)
+            if isinstance(owner._parameters.get(name), DTensor):
                 state[path] = owner._parameters[name]
                 owner._parameters[name] = state[path].to_local()
 

@@ -23,16 +23,22 @@ when there is one), an ep that does not divide E. Names and numbers only: no pro
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from dataclasses import dataclass
+
+from torch import nn
 
 from . import cost
 from ..analyze.graph import OpGraph
 from ..plan.model import Collectives, Estimate, Plan, Rule, matches
-from .estimate import _representative, unit_param_bytes
+from .assemble import pattern_map, patterned
+from .estimate import _representative, collective_list, unit_param_bytes
+from .regions import find_regions
 from .fsdp import data_parallel_events, fsdp_units, unit_of
-from .solve import PlanningError, Solution, SolveContext, _model_dtype_bytes
+from .solve import PlanningError, Solution, SolveContext, _host_time, _model_dtype_bytes, _update_time
 
-__all__ = ["Bank", "routed_banks", "expert_count", "expert_parallel"]
+__all__ = ["Bank", "routed_banks", "listed_banks", "expert_count", "expert_parallel"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class Bank:
     top_k: int
     hidden: int
     calls: int  # per step: the op's multiplicity
+    listed: bool = False  # an nn.ModuleList of experts, each its own module (module: the list)
 
 
 def routed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Bank]:
@@ -82,9 +89,68 @@ def _sorted_rows(shapes: list[tuple], dtypes: list, experts: int) -> tuple | Non
     return rows if found else None
 
 
+def listed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Bank]:
+    """Experts written as an ``nn.ModuleList`` of alike modules, each called by its layer's
+    own code on the rows a router chose: the list's layer runs a Linear of E outputs (the
+    router) before the first expert. ``tokens`` is the router's rows, ``top_k`` the k of a
+    ``topk`` in the layer's code (1 without one). An expert that does not map ``[n, H]`` to
+    ``[n, H]`` is listed in ``unread``."""
+    modules = [op for op in graph.ops if op.kind == "module"]
+    out = []
+    for path, experts in graph.model.named_modules():
+        if not isinstance(experts, nn.ModuleList) or len(experts) < 2 or not _alike(experts):
+            continue
+        calls = [op for op in modules if op.target.startswith(f"{path}.")]
+        parent = path.rpartition(".")[0]
+        router = next((op for op in graph.ops if calls and op.index < calls[0].index and _routes(op, graph, parent)
+                       and graph.values[op.output].shape[-1] == len(experts)), None)
+        if router is None:
+            continue
+        first, last = (graph.values[calls[0].inputs[0]].shape, graph.values[calls[-1].output].shape)
+        if first[-1] != last[-1]:
+            if unread is not None:
+                unread.append(f"{path}: experts map rows of {first[-1]} features to {last[-1]}")
+            continue
+        rows = graph.values[router.output]
+        out.append(Bank(path, len(experts), math.prod(rows.shape[:-1]), _top_k(graph, parent), first[-1],
+                        router.multiplicity, listed=True))
+    return out
+
+
+def _routes(op, graph: OpGraph, layer: str) -> bool:
+    """A matmul in ``layer`` (a Linear module, or ``F.linear(x, self.weight)`` in its code)."""
+    if op.kind == "module":
+        return op.module_kind == "linear" and _inside(op.target, layer)
+    return (op.kind == "function" and op.target in _MATMULS and op.output in graph.values
+            and (op.owner == layer or _inside(op.owner, layer)))
+
+
+_MATMULS = ("linear", "matmul", "mm", "einsum")
+
+
+def _alike(experts: nn.ModuleList) -> bool:
+    """Every entry the same class with the same parameter names and shapes, and some."""
+    shapes = {(type(m), tuple((n, tuple(p.shape)) for n, p in m.named_parameters())) for m in experts}
+    return len(shapes) == 1 and bool(next(iter(shapes))[1])
+
+
+def _inside(fqn: str, parent: str) -> bool:
+    return not parent or fqn.startswith(f"{parent}.")
+
+
+def _top_k(graph: OpGraph, layer: str) -> int:
+    """The k of the first ``topk`` the layer's code calls (``topk(x, k)``, ``x.topk(k)``, ``k=``)."""
+    for op in graph.ops:
+        if op.kind == "function" and op.target == "topk" and (op.owner == layer or _inside(op.owner, layer)):
+            k = op.node.kwargs.get("k", op.node.args[1] if len(op.node.args) > 1 else None)
+            if isinstance(k, int):
+                return k
+    return 1
+
+
 def expert_count(graph: OpGraph) -> int | None:
     """The experts of the model's routed banks (the fewest, if they differ); None without any."""
-    return min((b.experts for b in routed_banks(graph)), default=None)
+    return min((b.experts for b in routed_banks(graph) + listed_banks(graph)), default=None)
 
 
 def expert_parallel(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Solution) -> Plan:
@@ -93,7 +159,7 @@ def expert_parallel(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Sol
     axis, ep = plan.mesh.ep_axis, plan.ep
     unread: list[str] = []
     banks = _checked_banks(graph, plan, axis, ep, unread)
-    rules = [_ep_rule(rule, banks, ep, axis) for rule in plan.rules]
+    rules = [_ep_rule(rule, banks, ep, axis) for rule in plan.rules] + _list_rules(graph, banks, ep, axis)
     notes = [f"{u.split(':')[0]}: kept as the tensor-parallel plan has it, a data-parallel module on {axis} "
              f"({u.split(': ', 1)[1]}, not a routed bank: bank(hidden [T, H], top_k_index [T, k], top_k_weights "
              "[T, k]))" for u in unread]
@@ -102,7 +168,7 @@ def expert_parallel(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Sol
 
 
 def _checked_banks(graph: OpGraph, plan: Plan, axis: str, ep: int, unread: list[str]) -> list[Bank]:
-    banks = routed_banks(graph, unread=unread)
+    banks = routed_banks(graph, unread=unread) + listed_banks(graph, unread=unread)
     if not banks and unread:
         raise PlanningError(
             f"mesh has {axis}={ep}, but no expert bank of {type(graph.model).__name__} is called with its routing "
@@ -111,8 +177,8 @@ def _checked_banks(graph: OpGraph, plan: Plan, axis: str, ep: int, unread: list[
             "by expert [N, H]) (torchtitan's); plan it on tp, where its experts are split inside")
     if not banks:
         raise PlanningError(f"mesh has {axis}={ep}, but {type(graph.model).__name__} has no expert bank (3-D [E, ...] "
-                            f"weights called with the router's choice; experts written as a ModuleList are not split "
-                            f"over ep yet); drop {axis!r}, or name those ranks 'dp'")
+                            f"weights called with the router's choice, or an nn.ModuleList of E alike experts after a "
+                            f"router Linear of E outputs); drop {axis!r}, or name those ranks 'dp'")
     for b in banks:
         if b.experts % ep:
             divisors = [d for d in range(2, b.experts + 1) if b.experts % d == 0]
@@ -121,8 +187,21 @@ def _checked_banks(graph: OpGraph, plan: Plan, axis: str, ep: int, unread: list[
     return banks
 
 
+def _list_rules(graph: OpGraph, banks: list[Bank], ep: int, axis: str) -> list[Rule]:
+    """One rule per kind of expert list (``layers.*.moe.experts``); the experts' own Linears
+    keep the rules the tensor-parallel program gave them (split inside over tp, or whole)."""
+    pmap, out = pattern_map(graph), {}
+    for b in (b for b in banks if b.listed):
+        why = (f"whole experts over {axis} ({b.experts // ep} of {b.experts} modules per rank); the layer's code runs "
+               f"twice, recording its expert calls, then replaying their outputs: each call sends and receives "
+               f"about {b.tokens * b.top_k * b.hidden} elements by all-to-all, priced as uniform routing")
+        for name in patterned(b.module, graph, pmap):
+            out[name] = Rule(module=name, style="ep_experts", num_experts=b.experts, why=why)
+    return list(out.values())
+
+
 def _ep_rule(rule: Rule, banks: list[Bank], ep: int, axis: str) -> Rule:
-    bank = next((b for b in banks if matches(rule.module, b.module)), None)
+    bank = next((b for b in banks if not b.listed and matches(rule.module, b.module)), None)
     if bank is None:
         return rule
     inner = "moe_tp_experts" if rule.style == "moe_tp_experts" else None  # as the tensor-parallel program chose
@@ -140,22 +219,87 @@ def _estimate(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Solution,
     counts = {phase: dict(c) for phase, c in old.collectives.items()}
     logical = dict(old.collective_bytes)
     a2a_time, a2a_bytes, buffers = _all_to_alls(plan, ctx, banks, counts, logical)
-    held = _held_banks(graph, solution, {b.module for b in banks})  # copy -> bytes per device before ep
+    held, lists = _held_banks(graph, solution, banks)  # copy -> bytes per device before ep
     bank_bytes = sum(held.values())
-    before, after, counts["data_parallel"], logical["data_parallel"] = _data_parallel(plan, graph, ctx, solution, held, scale)
+    before, after, counts["data_parallel"], logical["data_parallel"] = _data_parallel(plan, graph, ctx, solution, held, scale, lists)
     state = cost.training_bytes_per_param(dtype=ctx.dtype, optimizer=getattr(ctx.opts, "optimizer", "adamw")) / (
         _model_dtype_bytes(graph))
     peak = (old.peak_memory_bytes - bank_bytes * state / ctx.state_shards
             + bank_bytes / ep * state / _expert_state_shards(plan) + buffers * scale)
-    comm_time = a2a_time + after[0] - before[0]
+    runs = _listed_runs(plan, graph, ctx, solution, banks, counts, logical)
+    comm_time = a2a_time + after[0] - before[0] + runs[1]
     return Estimate(
         param_bytes_per_device=old.param_bytes_per_device - bank_bytes * (1 - 1 / ep),
-        peak_memory_bytes=peak, comm_bytes_per_step=old.comm_bytes_per_step + a2a_bytes + after[1] - before[1],
-        step_time_s=old.step_time_s + comm_time, compute_time_s=old.compute_time_s,
+        peak_memory_bytes=peak,
+        comm_bytes_per_step=old.comm_bytes_per_step + a2a_bytes + after[1] - before[1] + runs[2],
+        step_time_s=old.step_time_s + comm_time + runs[0], compute_time_s=old.compute_time_s + runs[0],
         comm_time_s=old.comm_time_s + comm_time,
         collectives={phase: Collectives(**c) for phase, c in counts.items() if c or phase != "data_parallel"},
         collective_bytes={k: v for k, v in logical.items() if k in counts and (counts[k] or k != "data_parallel")},
     )
+
+
+def _listed_runs(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Solution, banks: list[Bank],
+                 counts: dict, logical: dict) -> tuple[float, float, float]:
+    """(compute, comm time, comm bytes) added for lists of experts, their counts and logical
+    bytes updated in place. The tensor-parallel estimate runs every expert of a list on the
+    upper bound of its rows (``T k``, every row routed to it); over ep each rank runs each of
+    its E/ep experts once per call, on ``ep T k / E`` rows (uniform routing), and its layer's
+    other ops run forward twice (the record pass; its backward is the rows' indexing only)."""
+    compute = time = nbytes = 0.0
+    for b in (b for b in banks if b.listed):
+        layer = b.module.rpartition(".")[0]
+        listed = {op.index for op in graph.ops if op.target.startswith(f"{b.module}.") or op.owner.startswith(f"{b.module}.")}
+        rows = plan.ep / b.experts
+        for (phase, k, n, _), times in _entry_events(graph, solution, listed).items():
+            t, m = _bump(counts, logical, ctx, phase, k, n * rows, times // plan.ep)
+            t0, m0 = _bump(counts, logical, ctx, phase, k, n, -times)
+            time, nbytes = time + t + t0, nbytes + m + m0
+        for op in graph.ops:
+            s = solution.strategies[op.index]
+            if op.index in listed:
+                runs = op.multiplicity // plan.ep
+                events = [("forward", k, n) for k, n in s.fwd] + [("backward", k, n) for k, n in s.bwd]
+                events += [(phase, k, n) for phase, k, n, _ in s.group_comms]
+                work = _work_time(s, ctx)
+                compute += work * (rows * runs - op.multiplicity) + (_update_time(s, ctx) + _host_time(s, ctx)) * (
+                    runs - op.multiplicity)
+                for phase, k, n in events:
+                    t, m = _bump(counts, logical, ctx, phase, k, n * rows, runs)
+                    t0, m0 = _bump(counts, logical, ctx, phase, k, n, -op.multiplicity)
+                    time, nbytes = time + t + t0, nbytes + m + m0
+            elif op.kind in ("module", "function") and _inside(op.target if op.kind == "module" else op.owner, layer):
+                compute += _work_time(s, ctx) / 3 * op.multiplicity  # forward: 1 of the 3 matmuls of a step
+                for k, n in s.fwd:
+                    t, m = _bump(counts, logical, ctx, "forward", k, n, op.multiplicity)
+                    time, nbytes = time + t, nbytes + m
+    return compute, time, nbytes
+
+
+def _entry_events(graph: OpGraph, solution: Solution, ops: set[int]) -> Counter:
+    """The collectives of the regions whose readers are all in ``ops`` (an input gathered
+    once for an expert's Linears, its gradient reduced), as :func:`.estimate.collective_list`
+    counts them: ``(phase, kind, bytes, group) -> times``."""
+    base, out = dict(collective_list(graph, solution, [])), Counter()
+    for e in find_regions(graph, solution):
+        if set(e.consumers) <= ops:
+            for key, times in collective_list(graph, solution, [e]):
+                out[key] += times - base.get(key, 0)
+    return +out
+
+
+def _work_time(s, ctx: SolveContext) -> float:
+    return ((cost.matmul_time(s.flops, hardware=ctx.hardware, dtype=ctx.dtype) if s.flops else 0.0)
+            + (cost.elementwise_time(s.mem_bytes, hardware=ctx.hardware) if s.mem_bytes else 0.0))
+
+
+def _bump(counts: dict, logical: dict, ctx: SolveContext, phase: str, kind: str, n: float, times: float):
+    """``times`` (negative: fewer) more ``kind`` collectives of ``n`` bytes on tp: (seconds, bytes)."""
+    counts.setdefault(phase, {})
+    counts[phase][kind] = counts[phase].get(kind, 0) + times
+    logical[phase] = logical.get(phase, 0.0) + n * times
+    return (cost.collective_time(kind, n, group_size=ctx.tp, link=ctx.link) * times,
+            cost.collective_bytes(kind, n, group_size=ctx.tp) * times)
 
 
 def _all_to_alls(plan: Plan, ctx: SolveContext, banks: list[Bank], counts: dict, logical: dict):
@@ -176,12 +320,34 @@ def _all_to_alls(plan: Plan, ctx: SolveContext, banks: list[Bank], counts: dict,
     return time, nbytes, buffers
 
 
-def _held_banks(graph: OpGraph, solution: Solution, routed: set[str]) -> dict[str, float]:
+def _held_banks(graph: OpGraph, solution: Solution, banks: list[Bank]) -> tuple[dict[str, float], set[str]]:
     """Every routed bank module (folded copies too) -> its parameter bytes per device as the
-    tensor-parallel solution holds them (split inside by moe_tp_experts, or whole)."""
+    tensor-parallel solution holds them (split inside by moe_tp_experts, or whole); for a
+    list of experts, every expert module (``moe.experts.3``) -> its weight modules' bytes.
+    Also the lists' names."""
     planned = {op.target: solution.strategies[op.index] for op in graph.ops if op.kind == "module"}
-    reps = {fqn: _representative(fqn, graph.traced.folded) for fqn, _ in graph.model.named_modules()}
-    return {fqn: planned[rep].param_bytes for fqn, rep in reps.items() if rep in routed}
+    reps = {fqn: _folded_to(fqn, graph.traced.folded) for fqn, _ in graph.model.named_modules()}
+    held = {fqn: planned[rep].param_bytes for fqn, rep in reps.items() if rep in {b.module for b in banks if not b.listed}}
+    lists = _list_copies(reps, banks)
+    for fqn, rep in reps.items():
+        expert = next((f"{b}.{fqn[len(b) + 1:].split('.')[0]}" for b in lists if fqn.startswith(f"{b}.")), None)
+        if expert is not None and rep in planned:
+            held[expert] = held.get(expert, 0.0) + planned[rep].param_bytes
+    return held, set(lists)
+
+
+def _folded_to(fqn: str, folded: dict[str, str]) -> str:
+    """The op graph's name for ``fqn``: folds followed until none applies (experts folded
+    inside a folded layer: ``moes.1.experts.2.w1`` -> ``moes.0.experts.0.w1``)."""
+    while (rep := _representative(fqn, folded)) != fqn:
+        fqn = rep
+    return fqn
+
+
+def _list_copies(reps: dict[str, str], banks: list[Bank]) -> list[str]:
+    """Every expert list of the model, folded copies too."""
+    listed = {b.module for b in banks if b.listed}
+    return [fqn for fqn, rep in reps.items() if rep in listed]
 
 
 def _data_axes(plan: Plan, *, with_ep: bool) -> dict[str, int]:
@@ -211,8 +377,21 @@ def _totals(events) -> tuple[float, float, dict[str, int], float]:
     return time, nbytes, counts, logical
 
 
+def _rank_units(held: dict[str, float], ep: int, lists: set[str]) -> list[tuple[str, float]]:
+    """A rank's expert units and their bytes: 1/ep of each bank; of a list of E experts, the
+    E/ep it holds whole (priced as the first E/ep: they are alike)."""
+    out = []
+    for fqn, n in held.items():
+        head, _, index = fqn.rpartition(".")
+        if head not in lists:
+            out.append((fqn, n / ep))
+        elif int(index) < sum(1 for f in held if f.rpartition(".")[0] == head) // ep:
+            out.append((fqn, n))
+    return out
+
+
 def _data_parallel(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Solution, held: dict[str, float],
-                   scale: float):
+                   scale: float, lists: set[str]):
     """The data axes' collectives as the plain estimate priced them (every unit over the data
     axes and ep), and as they run: dense units over the data axes and ep, each bank its own
     unit over the data axes outside ep, as its block reshards."""
@@ -223,7 +402,7 @@ def _data_parallel(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Solu
         sizes[unit_of(fqn, units)] -= n
     reshard = dict(units)
     dense = _events([(sizes[u] * scale, r) for u, r in units], _data_axes(plan, with_ep=True), plan, ctx)
-    experts = _events([(n / plan.ep * scale, reshard[unit_of(fqn, units)]) for fqn, n in held.items()],
+    experts = _events([(n * scale, reshard[unit_of(fqn, units)]) for fqn, n in _rank_units(held, plan.ep, lists)],
                       _data_axes(plan, with_ep=False), plan, ctx)
     time, nbytes, counts, logical = _totals(dense + experts)
     return before[:2], (time, nbytes), counts, logical

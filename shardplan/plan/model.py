@@ -499,9 +499,23 @@ def _natural_key(fqn: str) -> list:
 def fingerprint(model) -> str:
     """sha256 over the class name and every parameter's name, shape and dtype."""
     h = hashlib.sha256(type(model).__qualname__.encode())
-    for name, p in model.named_parameters(remove_duplicate=False):
-        h.update(f"{name}:{tuple(p.shape)}:{str(p.dtype).replace('torch.', '')};".encode())
+    for name, shape, dtype in _parameter_specs(model):
+        h.update(f"{name}:{tuple(shape)}:{str(dtype).replace('torch.', '')};".encode())
     return "sha256:" + h.hexdigest()[:32]
+
+
+def _parameter_specs(model):
+    """``named_parameters(remove_duplicate=False)``'s names, shapes and dtypes, where a module
+    another rank holds (an expert split over ep: ``held_params``) stands for its own."""
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        held = getattr(module, "held_params", None)
+        if held is not None:
+            yield from ((dot + name, shape, dtype) for name, shape, dtype in held)
+            continue
+        for name, p in module._parameters.items():
+            if p is not None:
+                yield dot + name, p.shape, p.dtype
 
 
 def int_attributes(module) -> dict[str, int]:

@@ -92,11 +92,23 @@ def _expert_count_findings(plan: Any, modules: dict[str, Any], at: Any) -> list[
         if rule.style != "ep_experts":
             continue
         for fqn in (f for f in modules if matches(rule.module, f)):
+            if _expert_list(modules[fqn]):  # a list of expert modules: its length is E
+                if len(modules[fqn]) != rule.num_experts:
+                    return [f"{at(('rules', i, 'num_experts'))}rule {rule.module} (ep_experts): num_experts "
+                            f"{rule.num_experts}, but {fqn} lists {len(modules[fqn])} experts; re-plan it"]
+                continue
             sizes = {int(p.shape[0]) for p in modules[fqn].parameters(recurse=False)}
             if sizes != {rule.num_experts}:
                 return [f"{at(('rules', i, 'num_experts'))}rule {rule.module} (ep_experts): num_experts "
                         f"{rule.num_experts}, but {fqn}'s parameters have first dims {sorted(sizes)}; re-plan it"]
     return []
+
+
+def _expert_list(module: Any) -> bool:
+    """An ``nn.ModuleList`` of experts: what ``ep_experts`` splits whole when they are modules."""
+    from torch import nn
+
+    return isinstance(module, nn.ModuleList) and len(module) > 1 and any(True for _ in module.parameters())
 
 
 def _owns_params(module: Any) -> bool:
@@ -193,6 +205,8 @@ def _wrong_kind(rule: Any, hits: list[str], modules: dict[str, Any]) -> list[str
     bad = []
     for fqn in hits:
         mod = modules[fqn]
+        if rule.style == "ep_experts" and _expert_list(mod):
+            continue
         if not _owns_params(mod) and rule.style != "replicate":
             bad.append(f"{fqn or '<root>'} ({type(mod).__name__}) owns no parameters")
         elif kinds is not None and _owns_params(mod) and module_kind(mod) not in kinds:

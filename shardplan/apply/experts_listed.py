@@ -1,0 +1,251 @@
+"""Expert parallelism for experts written as a list of modules: record, exchange, replay.
+
+Contract
+--------
+``shard_listed_experts(layer, child, ep_mesh)`` splits ``layer.<child>``, an ``nn.ModuleList``
+of E alike experts that the layer's own code calls on the rows its router chose (mistral's
+reference Mixtral, DeepSeek's inference code, research MoEs: ``for e, expert in
+enumerate(self.experts): ... out.index_add_(0, tok, expert(x[tok]) * w)``), by whole experts
+over the 1-D ``ep_mesh``: rank ``r`` keeps experts ``[r E/ep, (r + 1) E/ep)`` and the others
+become :class:`RemoteExpert` placeholders with no parameters, so the state dict, DCP and FSDP
+see only the rank's own (:func:`held_elsewhere` names the keys the other ranks hold). Every
+other module treats ep as a data axis: each rank runs the layer on its own tokens.
+
+The loop decides which experts run and on which rows, and it may skip idle ones, so no
+collective can sit inside an expert's call (one rank would wait on a call another skipped).
+The layer's forward runs twice instead:
+
+1. *record*: each expert call hands back zeros shaped like its rows (an expert maps
+   ``[n, H] -> [n, H]``) and keeps the rows, with their autograd history;
+2. *exchange*: one dispatch per layer call, whatever the loop did: the rows go to their
+   experts' ranks by all-to-all (counts first, then rows, as :mod:`.experts_ep` sends them),
+   each rank runs each of its experts once on all the rows it received (an expert with none
+   runs on zero rows, so FSDP and the backward's all-to-all see every rank), and the
+   outputs go back the same way;
+3. *replay*: the layer runs again and each expert call, in the same order, hands back its
+   rows' outputs; the model's own code combines them (routing weights, index_add, shared
+   experts, a residual): nothing of the routing is re-implemented here.
+
+The replayed output depends on the recorded rows, so the input's gradient flows through the
+record pass's indexing, and the router's through the replay's combine. Both passes draw the
+same random numbers (``fork_rng``) and the layer's buffers are put back after the record
+(a counter updated in forward counts once). A replayed call whose expert or row count differs
+from the record's (code that feeds one expert's output to another) raises ``RuntimeError``.
+
+Gradients: an expert's parameters get the gradient of every rank's tokens routed to it, the
+sum over ep; as for banks, they are scaled by ``1 / ep`` (the mean data parallelism takes),
+and the rows' gradient is scaled back by ``ep`` so the input's is exact. Cost: the dense part
+of the layer (router, shared experts) runs twice on the rank's own tokens.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from .experts_ep import _by_expert, _exchange, _ScaleGrad, _send
+
+__all__ = ["RemoteExpert", "shard_listed_experts", "held_elsewhere", "is_dispatched"]
+
+
+class RemoteExpert(nn.Module):
+    """An expert another ep rank holds: no parameters here. ``keys``: its state-dict keys,
+    held by ep rank ``owner``; ``held_params``: its parameters' names, global shapes and
+    dtypes (the plan's fingerprint counts them)."""
+
+    def __init__(self, owner: int, like: nn.Module) -> None:
+        super().__init__()
+        self.owner, self.keys = owner, list(like.state_dict().keys())
+        self.held_params = [(n, tuple(p.shape), p.dtype) for n, p in like.named_parameters(remove_duplicate=False)]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a RemoteExpert is held by another ep rank; the layer's dispatch calls it, not the model")
+
+    def extra_repr(self) -> str:
+        return f"owner=ep rank {self.owner}"
+
+
+@dataclass
+class _Dispatch:
+    """One list's dispatch state: what the record pass saw, what the replay hands back."""
+
+    experts: nn.ModuleList
+    group: Any
+    ep: int
+    local: int  # experts per rank
+    first: int  # this rank's first expert
+    hidden: int
+    mode: str = "idle"  # "record" | "replay" | "idle"
+    calls: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    at: int = 0
+
+    def call(self, position: int, args: tuple, kwargs: dict) -> torch.Tensor:
+        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            raise ValueError(f"expert {position} was called with {len(args)} positional and {sorted(kwargs)} keyword "
+                             "arguments; expert parallelism of a module list sends one tensor of rows [n, H] per call")
+        rows = args[0]
+        if self.mode == "record":
+            self.calls.append((position, rows))
+            return torch.zeros_like(rows)
+        if self.mode != "replay":
+            raise RuntimeError("an expert of an expert-parallel list was called outside its layer's forward")
+        return self._replayed(position, rows)
+
+    def _replayed(self, position: int, rows: torch.Tensor) -> torch.Tensor:
+        if self.at >= len(self.calls) or self.calls[self.at][0] != position \
+                or self.calls[self.at][1].shape != rows.shape:
+            raise RuntimeError(f"expert {position} called on rows {tuple(rows.shape)} where the record pass had "
+                               f"{self._recorded()}: the layer's expert calls must not depend on experts' outputs")
+        self.at += 1
+        return self.outputs[self.at - 1]
+
+    def _recorded(self) -> str:
+        if self.at >= len(self.calls):
+            return "no more calls"
+        position, rows = self.calls[self.at]
+        return f"expert {position} on rows {tuple(rows.shape)}"
+
+
+class _Call:
+    """What the model's code gets for ``experts[i]``: a callable that records or replays."""
+
+    def __init__(self, dispatch: _Dispatch, position: int) -> None:
+        self._dispatch, self._position = dispatch, position
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._dispatch.call(self._position, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dispatch.experts._modules[str(self._position)], name)
+
+
+class _DispatchedList(nn.ModuleList):
+    """The list as the model's code indexes and iterates it; ``_modules`` (state dict, FSDP,
+    ``get_submodule``) is untouched. The class is swapped in place, as ``fully_shard`` does."""
+
+    _shardplan_dispatch: _Dispatch
+
+    def __getitem__(self, idx: Any) -> Any:
+        positions = list(range(len(self)))[idx]
+        if isinstance(positions, list):
+            return [_Call(self._shardplan_dispatch, p) for p in positions]
+        return _Call(self._shardplan_dispatch, positions)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self[:])
+
+
+def is_dispatched(module: nn.Module) -> bool:
+    return isinstance(module, _DispatchedList)
+
+
+def held_elsewhere(model: nn.Module) -> dict[str, int]:
+    """State-dict keys of experts this rank does not hold -> the ep rank that does."""
+    out = {}
+    for fqn, module in model.named_modules():
+        if isinstance(module, RemoteExpert):
+            out.update({f"{fqn}.{k}": module.owner for k in module.keys})
+    return out
+
+
+def shard_listed_experts(layer: nn.Module, child: str, ep_mesh: Any) -> None:
+    """Whole experts of ``layer.<child>`` over ``ep_mesh``, the layer's forward run as record,
+    exchange, replay; see the module doc."""
+    experts = getattr(layer, child)
+    if not isinstance(experts, nn.ModuleList):
+        raise ValueError(f"{type(layer).__name__}.{child} is a {type(experts).__name__}; expected the nn.ModuleList "
+                         "of experts the plan names")
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    if len(experts) % ep:
+        raise ValueError(f"{type(layer).__name__}.{child} has {len(experts)} experts, which ep={ep} does not divide; "
+                         f"use an ep that divides {len(experts)}")
+    local = len(experts) // ep
+    hidden = _in_features(experts[0])
+    for position, name in enumerate(list(experts._modules)):
+        if position // local != rank:
+            experts._modules[name] = RemoteExpert(position // local, experts._modules[name])
+    dispatch = _Dispatch(experts, ep_mesh.get_group(), ep, local, rank * local, hidden)
+    experts.__class__ = type("Dispatched" + type(experts).__name__, (_DispatchedList, type(experts)), {})
+    experts._shardplan_dispatch = dispatch
+    layer.forward = partial(_two_passes, layer.forward, dispatch, layer)
+
+
+def _in_features(expert: nn.Module) -> int:
+    """H, the width of the rows an expert takes: its first Linear's ``in_features``."""
+    first = next((m for m in expert.modules() if isinstance(getattr(m, "in_features", None), int)), None)
+    if first is None:
+        raise ValueError(f"{type(expert).__name__} has no Linear (in_features) to read its rows' width from; expert "
+                         "parallelism of a module list needs experts made of Linears")
+    return first.in_features
+
+
+def _two_passes(run: Callable, dispatch: _Dispatch, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    dispatch.mode, dispatch.calls = "record", []
+    try:
+        with torch.random.fork_rng(devices=_rng_devices()), _buffers_kept(layer):
+            run(*args, **kwargs)
+        dispatch.outputs = _exchange_calls(dispatch)
+        dispatch.mode, dispatch.at = "replay", 0
+        out = run(*args, **kwargs)
+        if dispatch.at != len(dispatch.calls):
+            raise RuntimeError(f"the replay called {dispatch.at} experts where the record pass called "
+                               f"{len(dispatch.calls)}: the layer's expert calls must not depend on experts' outputs")
+        return out
+    finally:
+        dispatch.mode, dispatch.calls, dispatch.outputs = "idle", [], []
+
+
+def _rng_devices() -> list[int]:
+    return [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+
+
+@contextmanager
+def _buffers_kept(layer: nn.Module) -> Iterator[None]:
+    saved = [(b, b.detach().clone()) for b in layer.buffers() if b is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
+def _exchange_calls(d: _Dispatch) -> list[torch.Tensor]:
+    """Every recorded call's rows through its expert on the owning rank; the outputs in call
+    order. Rows go sorted by expert (so by owner), ``counts[j, e]`` to rank j's expert e."""
+    order = sorted(range(len(d.calls)), key=lambda i: d.calls[i][0])
+    like = next((r for _, r in d.calls), None)
+    empty = torch.zeros(0, d.hidden, requires_grad=torch.is_grad_enabled(),
+                        **({"dtype": like.dtype, "device": like.device} if like is not None else _param_kind(d)))
+    send = torch.cat([d.calls[i][1] for i in order]) if order else empty
+    counts = torch.zeros(d.ep * d.local, dtype=torch.int64, device=send.device)
+    for position, rows in d.calls:
+        counts[position] += rows.shape[0]
+    got, received, sizes = _send(send, counts.view(d.ep, d.local), d.group)
+    perm = _by_expert(received)  # rank j's rows for our expert 0, 1, ..., then rank j + 1's: by expert
+    grouped = got[perm].split(received.sum(0).tolist())
+    y = torch.cat([_run_local(d, e, rows) for e, rows in enumerate(grouped)])[torch.argsort(perm)]
+    back = _exchange(y, *sizes, d.group).split([d.calls[i][1].shape[0] for i in order])
+    outputs: list[torch.Tensor] = [back[0]] * len(order)
+    for slot, i in enumerate(order):
+        outputs[i] = back[slot]
+    return outputs
+
+
+def _param_kind(d: _Dispatch) -> dict[str, Any]:
+    p = next(d.experts._modules[str(d.first)].parameters())
+    local = p.to_local() if hasattr(p, "to_local") else p
+    return {"dtype": local.dtype, "device": local.device}
+
+
+def _run_local(d: _Dispatch, e: int, rows: torch.Tensor) -> torch.Tensor:
+    """Expert ``first + e`` on its rows, called as a module (FSDP's hooks run). Its parameters'
+    gradient comes out / ep, the rows' exact: rows * ep -> expert -> / ep, in backward only."""
+    expert = d.experts._modules[str(d.first + e)]
+    return _ScaleGrad.apply(expert(_ScaleGrad.apply(rows, float(d.ep))), 1.0 / d.ep)

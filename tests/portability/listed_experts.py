@@ -1,0 +1,140 @@
+"""Mixtures of experts written as an ``nn.ModuleList`` of expert modules, in the ways public
+code writes the loop (none of it shaped around a planner):
+
+- ``mistral_moe``: mistral's reference Mixtral layer: ``torch.where(selected == i)``, then
+  ``results[batch_idx] += weights[batch_idx, nth, None] * expert(inputs[batch_idx])``, with a
+  residual and norm around it in the block;
+- ``deepseek_moe``: DeepSeek's inference code: sigmoid scores with top-k, the experts' token
+  counts read with ``bincount(...).tolist()`` and idle experts skipped (``continue``), a shared
+  expert added to the routed sum;
+- ``hit_moe``: a research loop over only the experts some token picked (``nonzero`` of a
+  one-hot count), top-1 by ``argmax``, the residual added inside the MoE module.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MistralMoE(nn.Module):
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([SwiGLU(dim, hidden) for _ in range(num_experts)])
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.num_experts_per_tok = top_k
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        inputs_squashed = inputs.view(-1, inputs.shape[-1])
+        gate_logits = self.gate(inputs_squashed)
+        weights, selected_experts = torch.topk(gate_logits, self.num_experts_per_tok)
+        weights = F.softmax(weights, dim=1, dtype=torch.float).type_as(inputs)
+        results = torch.zeros_like(inputs_squashed)
+        for i, expert in enumerate(self.experts):
+            batch_idx, nth_expert = torch.where(selected_experts == i)
+            results[batch_idx] += weights[batch_idx, nth_expert, None] * expert(inputs_squashed[batch_idx])
+        return results.view_as(inputs)
+
+
+class DeepSeekMoE(nn.Module):
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.n_routed_experts, self.topk = num_experts, top_k
+        self.weight = nn.Parameter(torch.randn(num_experts, dim) * dim ** -0.5)  # the gate as a raw weight
+        self.experts = nn.ModuleList([SwiGLU(dim, hidden) for _ in range(num_experts)])
+        self.shared_experts = SwiGLU(dim, 2 * hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.size()
+        x = x.view(-1, shape[-1])
+        scores = F.linear(x, self.weight).sigmoid()
+        weights, indices = torch.topk(scores, self.topk, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        y = torch.zeros_like(x)
+        counts = torch.bincount(indices.flatten(), minlength=self.n_routed_experts).tolist()
+        for i in range(self.n_routed_experts):
+            if counts[i] == 0:
+                continue
+            expert = self.experts[i]
+            idx, top = torch.where(indices == i)
+            y[idx] += expert(x[idx]) * weights[idx, top, None]
+        z = self.shared_experts(x)
+        return (y + z).view(shape)
+
+
+class HitMoE(nn.Module):
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int = 1) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = nn.ModuleList(SwiGLU(dim, hidden) for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        choice = self.router(flat).argmax(dim=-1)
+        hit = F.one_hot(choice, len(self.experts)).sum(dim=0).nonzero()
+        out = torch.zeros_like(flat)
+        for index in hit:
+            rows = torch.where(choice == index)[0]
+            out[rows] = self.experts[int(index)](flat[rows])
+        return x + out.view_as(x)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, moe: nn.Module) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.feed_forward = moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = self.attention_norm(x)
+        q, k, v = (w(h).view(b, s, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(att.transpose(1, 2).reshape(b, s, d))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, moe: type, *, vocab: int = 96, dim: int = 32, heads: int = 4, layers: int = 2,
+                 num_experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, heads, moe(dim, 48, num_experts, top_k)) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def mistral_moe() -> MoETransformer:
+    torch.manual_seed(0)
+    return MoETransformer(MistralMoE)
+
+
+def deepseek_moe() -> MoETransformer:
+    torch.manual_seed(0)
+    return MoETransformer(DeepSeekMoE, num_experts=8, top_k=2)
+
+
+def hit_moe() -> MoETransformer:
+    torch.manual_seed(0)
+    return MoETransformer(HitMoE, top_k=1)
