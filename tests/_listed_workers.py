@@ -103,3 +103,76 @@ def matches(rank: int, world: int, spec: str, plan_yaml: str, fsdp: bool = False
     out["names"] = sorted(ours)
     out["elsewhere_names"] = sorted(elsewhere)
     return out
+
+
+# --- checkpoints: DCP at one ep, loaded at another and unsharded ------------------------------
+
+def _sharded(spec: str, plan_yaml: str, seed: int):
+    import shardplan
+
+    plan = shardplan.Plan.from_yaml(plan_yaml)
+    mesh = init_device_mesh("cpu", tuple(plan.mesh.axes.values()), mesh_dim_names=tuple(plan.mesh.axes))
+    torch.manual_seed(seed)
+    model = _build(spec)
+    for p in model.parameters():  # another seed's weights: a load must overwrite every one
+        p.data.add_(seed)
+    return shardplan.apply_plan(model, mesh, plan), mesh, plan
+
+
+def save_at(rank: int, world: int, spec: str, plan_yaml: str, folder: str) -> dict:
+    """One AdamW step on this rank's rows, DCP save of model and optimizer state; the model
+    gathered whole (``full_state_dict``) and the keys this rank's DCP shard wrote."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from shardplan.apply.state import full_state_dict
+
+    model, mesh, plan = _sharded(spec, plan_yaml, 0)
+    data_rank, data_world = _data_rank(mesh, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 96, (2 * data_world, 16), generator=torch.Generator().manual_seed(1))
+    model(ids.chunk(data_world)[data_rank]).float().pow(2).mean().backward()
+    _DATA_GROUP[0] = mesh[plan.mesh.ep_axis].get_group()
+    _dense_mean(model, data_world, {n for n, _ in model.named_parameters() if ".experts." in n})
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
+    return {"full": full_state_dict(model), "held": sorted(model.state_dict())}
+
+
+def load_at(rank: int, world: int, spec: str, plan_yaml: str, folder: str) -> dict:
+    """DCP load into a model sharded by another plan (its experts not the saver's): the model
+    gathered whole, and this rank's optimizer state of its experts' weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from shardplan.apply.state import full_state_dict
+
+    model, _, _ = _sharded(spec, plan_yaml, 7)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()  # optimizer state to load into
+    opt.step()
+    opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _, osd = get_state_dict(model, opt)
+    moments = {k: _full(v["exp_avg"]) for k, v in osd["state"].items() if ".experts." in k}
+    return {"full": full_state_dict(model), "moments": moments}
+
+
+def round_trip(rank: int, world: int, spec: str, plan_yaml: str, folder: str) -> dict:
+    """``load_full_state_dict`` and ``load_checkpoint`` (a safetensors file of the unsharded
+    model) into models sharded by the plan: each gathered back whole."""
+    from safetensors.torch import load_file
+
+    from shardplan.apply.load import load_checkpoint
+    from shardplan.apply.state import full_state_dict, load_full_state_dict
+
+    whole = load_file(f"{folder}/model.safetensors")
+    a, _, _ = _sharded(spec, plan_yaml, 3)
+    load_full_state_dict(a, whole)
+    b, _, _ = _sharded(spec, plan_yaml, 5)
+    load_checkpoint(b, folder)
+    return {"state_dict": full_state_dict(a), "checkpoint": full_state_dict(b)}

@@ -29,8 +29,8 @@ The layer's forward runs twice instead:
 The replayed output depends on the recorded rows, so the input's gradient flows through the
 record pass's indexing, and the router's through the replay's combine. Both passes draw the
 same random numbers (``fork_rng``) and the layer's buffers are put back after the record
-(a counter updated in forward counts once). A replayed call whose expert or row count differs
-from the record's (code that feeds one expert's output to another) raises ``RuntimeError``.
+(a counter updated in forward counts once). A replayed call whose expert or rows differ from
+the record's (code that feeds one expert's output to another) raises ``RuntimeError``.
 
 Gradients: an expert's parameters get the gradient of every rank's tokens routed to it, the
 sum over ep; as for banks, they are scaled by ``1 / ep`` (the mean data parallelism takes),
@@ -50,17 +50,18 @@ from torch import nn
 
 from .experts_ep import _by_expert, _exchange, _ScaleGrad, _send
 
-__all__ = ["RemoteExpert", "shard_listed_experts", "held_elsewhere", "is_dispatched"]
+__all__ = ["RemoteExpert", "shard_listed_experts", "held_elsewhere", "held_here", "gather_listed_state"]
 
 
 class RemoteExpert(nn.Module):
-    """An expert another ep rank holds: no parameters here. ``keys``: its state-dict keys,
-    held by ep rank ``owner``; ``held_params``: its parameters' names, global shapes and
-    dtypes (the plan's fingerprint counts them)."""
+    """An expert another ep rank holds: no parameters here. ``held_state``: its state-dict
+    keys, global shapes and dtypes, held by ep rank ``owner``; ``held_params``: the same of
+    its parameters (the plan's fingerprint counts them)."""
 
     def __init__(self, owner: int, like: nn.Module) -> None:
         super().__init__()
-        self.owner, self.keys = owner, list(like.state_dict().keys())
+        self.owner = owner
+        self.held_state = [(k, tuple(t.shape), t.dtype) for k, t in like.state_dict().items()]
         self.held_params = [(n, tuple(p.shape), p.dtype) for n, p in like.named_parameters(remove_duplicate=False)]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -99,9 +100,10 @@ class _Dispatch:
 
     def _replayed(self, position: int, rows: torch.Tensor) -> torch.Tensor:
         if self.at >= len(self.calls) or self.calls[self.at][0] != position \
-                or self.calls[self.at][1].shape != rows.shape:
-            raise RuntimeError(f"expert {position} called on rows {tuple(rows.shape)} where the record pass had "
-                               f"{self._recorded()}: the layer's expert calls must not depend on experts' outputs")
+                or not torch.equal(self.calls[self.at][1], rows):
+            raise RuntimeError(f"expert {position} called on rows {tuple(rows.shape)} unlike the record pass's "
+                               f"{self._recorded()}: the layer's expert calls must not depend on experts' outputs "
+                               "(one expert's output fed to another) or on random draws outside torch's generator")
         self.at += 1
         return self.outputs[self.at - 1]
 
@@ -141,17 +143,50 @@ class _DispatchedList(nn.ModuleList):
         return iter(self[:])
 
 
-def is_dispatched(module: nn.Module) -> bool:
-    return isinstance(module, _DispatchedList)
-
-
 def held_elsewhere(model: nn.Module) -> dict[str, int]:
     """State-dict keys of experts this rank does not hold -> the ep rank that does."""
     out = {}
     for fqn, module in model.named_modules():
         if isinstance(module, RemoteExpert):
-            out.update({f"{fqn}.{k}": module.owner for k in module.keys})
+            out.update({f"{fqn}.{k}": module.owner for k, _, _ in module.held_state})
     return out
+
+
+def held_here(model: nn.Module) -> set[str]:
+    """Parameter names of the listed experts this rank holds (their gradients are already the
+    mean over ep: no data-parallel average over ep for them)."""
+    return {f"{fqn}.{name}" for fqn, module in model.named_modules() if isinstance(module, _DispatchedList)
+            for name, _ in module.named_parameters()}
+
+
+def gather_listed_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (this rank's, each value already gathered whole) with every expert of
+    every dispatched list in it, in the unsharded model's key order: an expert this rank holds
+    is broadcast from here over ep, one it does not is received from its owner. Collective."""
+    import torch.distributed as dist
+
+    lists = {fqn: m for fqn, m in model.named_modules() if isinstance(m, _DispatchedList)}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        prefix = next((f for f in lists if key.startswith(f"{f}.")), None)
+        if prefix is None:
+            out[key] = value
+        elif not any(k.startswith(f"{prefix}.") for k in out):
+            d = lists[prefix]._shardplan_dispatch
+            for position, (name, expert) in enumerate(lists[prefix]._modules.items()):
+                owner = position // d.local
+                for k, shape, dtype in _state_of(expert):
+                    full = f"{prefix}.{name}.{k}"
+                    t = state[full] if full in state else torch.empty(shape, dtype=dtype, device=value.device)
+                    dist.broadcast(t, group=d.group, group_src=owner)
+                    out[full] = t
+    return out
+
+
+def _state_of(expert: nn.Module) -> list[tuple[str, tuple, torch.dtype]]:
+    if isinstance(expert, RemoteExpert):
+        return expert.held_state
+    return [(k, tuple(t.shape), t.dtype) for k, t in expert.state_dict().items()]
 
 
 def shard_listed_experts(layer: nn.Module, child: str, ep_mesh: Any) -> None:

@@ -65,6 +65,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .experts_listed import held_elsewhere
 from .packed import distribute
 from .state import local_runs
 
@@ -353,7 +354,7 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: bool =
     where = _weight_map(os.fspath(path))
     own = model.state_dict(keep_vars=True)
     todo, missing = _match_keys(own, where)
-    unexpected = sorted(set(where) - set(own))
+    unexpected = sorted(set(where) - set(own) - set(held_elsewhere(model)))  # other ep ranks' experts
     if strict and (missing or unexpected):
         raise _key_error(model, os.fspath(path), missing, unexpected)
     by_file: dict[str, list[str]] = {}

@@ -3,11 +3,13 @@
 Contract
 --------
 ``full_state_dict(model)`` returns ``{name: tensor}`` with every DTensor gathered
-(``full_tensor``), in the layout the unsharded model has: the same keys as its
+(``full_tensor``) and every expert another ep rank holds (:mod:`.experts_listed`)
+broadcast from it, in the layout the unsharded model has: the same keys as its
 ``state_dict()`` and, for packed weights too, the same element order (see
 :func:`.styles.packed_placement`), so a file written from it loads into the plain model.
 ``load_full_state_dict(model, state_dict)`` is its inverse: each rank copies its own slice
-of every tensor into its shards, with no communication (every rank holds the whole dict).
+of every tensor into its shards, with no communication (every rank holds the whole dict;
+the keys of experts other ep ranks hold are theirs).
 Both are collective when ``model`` is sharded: every rank calls them. Resharding through a
 checkpoint (save at tp=a, load at tp=b) needs nothing from shardplan: DCP
 (``torch.distributed.checkpoint``) saves the DTensors' global views and loads them under
@@ -29,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .experts_listed import gather_listed_state, held_elsewhere
 from .packed import PackedShard, distribute
 
 __all__ = ["full_state_dict", "load_full_state_dict", "local_runs"]
@@ -43,7 +46,7 @@ def full_state_dict(model: nn.Module, *, cpu: bool = True) -> dict[str, torch.Te
     for name, value in model.state_dict().items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
         out[name] = full.detach().cpu() if cpu else full.detach()
-    return out
+    return gather_listed_state(model, out) if held_elsewhere(model) else out
 
 
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
@@ -53,7 +56,8 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     if not isinstance(model, nn.Module):
         raise ValueError(f"load_full_state_dict needs an nn.Module; got {type(model).__name__}")
     own = model.state_dict()
-    _check_keys(own, state_dict, strict=strict)
+    elsewhere = held_elsewhere(model)  # experts other ep ranks hold: theirs to load
+    _check_keys(own, {k: v for k, v in state_dict.items() if k not in elsewhere}, strict=strict)
     with torch.no_grad():
         for name, target in own.items():
             if name in state_dict:

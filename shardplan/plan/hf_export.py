@@ -35,6 +35,10 @@ def to_hf_ep_plan(plan, model) -> tuple[dict[str, str], dict[str, int]]:
         raise ValueError(f"this plan splits over {plan.mesh.ep_axis}={plan.ep} and {plan.mesh.tp_axis}={plan.tp}; "
                          "Hugging Face's expert parallelism slices each tp group's tokens instead of running tp inside "
                          f"the experts, so only plans without a tp axis export; {_APPLY}")
+    listed = next((r.module for r in plan.rules if r.style == "ep_experts" and _is_list(model, r.module)), None)
+    if listed is not None:
+        raise ValueError(f"{listed} is a list of expert modules; Hugging Face's ep_plan splits 3-D expert banks "
+                         f"(grouped_gemm) only, so this plan does not export; {_APPLY}")
     other = [r.module for r in plan.rules if r.style not in ("ep_experts", "replicate")]
     if other:
         raise ValueError(f"{other[0]} is split ({plan.rule_for(other[0]).style}) on a plan with tp=1; re-plan it")
@@ -50,6 +54,12 @@ def to_hf_ep_plan(plan, model) -> tuple[dict[str, str], dict[str, int]]:
     for axis, n in plan.mesh.axes.items():
         data *= n if axis != plan.mesh.tp_axis else 1
     return out, {"ep_size": plan.ep, "fsdp_size": data}
+
+
+def _is_list(model, pattern: str) -> bool:
+    from torch import nn
+
+    return any(isinstance(m, nn.ModuleList) for f, m in model.named_modules() if matches(pattern, f))
 
 
 def to_hf_tp_plan(plan, model=None) -> dict[str, str]:

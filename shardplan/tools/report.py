@@ -33,6 +33,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+from torch import nn
 
 from ..decide.cost import format_bytes, format_seconds
 from ..decide.splits import MeshComparison, axes_str, data_ranks
@@ -62,6 +63,8 @@ def _shape_str(shape: tuple[int, ...] | None) -> str:
 
 def _shapes(plan: Plan, rule: Any, modules: list[tuple[str, Any]]) -> tuple[str, str]:
     mod = next((m for fqn, m in modules if matches(rule.module, fqn)), None)
+    if rule.style == "ep_experts" and isinstance(mod, nn.ModuleList):  # experts as modules, whole over ep
+        return f"{len(mod)} experts", f"{len(mod) // plan.ep} experts"
     weight = None if mod is None else weight_of(mod)
     if weight is None:
         return "-", "-"

@@ -437,9 +437,13 @@ def _average_dense_grads(model: nn.Module, mesh: Any, plan: Plan) -> None:
     come out of their style already so)."""
     from torch.distributed.tensor import DTensor
 
-    for p in model.parameters():
+    from ..apply.experts_listed import held_here
+
+    listed = held_here(model)
+    for name, p in model.named_parameters():
         g = p.grad
-        if g is None or (isinstance(p, DTensor) and plan.mesh.ep_axis in (p.device_mesh.mesh_dim_names or ())):
+        if g is None or name in listed or (
+                isinstance(p, DTensor) and plan.mesh.ep_axis in (p.device_mesh.mesh_dim_names or ())):
             continue
         local = g.to_local() if isinstance(g, DTensor) else g
         torch.distributed.all_reduce(local, group=mesh.get_group(0))
@@ -468,6 +472,7 @@ def _verify_rank(rank: int, world_size: int, spec: str, plan_yaml: str, inputs: 
     from torch.distributed.tensor import DTensor
 
     from ..apply.emit import apply_plan, check_fingerprint
+    from ..apply.experts_listed import held_elsewhere
 
     if logs is not None:
         _quiet_stderr(Path(logs) / f"rank{rank}.log")
@@ -489,7 +494,8 @@ def _verify_rank(rank: int, world_size: int, spec: str, plan_yaml: str, inputs: 
 
     ref_params, tp_params = dict(ref.named_parameters()), dict(tp.named_parameters())
     problems = []
-    if sorted(ref_params) != sorted(tp_params):
+    elsewhere = held_elsewhere(tp)  # experts written as a list: each rank compares those it holds
+    if sorted(set(ref_params) - set(elsewhere)) != sorted(tp_params):
         missing, extra = sorted(set(ref_params) - set(tp_params)), sorted(set(tp_params) - set(ref_params))
         problems.append(f"parameter names changed: missing {missing[:3]}, new {extra[:3]}")
     common = [n for n in ref_params if n in tp_params]

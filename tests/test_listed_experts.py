@@ -1,0 +1,185 @@
+"""Expert parallelism of experts written as an ``nn.ModuleList`` (issue 31 item 2): planned,
+priced, counted on the fake group, matched against one process on gloo, checkpointed.
+
+The models (``tests/portability/listed_experts.py`` and ``routed_experts.py``) write the
+loop as public code does: mistral's reference Mixtral, DeepSeek's inference code (counts read
+with ``.tolist()``, idle experts skipped, a shared expert), a loop over the experts hit (top-1
+by argmax, the residual inside the MoE module), and a loop with ``index_add_``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shardplan
+from shardplan.tools.launch import run_on_gloo
+from tests import _listed_workers as w
+
+MISTRAL, DEEPSEEK, HIT = (f"tests.portability.listed_experts:{n}" for n in ("mistral_moe", "deepseek_moe", "hit_moe"))
+INDEX_ADD = "tests.portability.routed_experts:moe_lm"
+VOCAB = {MISTRAL: 96, DEEPSEEK: 96, HIT: 96, INDEX_ADD: 128}
+EXPERTS = {MISTRAL: 4, DEEPSEEK: 8, HIT: 4, INDEX_ADD: 4}
+
+
+def _inputs(spec: str, batch: int = 4) -> tuple:
+    return (torch.randint(0, VOCAB[spec], (batch, 16), generator=torch.Generator().manual_seed(0)),)
+
+
+def _plan(spec: str, mesh: dict, **options):
+    return shardplan.plan_model(w._build(spec), mesh=mesh, example_inputs=_inputs(spec), explain=False, **options)
+
+
+def _lists(spec: str) -> str:
+    return "moes.*.experts" if spec == INDEX_ADD else "layers.*.feed_forward.experts"
+
+
+@pytest.mark.parametrize("spec", [MISTRAL, DEEPSEEK, HIT, INDEX_ADD])
+def test_a_list_of_experts_plans_over_ep_by_whole_experts_and_nothing_else(spec: str) -> None:
+    plan = _plan(spec, {"ep": 2})
+    split = [r for r in plan.rules if r.style == "ep_experts"]
+    assert [(r.module, r.num_experts) for r in split] == [(_lists(spec), EXPERTS[spec])], plan.rules
+    assert {r.style for r in plan.rules} == {"ep_experts", "replicate"}, "ep is a data axis for every other module"
+    assert "record" in split[0].why and "all-to-all" in split[0].why
+    layers = 2
+    assert plan.estimate.collectives["forward"].all_to_all == 3 * layers  # counts, rows there, rows back
+    assert plan.estimate.collectives["backward"].all_to_all == 2 * layers
+    whole = _plan(spec, {"dp": 2, "tp": 1}).estimate.param_bytes_per_device
+    experts = sum(p.numel() * 4 for n, p in w._build(spec).named_parameters() if ".experts." in n)
+    assert plan.estimate.param_bytes_per_device == pytest.approx(whole - experts / 2)
+
+
+def test_ep_with_tp_splits_attention_by_heads_beside_the_experts() -> None:
+    """DeepSeek's layer reads its token counts with ``.tolist()``, which meta tensors cannot:
+    the local check stands that layer in and still checks the attention around it, which is
+    split by heads with the local head count (it was run whole before)."""
+    plan = _plan(DEEPSEEK, {"ep": 2, "tp": 2})
+    styles = plan.module_styles()
+    assert styles["layers.0.wq"] == "colwise" and styles["layers.0.wo"] == "rowwise", styles
+    assert styles["layers.0.feed_forward.experts.0.w1"] == "colwise"
+    assert [a.values for a in plan.attributes] == [{"heads": 2}]
+    assert not [x for x in plan.warnings if "check skipped" in x or "runs on whole" in x], plan.warnings
+
+
+@pytest.mark.parametrize("spec, mesh, fsdp", [
+    (INDEX_ADD, {"ep": 2}, False), (INDEX_ADD, {"ep": 4}, True), (INDEX_ADD, {"dp": 2, "ep": 2, "tp": 2}, True),
+    (MISTRAL, {"ep": 2, "tp": 2}, False), (DEEPSEEK, {"ep": 2}, False), (DEEPSEEK, {"dp": 2, "ep": 2}, True),
+    (DEEPSEEK, {"ep": 2, "tp": 2}, False), (HIT, {"ep": 4}, True)])
+def test_simulated_collectives_equal_the_prediction(spec: str, mesh: dict, fsdp: bool) -> None:
+    """One dispatch per layer call whatever the loop skipped: the count exchange and four row
+    exchanges; the tp collectives of each rank's E/ep experts, once each; the layer's other
+    tp collectives twice (the record pass); under FSDP each held expert its own unit."""
+    from shardplan.tools.simulate import simulate
+
+    model, inputs = w._build(spec), _inputs(spec)
+    plan = shardplan.plan_model(model, mesh=mesh, example_inputs=inputs, explain=False)
+    result = simulate(model, plan, inputs, fsdp=fsdp)
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+    assert result.counted["forward"]["all_to_all"] == 6
+
+
+def _gloo(spec: str, mesh: dict, fsdp: bool) -> list[dict]:
+    plan = _plan(spec, mesh, data_parallel="fsdp" if fsdp else "ddp")
+    world = 1
+    for n in mesh.values():
+        world *= n
+    return run_on_gloo(w.matches, world_size=world, args=(spec, plan.to_yaml(), fsdp, 2, False), timeout_s=300)
+
+
+@pytest.mark.parametrize("spec, mesh, fsdp", [
+    (MISTRAL, {"ep": 2}, False), (DEEPSEEK, {"ep": 2}, False), (HIT, {"ep": 2}, False), (INDEX_ADD, {"ep": 2}, False),
+    (MISTRAL, {"ep": 2, "tp": 2}, False), (DEEPSEEK, {"dp": 2, "ep": 2}, True)])
+def test_listed_experts_over_ep_match_one_process(spec: str, mesh: dict, fsdp: bool) -> None:
+    """Each data rank its own rows: logits, every gradient a rank holds (dense ones averaged
+    over the data ranks, by hand or by FSDP), and the weights after 2 AdamW steps equal one
+    process on the whole batch; each rank holds E/ep experts and none of the others'."""
+    for got in _gloo(spec, mesh, fsdp):
+        assert got["logits"] < 1e-5 and max(got["grads"].values()) < 1e-5, (got["logits"], got["grads"])
+        assert not got["missing_grads"], got["missing_grads"]
+        assert max(got["weights"].values()) < 5e-4, sorted(got["weights"].items(), key=lambda kv: -kv[1])[:3]
+        held, per_expert = EXPERTS[spec] // mesh["ep"], 3
+        assert got["experts_here"] == 2 * held
+        assert got["held_elsewhere"] == 2 * (EXPERTS[spec] - held) * per_expert
+        assert not set(got["names"]) & set(got["elsewhere_names"])
+
+
+def test_checkpoints_saved_at_ep_2_load_exactly_at_ep_4_and_unsharded(tmp_path) -> None:
+    """DCP at ep=2 (each key written by the rank holding that expert), loaded at ep=4 and into
+    the plain model: every tensor equal, optimizer moments too; ``full_state_dict`` gathers
+    the unsharded model's keys in its order; ``load_full_state_dict`` and ``load_checkpoint``
+    of a safetensors file load each rank's experts."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    spec, folder = MISTRAL, str(tmp_path / "dcp")
+    saved = run_on_gloo(w.save_at, world_size=2, args=(spec, _plan(spec, {"ep": 2}).to_yaml(), folder), timeout_s=300)
+    plain = w._build(spec)
+    full = saved[0]["full"]
+    assert list(full) == list(plain.state_dict()), "the unsharded model's keys, in its order"
+    assert all(torch.equal(full[k], saved[1]["full"][k]) for k in full)
+    assert not set(saved[0]["held"]) & {k for k in saved[1]["held"] if ".experts." in k}, "no expert on both ranks"
+    loaded = run_on_gloo(w.load_at, world_size=4, args=(spec, _plan(spec, {"ep": 4}).to_yaml(), folder), timeout_s=300)
+    for got in loaded:
+        assert all(torch.equal(got["full"][k], full[k]) for k in full)
+        assert got["moments"] and all(v.abs().sum() > 0 for v in got["moments"].values())
+    state = {"model": plain.state_dict()}
+    dcp.load(state, checkpoint_id=folder, no_dist=True)
+    assert all(torch.equal(state["model"][k], full[k]) for k in full)
+    save_file({k: v.contiguous() for k, v in full.items()}, str(tmp_path / "model.safetensors"))
+    back = run_on_gloo(w.round_trip, world_size=2, args=(spec, _plan(spec, {"ep": 2}).to_yaml(), str(tmp_path)),
+                       timeout_s=300)
+    for got in back:
+        assert all(torch.equal(got["state_dict"][k], full[k]) and torch.equal(got["checkpoint"][k], full[k]) for k in full)
+
+
+def test_a_plan_file_round_trips_and_hugging_face_export_is_refused() -> None:
+    from shardplan.plan.validate import check_findings
+
+    plan = _plan(MISTRAL, {"ep": 2})
+    again = shardplan.Plan.from_yaml(plan.to_yaml())
+    assert again.rules == plan.rules
+    assert check_findings(again, w._build(MISTRAL)) == []
+    wrong = again.model_copy(update={"rules": [r.model_copy(update={"num_experts": 8}) if r.style == "ep_experts" else r
+                                               for r in again.rules]})
+    assert any("lists 4 experts" in f for f in check_findings(wrong, w._build(MISTRAL)))
+    with pytest.raises(ValueError, match="list of expert modules"):
+        plan.to_hf_ep_plan(w._build(MISTRAL))
+
+
+@pytest.mark.parametrize("mesh, message", [({"ep": 3}, r"4 experts, which ep=3 does not divide; use an ep of \[2, 4\]")])
+def test_an_ep_that_does_not_divide_the_listed_experts_is_refused(mesh: dict, message: str) -> None:
+    with pytest.raises(shardplan.PlanningError, match=message):
+        _plan(MISTRAL, mesh)
+
+
+def test_a_layer_that_feeds_one_expert_to_another_is_refused_on_the_ranks() -> None:
+    """Replay hands back what the record pass's rows gave; rows that differ (an expert's
+    output fed to the next) raise instead of returning outputs of the wrong rows."""
+    from torch import nn
+
+    from shardplan.apply.experts_listed import shard_listed_experts
+    from shardplan.apply.mesh import fake_process_group, make_mesh
+
+    class Chained(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.router = nn.Linear(8, 2)
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            return self.experts[1](self.experts[0](x)) * self.router(x)[:, :1]
+
+    layer = Chained()
+    with fake_process_group(2):
+        shard_listed_experts(layer, "experts", make_mesh({"ep": 2})["ep"])
+        with pytest.raises(RuntimeError, match="must not depend on experts' outputs"):
+            layer(torch.randn(4, 8))
+
+
+def test_the_cli_plans_an_ep_mesh_for_a_list_of_experts() -> None:
+    out = subprocess.run([sys.executable, "-m", "shardplan", "plan", MISTRAL, "--mesh", "ep=2", "--seq", "16"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "ep_experts" in out.stdout and "4 experts" in out.stdout and "2 experts" in out.stdout, out.stdout
