@@ -1,8 +1,9 @@
 """Expert parallelism against tensor parallelism inside the experts, in the cost model, at full size.
 
 For each MoE transformers type (``--types``), built from its default config at FULL size on
-the meta device (``hf:<type>``, nothing downloaded), bf16, h100-nvlink, batch 2 x seq 2048
-per data rank, plans on the same number of GPUs:
+the meta device (``hf:<type>``, nothing downloaded), and mistral's reference Mixtral 8x7B
+layer (experts as an ``nn.ModuleList``, ``mixtral_8x7b``), bf16, h100-nvlink, batch 2 x seq
+2048 per data rank, plans on the same number of GPUs:
 
 * 64 GPUs: ``dp=8,tp=8`` (experts split inside, ``moe_tp_experts``), ``dp=8,ep=8`` and
   ``ep=64`` (whole experts over ep, every other module data parallel; when ep divides E),
@@ -39,7 +40,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _machine import speed_note  # noqa: E402
 
-TYPES = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe"]
+# a ``module:function`` builds a model that is not a transformers type: mistral's reference
+# Mixtral 8x7B, its experts an nn.ModuleList called in a loop (split over ep by record and replay)
+TYPES = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "glm4_moe", "tests.portability.listed_experts:mixtral_8x7b"]
 MESHES = ({"dp": 8, "tp": 8}, {"dp": 8, "ep": 8}, {"ep": 8, "tp": 8}, {"ep": 64}, {"tp": 8}, {"ep": 8})
 GIB = 2**30
 
@@ -56,7 +59,13 @@ def measure(model_type: str) -> list[dict]:
     from shardplan.decide.cost import get_hardware
     from shardplan.tools.sources import resolve_model
 
-    model, inputs, _ = resolve_model(f"hf:{model_type}")
+    import torch
+
+    model, inputs, _ = resolve_model(model_type if ":" in model_type else f"hf:{model_type}")
+    if inputs is None:  # a builder's model: token ids for its embedding, 2 x 2048
+        vocab = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).num_embeddings
+        inputs = (torch.randint(0, vocab, (2, 2048), generator=torch.Generator().manual_seed(0)),)
+    model_type = model_type.rpartition(":")[2]
     rows = []
     for mesh in MESHES:
         row = {"type": model_type, "mesh": ",".join(f"{k}={v}" for k, v in mesh.items()), "gpus": _prod(mesh)}
@@ -90,7 +99,7 @@ def _prod(mesh: dict) -> int:
 
 
 def _fmt(row: dict) -> str:
-    head = f"{row['type']:<12} {row['mesh']:<10} {row['gpus']:4d}"
+    head = f"{row['type'][:12]:<12} {row['mesh']:<10} {row['gpus']:4d}"
     if "error" in row:
         return f"{head}  refused: {row['error']}"
     return (f"{head} {row['step'] * 1e3:9.1f} {row['samples']:9.1f} {row.get('x tp', float('nan')):6.2f} "

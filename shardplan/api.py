@@ -42,7 +42,7 @@ from .analyze.graph import OpGraph
 from .analyze.snapshot import preserved
 from .decide import assemble, shortfalls
 from .decide.axes import DATA_AXES, check_axes, expert_axis, mesh_axes, state_shards, tp_axis_of  # noqa: F401 - mesh_axes re-exported
-from .decide.experts import expert_count, expert_parallel
+from .decide.experts import expert_count, expert_parallel, uniform_routing
 from .apply.localcheck import LocalShapeError, check_local_shapes
 from .apply.localsizes import find_local_attributes
 from .apply.standins import OuterCodeError, check_outer_code, stood_blocks
@@ -279,7 +279,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
     if graph.traced.front_end == "export":  # copies export could not fold: one rule per kind of block
         merged, decisions = assemble.merge_repeated(plan.rules, plan.decisions, model)
         plan = plan.model_copy(update={"rules": merged, "decisions": decisions})
-    return _with_experts(plan, graph, ctx, solution) if plan.mesh.ep_axis else plan
+    return _with_experts(plan, graph, ctx, solution) if plan.mesh.ep_axis else uniform_routing(plan, graph, ctx, solution)
 
 
 def compare_meshes(model: nn.Module, world_size: int, *, example_inputs: tuple | None = None,

@@ -90,7 +90,7 @@ def _gloo(spec: str, mesh: dict, fsdp: bool) -> list[dict]:
 
 @pytest.mark.parametrize("spec, mesh, fsdp", [
     (MISTRAL, {"ep": 2}, False), (DEEPSEEK, {"ep": 2}, False), (HIT, {"ep": 2}, False), (INDEX_ADD, {"ep": 2}, False),
-    (MISTRAL, {"ep": 2, "tp": 2}, False), (DEEPSEEK, {"dp": 2, "ep": 2}, True)])
+    (MISTRAL, {"ep": 2, "tp": 2}, False), (DEEPSEEK, {"ep": 2, "tp": 2}, False), (DEEPSEEK, {"dp": 2, "ep": 2}, True)])
 def test_listed_experts_over_ep_match_one_process(spec: str, mesh: dict, fsdp: bool) -> None:
     """Each data rank its own rows: logits, every gradient a rank holds (dense ones averaged
     over the data ranks, by hand or by FSDP), and the weights after 2 AdamW steps equal one

@@ -47,12 +47,11 @@ from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from .dispatch import ScaleGrad, by_expert, exchange, send
 from .styles import _CopyToTP, _ReduceFromTP, _ScaleForward, expert_tp_placements
 
 __all__ = ["ExpertParallel", "bank_size"]
@@ -65,17 +64,6 @@ def bank_size(module: nn.Module) -> int:
         raise ValueError(f"{type(module).__name__}: expert parameters of first dims {sorted(sizes)}; "
                          "expected one expert count E shared by every weight [E, ...] and bias [E, ...]")
     return sizes.pop()
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
 
 
 class ExpertParallel(ParallelStyle):
@@ -155,7 +143,7 @@ def _local_bank(module: nn.Module, *, local: int, ep: int, tp: _TpInside | None)
                 local_p = p.to_local()
                 if tp is not None and name == tp.down_bias:  # bias / tp forward, its whole gradient back
                     local_p = _ScaleForward.apply(local_p, 1.0 / tp.size)
-                module._parameters[name] = _ScaleGrad.apply(local_p, 1.0 / ep)
+                module._parameters[name] = ScaleGrad.apply(local_p, 1.0 / ep)
         if count is not None:
             module.num_experts = local
         yield
@@ -163,21 +151,6 @@ def _local_bank(module: nn.Module, *, local: int, ep: int, tp: _TpInside | None)
         module._parameters.update(saved)
         if count is not None:
             module.num_experts = count
-
-
-def _exchange(rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: Any) -> torch.Tensor:
-    moved = all_to_all_single_autograd(rows.contiguous(), out_sizes, in_sizes, group)
-    return torch.ops._c10d_functional.wait_tensor(moved)
-
-
-def _send(rows: torch.Tensor, counts: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[list, list]]:
-    """``counts[j, e]`` rows (in that order) to rank j's expert e: the counts exchanged first
-    (the one host sync), then the rows. Returns the rows received, ``received[j, e]`` (from
-    rank j for this rank's expert e) and the sizes of the way back (sent, received)."""
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
-    send_sizes, recv_sizes = counts.sum(1).tolist(), received.sum(1).tolist()
-    return _exchange(rows, recv_sizes, send_sizes, group), received, (send_sizes, recv_sizes)
 
 
 def _ep_forward(module: nn.Module, run: Callable, *args: torch.Tensor, group: Any, ep: int, local: int,
@@ -195,29 +168,17 @@ def _ep_sorted(module: nn.Module, run: Callable, counts: torch.Tensor, rows: tor
     """``run(counts, rows)`` on this rank's experts and the rows the ranks send them."""
     if tp is not None and rows.requires_grad:
         rows = _CopyToTP.apply(rows, tp.group)
-    got, received, sizes = _send(rows, counts.reshape(ep, local).to(torch.int64), group)
+    got, received, sizes = send(rows, counts.reshape(ep, local).to(torch.int64), group)
     # got holds rank 0's rows for our expert 0, 1, ..., then rank 1's: regroup by expert
-    perm = _by_expert(received)
+    perm = by_expert(received)
     with _local_bank(module, local=local, ep=ep, tp=tp):
         if got.shape[0]:
             y = run(received.sum(0), got[perm])[torch.argsort(perm)]
         else:  # nothing received: one zero row keeps this rank in the backward's all-to-all
             zero = got.sum(0, keepdim=True)
             y = run(torch.nn.functional.one_hot(received.new_zeros(()), local), zero)[:0]
-    out = _exchange(y, *sizes, group)
+    out = exchange(y, *sizes, group)
     return _ReduceFromTP.apply(out, tp.group) if tp is not None and tp.reduce_output else out
-
-
-def _by_expert(received: torch.Tensor) -> torch.Tensor:
-    """Row order that groups rows arriving as ``received[j, e]`` rows from rank j for expert e
-    (ranks outer) by expert (experts outer, ranks inner)."""
-    sizes = received.reshape(-1)
-    starts = torch.cumsum(sizes, 0) - sizes
-    blocks = torch.arange(sizes.numel(), device=sizes.device).view(received.shape).t().reshape(-1)
-    block_sizes, block_starts = sizes[blocks], starts[blocks]
-    within = torch.arange(int(sizes.sum()), device=sizes.device) - torch.repeat_interleave(
-        torch.cumsum(block_sizes, 0) - block_sizes, block_sizes)
-    return torch.repeat_interleave(block_starts, block_sizes) + within
 
 
 def _ep_routed(module: nn.Module, run: Callable, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -227,8 +188,8 @@ def _ep_routed(module: nn.Module, run: Callable, hidden: torch.Tensor, top_k_ind
     k = top_k_index.shape[-1]
     ids = top_k_index.reshape(-1)
     order = torch.argsort(ids, stable=True)  # pairs by expert, so by the rank that owns it
-    send = hidden.reshape(-1, hidden.shape[-1])[order // k]
-    rows, received, sizes = _send(send, torch.bincount(ids, minlength=local * ep).view(ep, local), group)
+    outgoing = hidden.reshape(-1, hidden.shape[-1])[order // k]
+    rows, received, sizes = send(outgoing, torch.bincount(ids, minlength=local * ep).view(ep, local), group)
     # rank j sent its rows for our expert 0, then expert 1, ...: each row's local expert id
     local_ids = torch.arange(local, device=ids.device).repeat(ep).repeat_interleave(received.reshape(-1)).unsqueeze(-1)
     with _local_bank(module, local=local, ep=ep, tp=tp):
@@ -237,7 +198,7 @@ def _ep_routed(module: nn.Module, run: Callable, hidden: torch.Tensor, top_k_ind
         else:  # nothing received: one zero row keeps this rank in the backward's all-to-all
             zero = rows.sum(0, keepdim=True)
             y = run(zero, local_ids.new_zeros(1, 1), zero.new_ones(1, 1))[:0]
-    back = _exchange(y, *sizes, group)
+    back = exchange(y, *sizes, group)
     pairs = torch.empty_like(back)
     pairs[order] = back
     weights = top_k_weights.reshape(-1, k, 1).to(pairs.dtype)

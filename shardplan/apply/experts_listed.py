@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .experts_ep import _by_expert, _exchange, _ScaleGrad, _send
+from .dispatch import ScaleGrad, by_expert, exchange, send
 
 __all__ = ["RemoteExpert", "shard_listed_experts", "held_elsewhere", "held_here", "gather_listed_state"]
 
@@ -258,15 +258,15 @@ def _exchange_calls(d: _Dispatch) -> list[torch.Tensor]:
     like = next((r for _, r in d.calls), None)
     empty = torch.zeros(0, d.hidden, requires_grad=torch.is_grad_enabled(),
                         **({"dtype": like.dtype, "device": like.device} if like is not None else _param_kind(d)))
-    send = torch.cat([d.calls[i][1] for i in order]) if order else empty
-    counts = torch.zeros(d.ep * d.local, dtype=torch.int64, device=send.device)
+    outgoing = torch.cat([d.calls[i][1] for i in order]) if order else empty
+    counts = torch.zeros(d.ep * d.local, dtype=torch.int64, device=outgoing.device)
     for position, rows in d.calls:
         counts[position] += rows.shape[0]
-    got, received, sizes = _send(send, counts.view(d.ep, d.local), d.group)
-    perm = _by_expert(received)  # rank j's rows for our expert 0, 1, ..., then rank j + 1's: by expert
+    got, received, sizes = send(outgoing, counts.view(d.ep, d.local), d.group)
+    perm = by_expert(received)  # rank j's rows for our expert 0, 1, ..., then rank j + 1's: by expert
     grouped = got[perm].split(received.sum(0).tolist())
     y = torch.cat([_run_local(d, e, rows) for e, rows in enumerate(grouped)])[torch.argsort(perm)]
-    back = _exchange(y, *sizes, d.group).split([d.calls[i][1].shape[0] for i in order])
+    back = exchange(y, *sizes, d.group).split([d.calls[i][1].shape[0] for i in order])
     outputs: list[torch.Tensor] = [back[0]] * len(order)
     for slot, i in enumerate(order):
         outputs[i] = back[slot]
@@ -283,4 +283,4 @@ def _run_local(d: _Dispatch, e: int, rows: torch.Tensor) -> torch.Tensor:
     """Expert ``first + e`` on its rows, called as a module (FSDP's hooks run). Its parameters'
     gradient comes out / ep, the rows' exact: rows * ep -> expert -> / ep, in backward only."""
     expert = d.experts._modules[str(d.first + e)]
-    return _ScaleGrad.apply(expert(_ScaleGrad.apply(rows, float(d.ep))), 1.0 / d.ep)
+    return ScaleGrad.apply(expert(ScaleGrad.apply(rows, float(d.ep))), 1.0 / d.ep)

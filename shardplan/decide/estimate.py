@@ -199,11 +199,14 @@ def _read_by_planned_parent(fqn: str, planned: dict) -> bool:
 
 
 def _representative(fqn: str, folded: dict[str, str]) -> str:
-    """``layers.3.attention.wq`` -> ``layers.0.attention.wq`` when ``layers.3`` folds into ``layers.0``."""
-    for copy, rep in folded.items():
-        if fqn == copy or fqn.startswith(copy + "."):
-            return rep + fqn[len(copy):]
-    return fqn
+    """``layers.3.attention.wq`` -> ``layers.0.attention.wq`` when ``layers.3`` folds into
+    ``layers.0``; folds followed until none applies (experts folded inside a folded layer:
+    ``layers.3.moe.experts.5.w1`` -> ``layers.0.moe.experts.0.w1``)."""
+    while True:
+        copy = next((c for c in folded if fqn == c or fqn.startswith(c + ".")), None)
+        if copy is None:
+            return fqn
+        fqn = folded[copy] + fqn[len(copy):]
 
 
 def _optimizer(ctx: SolveContext) -> str:

@@ -38,7 +38,7 @@ from .regions import find_regions
 from .fsdp import data_parallel_events, fsdp_units, unit_of
 from .solve import PlanningError, Solution, SolveContext, _host_time, _model_dtype_bytes, _update_time
 
-__all__ = ["Bank", "routed_banks", "listed_banks", "expert_count", "expert_parallel"]
+__all__ = ["Bank", "routed_banks", "listed_banks", "expert_count", "expert_parallel", "uniform_routing"]
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,25 @@ def expert_parallel(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Sol
                                    "warnings": list(plan.warnings) + notes})
 
 
+def uniform_routing(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Solution) -> Plan:
+    """A plan without ep whose experts are a list: its estimate with each expert on ``T k / E``
+    rows (uniform routing, as ep plans are priced) instead of the upper bound, every row."""
+    banks = listed_banks(graph)
+    if not banks:
+        return plan
+    old = plan.estimate
+    counts = {phase: dict(c) for phase, c in old.collectives.items()}
+    logical = dict(old.collective_bytes)
+    compute, time, nbytes = _listed_runs(plan, graph, ctx, solution, banks, counts, logical, ep=1)
+    note = (f"{', '.join(sorted({b.module for b in banks}))}: each expert priced on T k / E rows (uniform routing, "
+            "k from the layer's topk), not on every row")
+    return plan.model_copy(update={"warnings": list(plan.warnings) + [note], "estimate": old.model_copy(update={
+        "step_time_s": old.step_time_s + compute + time, "compute_time_s": old.compute_time_s + compute,
+        "comm_time_s": old.comm_time_s + time, "comm_bytes_per_step": old.comm_bytes_per_step + nbytes,
+        "collectives": {phase: Collectives(**c) for phase, c in counts.items()},
+        "collective_bytes": logical})})
+
+
 def _checked_banks(graph: OpGraph, plan: Plan, axis: str, ep: int, unread: list[str]) -> list[Bank]:
     banks = routed_banks(graph, unread=unread) + listed_banks(graph, unread=unread)
     if not banks and unread:
@@ -226,7 +245,7 @@ def _estimate(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Solution,
         _model_dtype_bytes(graph))
     peak = (old.peak_memory_bytes - bank_bytes * state / ctx.state_shards
             + bank_bytes / ep * state / _expert_state_shards(plan) + buffers * scale)
-    runs = _listed_runs(plan, graph, ctx, solution, banks, counts, logical)
+    runs = _listed_runs(plan, graph, ctx, solution, banks, counts, logical, ep=ep)
     comm_time = a2a_time + after[0] - before[0] + runs[1]
     return Estimate(
         param_bytes_per_device=old.param_bytes_per_device - bank_bytes * (1 - 1 / ep),
@@ -240,40 +259,43 @@ def _estimate(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Solution,
 
 
 def _listed_runs(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Solution, banks: list[Bank],
-                 counts: dict, logical: dict) -> tuple[float, float, float]:
+                 counts: dict, logical: dict, *, ep: int) -> tuple[float, float, float]:
     """(compute, comm time, comm bytes) added for lists of experts, their counts and logical
-    bytes updated in place. The tensor-parallel estimate runs every expert of a list on the
-    upper bound of its rows (``T k``, every row routed to it); over ep each rank runs each of
-    its E/ep experts once per call, on ``ep T k / E`` rows (uniform routing), and its layer's
-    other ops run forward twice (the record pass; its backward is the rows' indexing only)."""
-    compute = time = nbytes = 0.0
+    bytes updated in place. The tensor-parallel program runs every expert of a list on the
+    upper bound of its rows (``T k``, every row routed to it); priced as uniform routing, each
+    rank runs each of its E/ep experts once per call on ``ep T k / E`` rows, and over ep
+    (``ep > 1``) its layer's other ops run forward twice (the record pass; its backward is
+    the rows' indexing only)."""
+    total = [0.0, 0.0, 0.0]
     for b in (b for b in banks if b.listed):
         layer = b.module.rpartition(".")[0]
-        listed = {op.index for op in graph.ops if op.target.startswith(f"{b.module}.") or op.owner.startswith(f"{b.module}.")}
-        rows = plan.ep / b.experts
-        for (phase, k, n, _), times in _entry_events(graph, solution, listed).items():
-            t, m = _bump(counts, logical, ctx, phase, k, n * rows, times // plan.ep)
-            t0, m0 = _bump(counts, logical, ctx, phase, k, n, -times)
-            time, nbytes = time + t + t0, nbytes + m + m0
+        inside = {op.index for op in graph.ops if op.target.startswith(f"{b.module}.") or op.owner.startswith(f"{b.module}.")}
+        rows = ep / b.experts
+        for (phase, k, n, _), times in _entry_events(graph, solution, inside).items():
+            _rescale(total, counts, logical, ctx, (phase, k, n), times, times // ep, rows)
         for op in graph.ops:
             s = solution.strategies[op.index]
-            if op.index in listed:
-                runs = op.multiplicity // plan.ep
+            if op.index in inside:
+                runs = op.multiplicity // ep
+                total[0] += _work_time(s, ctx) * (rows * runs - op.multiplicity) + (
+                    _update_time(s, ctx) + _host_time(s, ctx)) * (runs - op.multiplicity)
                 events = [("forward", k, n) for k, n in s.fwd] + [("backward", k, n) for k, n in s.bwd]
-                events += [(phase, k, n) for phase, k, n, _ in s.group_comms]
-                work = _work_time(s, ctx)
-                compute += work * (rows * runs - op.multiplicity) + (_update_time(s, ctx) + _host_time(s, ctx)) * (
-                    runs - op.multiplicity)
-                for phase, k, n in events:
-                    t, m = _bump(counts, logical, ctx, phase, k, n * rows, runs)
-                    t0, m0 = _bump(counts, logical, ctx, phase, k, n, -op.multiplicity)
-                    time, nbytes = time + t + t0, nbytes + m + m0
-            elif op.kind in ("module", "function") and _inside(op.target if op.kind == "module" else op.owner, layer):
-                compute += _work_time(s, ctx) / 3 * op.multiplicity  # forward: 1 of the 3 matmuls of a step
+                for event in events + [(phase, k, n) for phase, k, n, _ in s.group_comms]:
+                    _rescale(total, counts, logical, ctx, event, op.multiplicity, runs, rows)
+            elif ep > 1 and op.kind in ("module", "function") and _inside(op.target if op.kind == "module" else op.owner, layer):
+                total[0] += _work_time(s, ctx) / 3 * op.multiplicity  # forward: 1 of the 3 matmuls of a step
                 for k, n in s.fwd:
-                    t, m = _bump(counts, logical, ctx, "forward", k, n, op.multiplicity)
-                    time, nbytes = time + t, nbytes + m
-    return compute, time, nbytes
+                    _rescale(total, counts, logical, ctx, ("forward", k, n), 0, op.multiplicity, 1.0)
+    return total[0], total[1], total[2]
+
+
+def _rescale(total: list[float], counts: dict, logical: dict, ctx: SolveContext, event: tuple, was: int, runs: int,
+             rows: float) -> None:
+    """``was`` collectives ``event`` (phase, kind, bytes) become ``runs`` of ``rows`` times the bytes."""
+    phase, kind, n = event
+    for times, size in ((runs, n * rows), (-was, n)):
+        t, m = _bump(counts, logical, ctx, phase, kind, size, times)
+        total[1], total[2] = total[1] + t, total[2] + m
 
 
 def _entry_events(graph: OpGraph, solution: Solution, ops: set[int]) -> Counter:
@@ -326,7 +348,7 @@ def _held_banks(graph: OpGraph, solution: Solution, banks: list[Bank]) -> tuple[
     list of experts, every expert module (``moe.experts.3``) -> its weight modules' bytes.
     Also the lists' names."""
     planned = {op.target: solution.strategies[op.index] for op in graph.ops if op.kind == "module"}
-    reps = {fqn: _folded_to(fqn, graph.traced.folded) for fqn, _ in graph.model.named_modules()}
+    reps = {fqn: _representative(fqn, graph.traced.folded) for fqn, _ in graph.model.named_modules()}
     held = {fqn: planned[rep].param_bytes for fqn, rep in reps.items() if rep in {b.module for b in banks if not b.listed}}
     lists = _list_copies(reps, banks)
     for fqn, rep in reps.items():
@@ -334,14 +356,6 @@ def _held_banks(graph: OpGraph, solution: Solution, banks: list[Bank]) -> tuple[
         if expert is not None and rep in planned:
             held[expert] = held.get(expert, 0.0) + planned[rep].param_bytes
     return held, set(lists)
-
-
-def _folded_to(fqn: str, folded: dict[str, str]) -> str:
-    """The op graph's name for ``fqn``: folds followed until none applies (experts folded
-    inside a folded layer: ``moes.1.experts.2.w1`` -> ``moes.0.experts.0.w1``)."""
-    while (rep := _representative(fqn, folded)) != fqn:
-        fqn = rep
-    return fqn
 
 
 def _list_copies(reps: dict[str, str], banks: list[Bank]) -> list[str]:

@@ -33,7 +33,6 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
-from torch import nn
 
 from ..decide.cost import format_bytes, format_seconds
 from ..decide.splits import MeshComparison, axes_str, data_ranks
@@ -63,7 +62,8 @@ def _shape_str(shape: tuple[int, ...] | None) -> str:
 
 def _shapes(plan: Plan, rule: Any, modules: list[tuple[str, Any]]) -> tuple[str, str]:
     mod = next((m for fqn, m in modules if matches(rule.module, fqn)), None)
-    if rule.style == "ep_experts" and isinstance(mod, nn.ModuleList):  # experts as modules, whole over ep
+    if rule.style == "ep_experts" and mod is not None and weight_of(mod) is None and hasattr(mod, "__len__"):
+        # a list of expert modules, whole over ep
         return f"{len(mod)} experts", f"{len(mod) // plan.ep} experts"
     weight = None if mod is None else weight_of(mod)
     if weight is None:

@@ -111,10 +111,10 @@ class Block(nn.Module):
 
 class MoETransformer(nn.Module):
     def __init__(self, moe: type, *, vocab: int = 96, dim: int = 32, heads: int = 4, layers: int = 2,
-                 num_experts: int = 4, top_k: int = 2) -> None:
+                 num_experts: int = 4, top_k: int = 2, hidden: int = 48) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads, moe(dim, 48, num_experts, top_k)) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(dim, heads, moe(dim, hidden, num_experts, top_k)) for _ in range(layers))
         self.norm = nn.RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
 
@@ -138,3 +138,10 @@ def deepseek_moe() -> MoETransformer:
 def hit_moe() -> MoETransformer:
     torch.manual_seed(0)
     return MoETransformer(HitMoE, top_k=1)
+
+
+def mixtral_8x7b() -> MoETransformer:
+    """mistral's reference layer at Mixtral 8x7B's sizes (attention with every kv head), bf16 on meta."""
+    with torch.device("meta"):
+        return MoETransformer(MistralMoE, vocab=32000, dim=4096, heads=32, layers=32, num_experts=8, top_k=2,
+                              hidden=14336).to(torch.bfloat16)
