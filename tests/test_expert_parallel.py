@@ -73,22 +73,48 @@ def test_an_ep_that_does_not_divide_the_experts_is_refused() -> None:
             parallelize_module(w.TinyBank(), mesh, ExpertParallel())
 
 
-def test_a_bank_not_called_with_its_routing_is_refused() -> None:
-    """Llama 4's bank takes every token pre-scaled (``forward(hidden)``): not this dispatch."""
+def test_llama4s_bank_of_every_token_splits_over_ep_and_matches_one_process() -> None:
+    """Llama 4's bank takes every token once per expert, pre-scaled by its score
+    (``experts(hidden [E T, H])``, expert-major, the router's T rows): each expert's run of
+    rows goes to its rank, whole, and comes back in order; no top-k is read. The plan prices
+    E rows per token; FSDP over ep for the rest; 2 AdamW steps equal one process."""
+    plan = _plan("llama4_text", {"ep": 2})
+    assert plan.module_styles()["model.layers.0.feed_forward.experts"] == "ep_experts"
+    rule = next(r for r in plan.rules if r.style == "ep_experts")
+    assert rule.num_experts == 4 and "sends and receives about 8192 elements" in rule.why  # T 32 x E 4 x H 64
+    results = run_on_gloo(w.planned_families, world_size=2, args=([("llama4_text", plan.to_yaml())], True, ("ep",)),
+                          timeout_s=300)
+    inside = _plan("llama4_text", {"ep": 2, "tp": 2})
+    assert inside.rule_for("model.layers.0.feed_forward.experts").inner == "moe_tp_experts"
+    results += run_on_gloo(w.planned_families, world_size=4, timeout_s=300,
+                           args=([("llama4_text", inside.to_yaml())], True, ("ep", "tp")))
+    for result in results:
+        got = result["llama4_text"]
+        assert got["logits"] < 1e-5 and max(got["grads"].values()) < 1e-5, got["grads"]
+        assert max(got["weights"].values()) < 5e-4
+        assert got["placements"]["model.layers.0.feed_forward.experts.down_proj"].startswith("(Shard(dim=0)")
 
-    class EveryToken(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 8, 12))
-            self.down_proj = torch.nn.Parameter(torch.zeros(4, 6, 8))
 
-        def forward(self, hidden):
-            return hidden
+class _SummedBank(torch.nn.Module):
+    """A bank of 4 experts that runs every one on every token and sums them: no routing."""
 
-    with fake_process_group(2):
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
-        with pytest.raises(ValueError, match="top_k_index"):
-            parallelize_module(EveryToken(), mesh, ExpertParallel())
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 8, 12) * 0.1)
+        self.down_proj = torch.nn.Parameter(torch.randn(4, 6, 8) * 0.1)
+
+    def forward(self, hidden):
+        gate, up = torch.einsum("th,ehi->eti", hidden, self.gate_up_proj).chunk(2, dim=-1)
+        return torch.einsum("eti,eih->th", torch.nn.functional.silu(gate) * up, self.down_proj)
+
+
+def test_a_bank_called_without_its_routing_is_refused_on_ep() -> None:
+    import shardplan
+
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Flatten(0, 1), _SummedBank())
+    with pytest.raises(shardplan.PlanningError, match=r"no expert bank of Sequential is called with its routing "
+                                                      r"\(2: called with tensors of shapes \[\(8, 8\)\]\)"):
+        shardplan.plan_model(model, {"ep": 2}, example_inputs=(torch.zeros(2, 4, dtype=torch.long),), explain=False)
 
 
 # --- planned: plan_model on a mesh with an ep axis, apply_plan, fully_shard_plan -------------
@@ -166,7 +192,6 @@ def test_planned_ep_with_tp_inside_matches_one_process(planned: dict, model_type
 @pytest.mark.parametrize("model_type, mesh, message", [
     ("llama", {"ep": 2}, "has no expert bank"),
     ("mixtral", {"ep": 3}, "which ep=3 does not divide"),
-    ("llama4_text", {"ep": 2}, "no expert bank of Llama4ForCausalLM is called with its routing"),
 ])
 def test_meshes_with_ep_the_planner_cannot_honour_are_refused(model_type: str, mesh: dict, message: str) -> None:
     from shardplan.decide.solve import PlanningError

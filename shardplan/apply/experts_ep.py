@@ -7,7 +7,9 @@ Contract
 the routing weights itself (Hugging Face's routed banks: Mixtral, Qwen3-MoE, DeepSeek-V3,
 gpt-oss, ...), or as ``bank(num_tokens_per_expert [E], rows [N, H]) -> [N, H]`` (either
 order) on rows the model sorted by expert (torchtitan's ``GroupedExperts``: the layer routes,
-sorts, scales and adds back itself), applied with a 1-D ``ep`` mesh or a 2-D ``(ep, tp)`` one. Its 3-D weights
+sorts, scales and adds back itself), or as ``bank(rows [E T, H])`` on every token once per
+expert, pre-scaled and expert-major (Llama 4's: sorted rows of T per expert), applied with a
+1-D ``ep`` mesh or a 2-D ``(ep, tp)`` one. Its 3-D weights
 and 2-D biases become ``Shard(0)`` DTensors: rank ``r`` of ``ep`` holds experts
 ``[r E/ep, (r + 1) E/ep)``, whole, or on ``(ep, tp)`` split inside over tp as
 ``moe_tp_experts`` splits them (the class doc).
@@ -40,7 +42,6 @@ empty ones included, is exchanged as it comes.
 
 from __future__ import annotations
 
-import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -87,7 +88,6 @@ class ExpertParallel(ParallelStyle):
         ep_mesh = device_mesh if device_mesh.ndim == 1 else device_mesh[device_mesh.mesh_dim_names[0]]
         tp_mesh = None if device_mesh.ndim == 1 else device_mesh[device_mesh.mesh_dim_names[1]]
         ep = ep_mesh.size()
-        _check_routed(module)
         experts = bank_size(module)
         if experts % ep:
             raise ValueError(f"{type(module).__name__} has {experts} experts, which ep={ep} does not divide; "
@@ -118,18 +118,6 @@ def _down_bias(module: nn.Module) -> str | None:
     return expert_params(module).down_bias
 
 
-def _check_routed(module: nn.Module) -> None:
-    """The bank's forward takes the tokens, the chosen experts and their weights."""
-    params = [p for p in inspect.signature(module.forward).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(params) < 2:
-        names = ", ".join(p.name for p in params)
-        raise ValueError(f"{type(module).__name__}.forward({names}) is not called with its routing; expert "
-                         "parallelism here dispatches banks called as forward(hidden [T, H], top_k_index [T, k], "
-                         "top_k_weights [T, k]) or forward(num_tokens_per_expert [E], rows sorted by expert [N, H]); "
-                         "keep this bank on tp (moe_tp_experts)")
-
-
 @contextmanager
 def _local_bank(module: nn.Module, *, local: int, ep: int, tp: _TpInside | None) -> Iterator[None]:
     """The rank's experts as the bank for one call: local tensors of the DTensor parameters
@@ -155,6 +143,14 @@ def _local_bank(module: nn.Module, *, local: int, ep: int, tp: _TpInside | None)
 
 def _ep_forward(module: nn.Module, run: Callable, *args: torch.Tensor, group: Any, ep: int, local: int,
                 tp: _TpInside | None) -> torch.Tensor:
+    if len(args) == 1:  # Llama 4's bank: every token once per expert, pre-scaled, expert-major [E T, H]
+        rows = args[0]
+        if rows.dim() != 2 or rows.shape[0] % (local * ep):
+            raise ValueError(f"{type(module).__name__} was called on one tensor of shape {tuple(rows.shape)}; expert "
+                             f"parallelism reads one argument as every token once per expert, [E T, H] with E = "
+                             f"{local * ep}; call the bank with its routing (hidden, top_k_index, top_k_weights)")
+        counts = torch.full((local * ep,), rows.shape[0] // (local * ep), dtype=torch.int64, device=rows.device)
+        return _ep_sorted(module, lambda _c, r: run(r), counts, rows, group=group, ep=ep, local=local, tp=tp)
     if len(args) == 2:  # num_tokens_per_expert [E] and rows sorted by expert [N, H], in either order
         counts_first = args[0].dim() == 1 and not args[0].is_floating_point()
         counts, rows = args if counts_first else args[::-1]

@@ -5,7 +5,10 @@ Contract
 ``expert_parallel(plan, graph, ctx, solution)`` takes the plan the tensor-parallel program
 chose for a mesh with an ``ep`` axis (``plan.mesh.ep_axis``) and returns it with every expert
 bank the model calls with its routing (``bank(hidden [T, H], top_k_index [T, k],
-top_k_weights [T, k])``, Hugging Face's routed banks) written ``ep_experts`` (``num_experts``
+top_k_weights [T, k])``, Hugging Face's routed banks; rows sorted by expert with their counts,
+torchtitan's; every token once per expert, pre-scaled, ``bank(rows [E T, H])``, Llama 4's),
+and every ``nn.ModuleList`` of experts its layer calls after a router (:func:`listed_banks`),
+written ``ep_experts`` (``num_experts``
 E, whole experts over ep; with a tp axis, ``inner: moe_tp_experts`` where the program split
 the bank inside), and its estimate redone from the solution's per-device bytes: the banks'
 parameters, gradients and optimizer state divided by ep (and sharded over the data axes
@@ -69,6 +72,8 @@ def routed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Ban
             out.append(Bank(op.target, experts, shapes[0][0], shapes[1][1], shapes[0][1], op.multiplicity))
         elif rows := _sorted_rows(shapes, dtypes, experts):
             out.append(Bank(op.target, experts, rows[0], 1, rows[1], op.multiplicity))
+        elif _every_token(graph, op, shapes, dtypes, experts):  # each token sent to every expert: top-k is E
+            out.append(Bank(op.target, experts, shapes[0][0] // experts, experts, shapes[0][1], op.multiplicity))
         elif unread is not None:
             unread.append(f"{op.target}: called with tensors of shapes {shapes}")
     return out
@@ -146,6 +151,19 @@ def _top_k(graph: OpGraph, layer: str) -> int:
             if isinstance(k, int):
                 return k
     return 1
+
+
+def _every_token(graph: OpGraph, op, shapes: list[tuple], dtypes: list, experts: int) -> bool:
+    """A bank called on one [E T, H] tensor, expert-major: Llama 4's, every token once per
+    expert, pre-scaled by its routing score (zero where not chosen). T is the rows of the
+    layer's router (a matmul of E outputs before the bank), so a shared expert written as a
+    bank and called on the tokens is not one."""
+    if experts < 2 or len(shapes) != 1 or len(shapes[0]) != 2 or not dtypes[0].is_floating_point:
+        return False
+    layer = op.target.rpartition(".")[0]
+    return any(_routes(r, graph, layer) and graph.values[r.output].shape[-1] == experts
+               and experts * math.prod(graph.values[r.output].shape[:-1]) == shapes[0][0]
+               for r in graph.ops[:op.index] if r.output is not None)
 
 
 def expert_count(graph: OpGraph) -> int | None:
