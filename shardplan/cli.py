@@ -272,13 +272,17 @@ def _resolve(args: argparse.Namespace, *, device: str = "meta") -> tuple[Any, tu
 def _make_plan(args: argparse.Namespace, *, explain: bool | str) -> tuple[Any, Any, str]:
     """(plan, model, display name) for the model and options on the command line."""
     import shardplan
+    from .tools.sources import plan_traced
 
     axes = parse_mesh(args.mesh)
     opts = _plan_options(args, explain=explain)
     mesh = ",".join(f"{k}={v}" for k, v in axes.items())
     with _progress(f"tracing and planning {args.model} on {mesh} ..."):
         model, inputs, name = _resolve(args)
-        plan = shardplan.plan_model(model, axes, example_inputs=inputs, **opts)
+        # a small model whose trace needs values its weights decide is built again on the CPU
+        plan, model, _ = plan_traced(args.model, model, inputs,
+                                     lambda m, i: shardplan.plan_model(m, axes, example_inputs=i, **opts),
+                                     batch_size=args.batch, seq_len=args.seq)
     return plan, model, name
 
 

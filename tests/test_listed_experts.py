@@ -183,3 +183,16 @@ def test_the_cli_plans_an_ep_mesh_for_a_list_of_experts() -> None:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "ep_experts" in out.stdout and "4 experts" in out.stdout and "2 experts" in out.stdout, out.stdout
+
+
+def test_verify_and_the_cli_build_a_model_whose_trace_needs_its_weights_on_the_cpu() -> None:
+    """DeepSeek's layer counts its tokens per expert from the router's output: on meta
+    weights there are no values, so the CLI and verify build the (small) model again on the
+    CPU to plan it, instead of stopping at "build the model on CPU" with no way to."""
+    from shardplan.tools.verify import verify
+
+    result = verify(DEEPSEEK, nproc=4, mesh={"ep": 2, "tp": 2}, seq_len=16, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    out = subprocess.run([sys.executable, "-m", "shardplan", "plan", DEEPSEEK, "--mesh", "ep=2", "--seq", "16"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ep_experts" in out.stdout, out.stderr

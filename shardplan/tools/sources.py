@@ -35,7 +35,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -211,3 +211,62 @@ def _hf_model(
     # batch 2, as presets and plan_model; an encoder-decoder's decoder ids, a ViT's pixels
     inputs = example_args(model, cfg, device=device, batch_size=batch_size or 2, seq_len=seq_len or min(_HF_SEQ_LEN, max_pos))
     return model, inputs, spec
+
+
+_INPUT_SEED = 1234  # verify's inputs: the same on every rank
+
+
+def preset_name(spec: str) -> str | None:
+    from ..models import PRESETS
+
+    return spec.strip() if spec.strip() in PRESETS else None
+
+
+def real_inputs(preset: str | None, model: nn.Module, meta_inputs: tuple, *, batch_size: int,
+                 seq_len: int | None) -> tuple:
+    """CPU inputs, identical on every rank: the preset's fixed batch, the example inputs
+    where they are real, else seeded random tensors shaped as the meta inputs (token ids
+    below the first Embedding's vocabulary)."""
+    if preset is not None:
+        from ..models import PRESETS
+
+        sizes = {"batch_size": batch_size} | ({"seq_len": seq_len} if seq_len is not None else {})
+        return tuple(PRESETS[preset].example_inputs(device="cpu", **sizes))
+    gen = torch.Generator().manual_seed(_INPUT_SEED)
+    vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    vocab = vocab or getattr(getattr(model, "config", None), "vocab_size", None) or 2
+    out = []
+    for t in meta_inputs:
+        if not isinstance(t, torch.Tensor) or not t.is_meta:
+            out.append(t)  # real example values (the ones the plan was traced on) are used as given
+        elif t.is_floating_point():
+            out.append(torch.randn(tuple(t.shape), generator=gen, dtype=t.dtype))
+        elif t.dtype == torch.bool:
+            out.append(torch.ones(tuple(t.shape), dtype=torch.bool))
+        else:
+            out.append(torch.randint(0, vocab, tuple(t.shape), generator=gen, dtype=t.dtype))
+    return tuple(out)
+
+
+# small enough to build whole on the CPU to trace it (fp32: 800 MB)
+CPU_TRACE_PARAMS = 200_000_000
+
+
+def plan_traced(spec: str, model: nn.Module, inputs: tuple | None, plan: Callable[[nn.Module, tuple | None], Any], *,
+                batch_size: int | None, seq_len: int | None) -> tuple[Any, nn.Module, tuple | None]:
+    """``(plan(model, inputs), model, inputs)``; where tracing the meta-built model needs values
+    that depend on its weights (a MoE layer that counts its tokens per expert with
+    ``bincount(...).tolist()``) and it is small, ``spec`` is built again on the CPU and planned
+    with real inputs (:func:`real_inputs`), as the trace's own message advises."""
+    from ..analyze.trace import TraceError
+
+    try:
+        return plan(model, inputs), model, inputs
+    except TraceError as exc:
+        if "build the model on CPU" not in str(exc) or sum(p.numel() for p in model.parameters()) > CPU_TRACE_PARAMS:
+            raise
+    cpu_model, cpu_inputs, _ = resolve_model(spec, device="cpu", batch_size=batch_size, seq_len=seq_len)
+    given = cpu_inputs or inputs
+    if given is not None:
+        cpu_inputs = real_inputs(preset_name(spec), cpu_model, given, batch_size=batch_size or 2, seq_len=seq_len)
+    return plan(cpu_model, cpu_inputs), cpu_model, cpu_inputs

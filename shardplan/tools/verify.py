@@ -93,7 +93,6 @@ QUANTITIES = tuple(TOLERANCES)
 MAX_PARAMS = 200_000_000
 _DEFAULT_SEQ_LEN = 16  # for non-preset models: plan_model's 2048 would only make the check slow
 _TARGET_SEED = 4321
-_INPUT_SEED = 1234
 _FORWARD_SEED = 2024
 _TOP = 3
 
@@ -223,11 +222,11 @@ def verify(
     """Apply the plan on ``nproc`` gloo ranks and compare with the unsharded model; see the module doc."""
     from .launch import RankError, RankTimeout, run_on_gloo
     from ..plan.model import fingerprint
-    from .sources import resolve_model
+    from .sources import plan_traced, preset_name, real_inputs, resolve_model
 
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer, got {nproc!r}")
-    preset = _preset_name(model_spec)
+    preset = preset_name(model_spec)
     seq = seq_len if seq_len is not None or preset else _DEFAULT_SEQ_LEN
     model, meta_inputs, name = resolve_model(model_spec, device="meta", batch_size=batch_size, seq_len=seq)
     if meta_inputs is None:
@@ -235,7 +234,9 @@ def verify(
 
         meta_inputs = infer_example_inputs(model, batch_size=batch_size, seq_len=seq or _DEFAULT_SEQ_LEN)
     if plan is None:
-        plan = _plan(model, meta_inputs, name, nproc=nproc, mesh=mesh, options=plan_options)
+        plan, model, meta_inputs = plan_traced(
+            model_spec, model, meta_inputs, lambda m, i: _plan(m, i, name, nproc=nproc, mesh=mesh, options=plan_options),
+            batch_size=batch_size, seq_len=seq)
     else:
         if mesh is not None or plan_options:
             given = (["mesh"] if mesh is not None else []) + sorted(plan_options)
@@ -258,7 +259,7 @@ def verify(
             f"{nproc} CPU ranks (~{per_rank / 2**30:.0f} GiB each, limit {max_params / 1e6:.0f}M parameters); "
             "verify a small model of the same structure: a debug preset such as llama3-debug, or a "
             "config.json / package.module:callable that builds one")
-    inputs = _real_inputs(preset, model, meta_inputs, batch_size=batch_size, seq_len=seq)
+    inputs = real_inputs(preset, model, meta_inputs, batch_size=batch_size, seq_len=seq)
     del model
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shardplan-verify-") as logs:
@@ -289,12 +290,6 @@ def _check_expert_run(plan: Plan, nproc: int, batch_size: int) -> None:
                          f"rows); use a batch that is a multiple of {plan.ep}")
 
 
-def _preset_name(spec: str) -> str | None:
-    from ..models import PRESETS
-
-    return spec.strip() if spec.strip() in PRESETS else None
-
-
 def _plan(model: nn.Module, inputs: tuple, name: str, *, nproc: int, mesh: Mapping[str, int] | None,
           options: dict[str, Any]) -> Plan:
     from ..api import mesh_axes, plan_model
@@ -302,32 +297,6 @@ def _plan(model: nn.Module, inputs: tuple, name: str, *, nproc: int, mesh: Mappi
     axes = {"tp": nproc} if mesh is None else mesh_axes(mesh)
     options = {"explain": False, **options}
     return plan_model(model, axes, example_inputs=inputs, **options)
-
-
-def _real_inputs(preset: str | None, model: nn.Module, meta_inputs: tuple, *, batch_size: int,
-                 seq_len: int | None) -> tuple:
-    """CPU inputs, identical on every rank: the preset's fixed batch, the example inputs
-    where they are real, else seeded random tensors shaped as the meta inputs (token ids
-    below the first Embedding's vocabulary)."""
-    if preset is not None:
-        from ..models import PRESETS
-
-        sizes = {"batch_size": batch_size} | ({"seq_len": seq_len} if seq_len is not None else {})
-        return tuple(PRESETS[preset].example_inputs(device="cpu", **sizes))
-    gen = torch.Generator().manual_seed(_INPUT_SEED)
-    vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    vocab = vocab or getattr(getattr(model, "config", None), "vocab_size", None) or 2
-    out = []
-    for t in meta_inputs:
-        if not isinstance(t, torch.Tensor) or not t.is_meta:
-            out.append(t)  # real example values (the ones the plan was traced on) are used as given
-        elif t.is_floating_point():
-            out.append(torch.randn(tuple(t.shape), generator=gen, dtype=t.dtype))
-        elif t.dtype == torch.bool:
-            out.append(torch.ones(tuple(t.shape), dtype=torch.bool))
-        else:
-            out.append(torch.randint(0, vocab, tuple(t.shape), generator=gen, dtype=t.dtype))
-    return tuple(out)
 
 
 def _log_tail(logs: str, rank: int, lines: int = 20) -> str:
