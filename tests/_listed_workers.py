@@ -164,7 +164,8 @@ def load_at(rank: int, world: int, spec: str, plan_yaml: str, folder: str) -> di
 
 def round_trip(rank: int, world: int, spec: str, plan_yaml: str, folder: str) -> dict:
     """``load_full_state_dict`` and ``load_checkpoint`` (a safetensors file of the unsharded
-    model) into models sharded by the plan: each gathered back whole."""
+    model) into models sharded by the plan, one of them built on meta and materialized: each
+    gathered back whole."""
     from safetensors.torch import load_file
 
     from shardplan.apply.load import load_checkpoint
@@ -175,4 +176,14 @@ def round_trip(rank: int, world: int, spec: str, plan_yaml: str, folder: str) ->
     load_full_state_dict(a, whole)
     b, _, _ = _sharded(spec, plan_yaml, 5)
     load_checkpoint(b, folder)
-    return {"state_dict": full_state_dict(a), "checkpoint": full_state_dict(b)}
+    import shardplan
+    from shardplan.apply.load import materialize
+
+    plan = shardplan.Plan.from_yaml(plan_yaml)
+    mesh = init_device_mesh("cpu", tuple(plan.mesh.axes.values()), mesh_dim_names=tuple(plan.mesh.axes))
+    with torch.device("meta"):  # built on meta, sharded, allocated, then read: no whole model on any rank
+        c = _build(spec)
+    shardplan.apply_plan(c, mesh, plan)
+    load_checkpoint(materialize(c, seed=0), folder)
+    return {"state_dict": full_state_dict(a), "checkpoint": full_state_dict(b), "meta": full_state_dict(c),
+            "meta_held": sorted(c.state_dict())}

@@ -109,7 +109,7 @@ def test_checkpoints_saved_at_ep_2_load_exactly_at_ep_4_and_unsharded(tmp_path) 
     """DCP at ep=2 (each key written by the rank holding that expert), loaded at ep=4 and into
     the plain model: every tensor equal, optimizer moments too; ``full_state_dict`` gathers
     the unsharded model's keys in its order; ``load_full_state_dict`` and ``load_checkpoint``
-    of a safetensors file load each rank's experts."""
+    of a safetensors file load each rank's experts, into a model built on meta too."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
@@ -131,7 +131,8 @@ def test_checkpoints_saved_at_ep_2_load_exactly_at_ep_4_and_unsharded(tmp_path) 
     back = run_on_gloo(w.round_trip, world_size=2, args=(spec, _plan(spec, {"ep": 2}).to_yaml(), str(tmp_path)),
                        timeout_s=300)
     for got in back:
-        assert all(torch.equal(got["state_dict"][k], full[k]) and torch.equal(got["checkpoint"][k], full[k]) for k in full)
+        assert all(torch.equal(got[way][k], full[k]) for way in ("state_dict", "checkpoint", "meta") for k in full)
+    assert not set(back[0]["meta_held"]) & {k for k in back[1]["meta_held"] if ".experts." in k}
 
 
 def test_a_plan_file_round_trips_and_hugging_face_export_is_refused() -> None:

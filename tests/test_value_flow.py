@@ -15,6 +15,7 @@ from torch.nn import functional as F
 import shardplan
 from shardplan.analyze.trace import TraceError, trace_model
 from shardplan.plan.model import expand_pattern
+from tests.portability.listed_experts import HitMoE
 from tests.portability.lm import TokenLM
 
 PAD = 0
@@ -61,37 +62,9 @@ class MaskedLM(nn.Module):
         return self.head(x)
 
 
-class Expert(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)))
-
-
-class LoopedMoE(nn.Module):
-    """Top-1 routing written the common way: loop over the experts some token picked."""
-
-    def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
-        super().__init__()
-        self.router = nn.Linear(dim, num_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(dim, hidden) for _ in range(num_experts))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        choice = self.router(flat).argmax(dim=-1)
-        hit = F.one_hot(choice, len(self.experts)).sum(dim=0).nonzero()
-        out = torch.zeros_like(flat)
-        for index in hit:
-            rows = torch.where(choice == index)[0]
-            out[rows] = self.experts[int(index)](flat[rows])
-        return x + out.view_as(x)
-
-
 def moe_lm(vocab: int = 64, dim: int = 32, depth: int = 3, num_experts: int = 4) -> TokenLM:
-    return TokenLM([LoopedMoE(dim, 64, num_experts) for _ in range(depth)], dim=dim, vocab=vocab)
+    # top-1 routing written the common way: a loop over the experts some token picked
+    return TokenLM([HitMoE(dim, 64, num_experts) for _ in range(depth)], dim=dim, vocab=vocab)
 
 
 def _ids(*, padded: bool) -> torch.Tensor:
@@ -161,7 +134,7 @@ def test_experts_chosen_through_nonzero_are_each_split_and_named_by_pattern() ->
     repeats = plan.model.repeats
     expert_rules = [r.module for r in plan.rules if ".experts." in r.module]
     assert expert_rules and all("experts.*" in m for m in expert_rules)
-    assert len({m for r in expert_rules for m in expand_pattern(r, repeats)}) == 3 * 4 * 2
+    assert len({m for r in expert_rules for m in expand_pattern(r, repeats)}) == 3 * 4 * 3  # w1, w3, w2
     num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert plan.estimate.param_bytes_per_device <= num_bytes / 4 * 1.01  # every weight split 4 ways
 

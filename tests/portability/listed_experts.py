@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.portability.lm import TokenLM
+
 
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
@@ -109,39 +111,28 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-class MoETransformer(nn.Module):
-    def __init__(self, moe: type, *, vocab: int = 96, dim: int = 32, heads: int = 4, layers: int = 2,
-                 num_experts: int = 4, top_k: int = 2, hidden: int = 48) -> None:
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads, moe(dim, hidden, num_experts, top_k)) for _ in range(layers))
-        self.norm = nn.RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h))
+def moe_transformer(moe: type, *, vocab: int = 96, dim: int = 32, heads: int = 4, layers: int = 2,
+                    num_experts: int = 4, top_k: int = 2, hidden: int = 48) -> TokenLM:
+    return TokenLM([Block(dim, heads, moe(dim, hidden, num_experts, top_k)) for _ in range(layers)], dim=dim, vocab=vocab)
 
 
-def mistral_moe() -> MoETransformer:
+def mistral_moe() -> TokenLM:
     torch.manual_seed(0)
-    return MoETransformer(MistralMoE)
+    return moe_transformer(MistralMoE)
 
 
-def deepseek_moe() -> MoETransformer:
+def deepseek_moe() -> TokenLM:
     torch.manual_seed(0)
-    return MoETransformer(DeepSeekMoE, num_experts=8, top_k=2)
+    return moe_transformer(DeepSeekMoE, num_experts=8, top_k=2)
 
 
-def hit_moe() -> MoETransformer:
+def hit_moe() -> TokenLM:
     torch.manual_seed(0)
-    return MoETransformer(HitMoE, top_k=1)
+    return moe_transformer(HitMoE, top_k=1)
 
 
-def mixtral_8x7b() -> MoETransformer:
-    """mistral's reference layer at Mixtral 8x7B's sizes (attention with every kv head), bf16 on meta."""
+def mixtral_8x7b() -> TokenLM:
+    """mistral's reference layer at Mixtral 8x7B's sizes (attention with every kv head, no final norm), bf16 on meta."""
     with torch.device("meta"):
-        return MoETransformer(MistralMoE, vocab=32000, dim=4096, heads=32, layers=32, num_experts=8, top_k=2,
+        return moe_transformer(MistralMoE, vocab=32000, dim=4096, heads=32, layers=32, num_experts=8, top_k=2,
                               hidden=14336).to(torch.bfloat16)
