@@ -197,3 +197,17 @@ def test_verify_and_the_cli_build_a_model_whose_trace_needs_its_weights_on_the_c
     out = subprocess.run([sys.executable, "-m", "shardplan", "plan", DEEPSEEK, "--mesh", "ep=2", "--seq", "16"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ep_experts" in out.stdout, out.stderr
+
+
+def test_a_router_read_only_by_argmax_gets_no_gradient_and_no_backward_collective() -> None:
+    """Top-1 by ``argmax`` with no routing weight: no gradient reaches the router, so its
+    style's backward collective (an all-gather of its input's gradient) never runs; the
+    estimate counts what the fake group counts."""
+    from shardplan.tools.simulate import simulate
+
+    model, inputs = w._build(HIT), _inputs(HIT)
+    plan = shardplan.plan_model(model, mesh={"tp": 2}, example_inputs=inputs, explain=False)
+    assert plan.module_styles()["layers.0.feed_forward.router"] == "rowwise_split_input"
+    result = simulate(model, plan, inputs)
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+    assert plan.estimate.collectives["backward"].all_gather == 0

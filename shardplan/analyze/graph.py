@@ -68,6 +68,9 @@ class OpGraph:
     module_multiplicity: dict[str, int] = field(default_factory=dict)
     # values whose gradient autograd computes (downstream of a trainable weight)
     requires_grad: set[int] = field(default_factory=set)
+    # values a gradient reaches from the output: floating (or complex) values with a path of
+    # such values to it (an argmax's input is not one: the argmax's integers end the path)
+    grad_reaches: set[int] = field(default_factory=set)
     # (tp, options) -> op index -> strategies: explain re-solves the same graph many times
     strategy_cache: dict = field(default_factory=dict)
 
@@ -341,6 +344,7 @@ def build_graph(traced: Traced) -> OpGraph:
             graph.consumers.setdefault(v, []).append(op.index)
     _set_multiplicity(graph)
     _set_requires_grad(graph)
+    _set_grad_reaches(graph)
     return graph
 
 
@@ -362,6 +366,21 @@ def _set_requires_grad(graph: OpGraph) -> None:
         )) or (op.kind == "const" and _trainable_attribute(graph.model, op.target))
         if trainable or any(v in graph.requires_grad for v in op.inputs):
             graph.requires_grad.add(op.output)
+
+
+def _set_grad_reaches(graph: OpGraph) -> None:
+    """Backward from the output: an op's floating inputs get a gradient when its output does,
+    or, for an op that writes into its first input (``out[rows] = y``, ``index_add_``), when
+    that input does after it."""
+    for op in reversed(graph.ops):
+        writes = op.kind == "function" and (op.target == "setitem" or op.target.endswith("_")) and op.inputs
+        if op.kind == "output" or (op.output is not None and op.output in graph.grad_reaches) or (
+                writes and op.inputs[0] in graph.grad_reaches):
+            graph.grad_reaches.update(v for v in op.inputs if _differentiable(graph.values[v].dtype))
+
+
+def _differentiable(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex  # complex: RoPE's view_as_complex carries gradients
 
 
 def _set_multiplicity(graph: OpGraph) -> None:

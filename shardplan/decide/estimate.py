@@ -58,7 +58,7 @@ def collective_list(
             events[("forward", kind, n, 0)] += op.multiplicity
         for phase, kind, n, group in s.group_comms:
             events[(phase, kind, n, group)] += op.multiplicity
-        for kind, n in s.bwd:
+        for kind, n in s.bwd if op.output is None or op.output in graph.grad_reaches else ():
             if bucket and s.name in PARTIAL_GRAD_STYLES:
                 bucketed += n * op.multiplicity
             else:
@@ -78,7 +78,8 @@ def collective_list(
     for e in entries:
         n = graph.values[e.value].nbytes
         times = e.num_collectives * graph.ops[e.consumers[0]].multiplicity
-        needs_grad = e.value in graph.requires_grad  # no gradient flows into model inputs
+        # no gradient flows into model inputs, nor into a value only an argmax reads
+        needs_grad = e.value in graph.requires_grad and e.value in graph.grad_reaches
         if is_gather(e.kind):  # gathered where its module receives it; the whole gradient sliced back
             events[("forward", "all_gather", n, 0)] += times
         elif is_scatter(e.kind):  # Partial -> Shard(seq) where the module returns; its gradient all-gathered back
