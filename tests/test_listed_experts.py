@@ -211,3 +211,24 @@ def test_a_router_read_only_by_argmax_gets_no_gradient_and_no_backward_collectiv
     result = simulate(model, plan, inputs)
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
     assert plan.estimate.collectives["backward"].all_gather == 0
+
+
+def test_stacked_layers_after_a_linear_of_as_many_outputs_are_not_experts() -> None:
+    """A list whose second entry reads the first's output is a stack of layers, even after a
+    Linear with as many outputs as the list has entries: no ep rule, an ep mesh refused."""
+    from torch import nn
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pick = nn.Linear(8, 2)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            x = x * self.pick(x).softmax(-1)[..., :1]
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    with pytest.raises(shardplan.PlanningError, match="has no expert bank"):
+        shardplan.plan_model(Stack(), {"ep": 2}, example_inputs=(torch.randn(4, 8),), explain=False)

@@ -103,7 +103,7 @@ def listed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Ban
     modules = [op for op in graph.ops if op.kind == "module"]
     out = []
     for path, experts in graph.model.named_modules():
-        if not isinstance(experts, nn.ModuleList) or len(experts) < 2 or not _alike(experts):
+        if not isinstance(experts, nn.ModuleList) or len(experts) < 2 or not _alike(experts) or _chained(graph, path):
             continue
         calls = [op for op in modules if op.target.startswith(f"{path}.")]
         parent = path.rpartition(".")[0]
@@ -120,6 +120,22 @@ def listed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Ban
         out.append(Bank(path, len(experts), math.prod(rows.shape[:-1]), _top_k(graph, parent), first[-1],
                         router.multiplicity, listed=True))
     return out
+
+
+def _chained(graph: OpGraph, path: str) -> bool:
+    """The list's second entry reads what its first returned (stacked layers, not experts)."""
+    first, second = (graph.traced.calls.get(f"{path}.{i}") for i in (0, 1))
+    if not first or not second or not second[0].args or second[0].args[0] is None:
+        return False
+    outputs, seen, todo = set(first[0].outputs), set(), [second[0].args[0]]
+    while todo:
+        node = todo.pop()
+        if node in outputs:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(node.all_input_nodes)
+    return False
 
 
 def _routes(op, graph: OpGraph, layer: str) -> bool:
