@@ -173,13 +173,13 @@ def gather_listed_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dic
             out[key] = value
         elif not any(k.startswith(f"{prefix}.") for k in out):
             d = lists[prefix]._shardplan_dispatch
+            device = _param_kind(d)["device"]  # the group's device (NCCL sends no CPU tensor)
             for position, (name, expert) in enumerate(lists[prefix]._modules.items()):
-                owner = position // d.local
                 for k, shape, dtype in _state_of(expert):
                     full = f"{prefix}.{name}.{k}"
-                    t = state[full] if full in state else torch.empty(shape, dtype=dtype, device=value.device)
-                    dist.broadcast(t, group=d.group, group_src=owner)
-                    out[full] = t
+                    t = state[full].to(device) if full in state else torch.empty(shape, dtype=dtype, device=device)
+                    dist.broadcast(t, group=d.group, group_src=position // d.local)
+                    out[full] = t.to(value.device)
     return out
 
 
