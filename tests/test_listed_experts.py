@@ -8,6 +8,7 @@ by argmax, the residual inside the MoE module), and a loop with ``index_add_``."
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -180,10 +181,14 @@ def test_a_layer_that_feeds_one_expert_to_another_is_refused_on_the_ranks() -> N
 
 
 def test_the_cli_plans_an_ep_mesh_for_a_list_of_experts() -> None:
+    """``--mesh ep=2`` counts experts per device; ``--world-size 4`` compares meshes with ep."""
     out = subprocess.run([sys.executable, "-m", "shardplan", "plan", MISTRAL, "--mesh", "ep=2", "--seq", "16"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "ep_experts" in out.stdout and "4 experts" in out.stdout and "2 experts" in out.stdout, out.stdout
+    splits = subprocess.run([sys.executable, "-m", "shardplan", "plan", MISTRAL, "--world-size", "4", "--seq", "16"],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert splits.returncode == 0 and "ep=4" in splits.stdout and "ep=2,tp=2" in splits.stdout, splits.stderr
 
 
 def test_verify_and_the_cli_build_a_model_whose_trace_needs_its_weights_on_the_cpu() -> None:
