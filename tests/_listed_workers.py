@@ -100,6 +100,10 @@ def matches(rank: int, world: int, spec: str, plan_yaml: str, fsdp: bool = False
             opt.zero_grad()
     ours = {n: _full(p).detach() for n, p in model.named_parameters()}
     out["weights"] = _compare(ours, {n: p.detach() for n, p in ref.named_parameters()})
+    with torch.no_grad():  # serving: eval mode, no autograd, another batch size on each rank
+        model.eval(), ref.eval()
+        few = ids[: data_world * 3]
+        out["eval_logits"] = (model(few.chunk(data_world)[data_rank]) - ref(few).chunk(data_world)[data_rank]).abs().max().item()
     out["names"] = sorted(ours)
     out["elsewhere_names"] = sorted(elsewhere)
     return out

@@ -95,11 +95,13 @@ def _gloo(spec: str, mesh: dict, fsdp: bool) -> list[dict]:
 def test_listed_experts_over_ep_match_one_process(spec: str, mesh: dict, fsdp: bool) -> None:
     """Each data rank its own rows: logits, every gradient a rank holds (dense ones averaged
     over the data ranks, by hand or by FSDP), and the weights after 2 AdamW steps equal one
-    process on the whole batch; each rank holds E/ep experts and none of the others'."""
+    process on the whole batch, and so do the logits of an eval forward under no_grad on
+    another batch size; each rank holds E/ep experts and none of the others'."""
     for got in _gloo(spec, mesh, fsdp):
         assert got["logits"] < 1e-5 and max(got["grads"].values()) < 1e-5, (got["logits"], got["grads"])
         assert not got["missing_grads"], got["missing_grads"]
         assert max(got["weights"].values()) < 5e-4, sorted(got["weights"].items(), key=lambda kv: -kv[1])[:3]
+        assert got["eval_logits"] < 1e-4, got["eval_logits"]  # no_grad, eval, 3 rows per rank
         held, per_expert = EXPERTS[spec] // mesh["ep"], 3
         assert got["experts_here"] == 2 * held
         assert got["held_elsewhere"] == 2 * (EXPERTS[spec] - held) * per_expert
