@@ -263,10 +263,8 @@ def _fails_unsharded(module: nn.Module, call, graph: OpGraph | None = None, targ
             return False
         except Exception as exc:  # noqa: BLE001 - any failure: the code cannot run on meta here
             # unless a module inside reads values (its stand-in is then used by the sharded run too)
-            reader = _value_reader(graph, stack, target) if graph is not None and _reads_values(exc) else None
-            if reader is None:
+            if graph is None or not _stood_in_for_reader(graph, stack, target, exc):
                 return True
-            graph.strategy_cache.setdefault("check stands in", set()).add(reader)
     return True
 
 
@@ -334,12 +332,10 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
     except LocalShapeError:
         raise  # a sharded norm that gathers (_counted): already said
     except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
-        reader = _value_reader(graph, stack, target) if _reads_values(exc) else None
-        if reader is not None:
+        if _stood_in_for_reader(graph, stack, target, exc):
             # a module whose own code reads values meta tensors lack (a MoE layer that counts
             # its experts' tokens with .tolist()): the block runs again with it stood in,
             # shaped as the trace recorded it, so the code around it (attention) is still checked
-            graph.strategy_cache.setdefault("check stands in", set()).add(reader)
             return _run_one(graph, plan, placements, mesh, target)
         leaf = _failing_leaf(block, stack, target)  # a weight module's own forward: it can be kept whole
         calls = graph.traced.calls.get(leaf, []) if leaf is not None else []
@@ -429,6 +425,15 @@ def _output_value(graph: OpGraph, fqn: str) -> Any:
     if len(calls) != 1 or len(calls[0].outputs) != 1 or calls[0].items:
         return None
     return graph.value_of(calls[0].outputs[0])
+
+
+def _stood_in_for_reader(graph: OpGraph, stack: list[str], target: str, exc: BaseException) -> bool:
+    """When ``exc`` is code asking a meta tensor for values, mark the module that asked
+    (:func:`_value_reader`) to be stood in for; True when one was, so the run can be retried."""
+    reader = _value_reader(graph, stack, target) if _reads_values(exc) else None
+    if reader is not None:
+        graph.strategy_cache.setdefault("check stands in", set()).add(reader)
+    return reader is not None
 
 
 def _value_reader(graph: OpGraph, stack: list[str], target: str) -> str | None:

@@ -31,7 +31,7 @@ from .scatter import is_cut, is_gather, is_scatter
 from .solve import comm_time as op_comm_time
 from .solve import BUCKETED_GRAD_STYLES, Solution, SolveContext, _model_dtype_bytes, _tied_second_owners, strategy_time
 
-__all__ = ["estimate", "collective_list", "data_parallel_list", "unit_param_bytes"]
+__all__ = ["estimate", "collective_list", "entry_events", "data_parallel_list", "unit_param_bytes"]
 
 Event = tuple[str, str, int, int]  # (phase, kind, logical bytes, group size: 0 for the whole tp axis)
 
@@ -76,26 +76,33 @@ def collective_list(
         # under fully_shard one reduction per parameter
         events[("backward", "all_reduce", n if bucket else n // group[1], group[0])] += 1 if bucket else group[1]
     for e in entries:
-        n = graph.values[e.value].nbytes
-        times = e.num_collectives * graph.ops[e.consumers[0]].multiplicity
-        # no gradient flows into model inputs, nor into a value only an argmax reads
-        needs_grad = e.value in graph.requires_grad and e.value in graph.grad_reaches
-        if is_gather(e.kind):  # gathered where its module receives it; the whole gradient sliced back
-            events[("forward", "all_gather", n, 0)] += times
-        elif is_scatter(e.kind):  # Partial -> Shard(seq) where the module returns; its gradient all-gathered back
-            events[("forward", "reduce_scatter", n, 0)] += times
-            if needs_grad:
-                events[("backward", "all_gather", n, 0)] += times
-        elif is_cut(e.kind):  # a whole value cut where its module returns; its gradient all-gathered back
-            if needs_grad:
-                events[("backward", "all_gather", n, 0)] += times
-        elif e.kind == "R" and needs_grad:  # Partial input gradient -> Replicate
-            events[("backward", "all_reduce", n, 0)] += times
-        elif e.kind != "R" and e.num_collectives:  # Shard(seq) -> Replicate on entry; its gradient reduce-scattered back
-            events[("forward", "all_gather", n, 0)] += times
-            if needs_grad:
-                events[("backward", "reduce_scatter", n, 0)] += times
+        events.update(entry_events(graph, e))
     return sorted(events.items())
+
+
+def entry_events(graph: OpGraph, e: Entry) -> Counter:
+    """The collectives of one region entry: ``(phase, kind, bytes, group) -> times``."""
+    events: Counter = Counter()
+    n = graph.values[e.value].nbytes
+    times = e.num_collectives * graph.ops[e.consumers[0]].multiplicity
+    # no gradient flows into model inputs, nor into a value only an argmax reads
+    needs_grad = e.value in graph.requires_grad and e.value in graph.grad_reaches
+    if is_gather(e.kind):  # gathered where its module receives it; the whole gradient sliced back
+        events[("forward", "all_gather", n, 0)] += times
+    elif is_scatter(e.kind):  # Partial -> Shard(seq) where the module returns; its gradient all-gathered back
+        events[("forward", "reduce_scatter", n, 0)] += times
+        if needs_grad:
+            events[("backward", "all_gather", n, 0)] += times
+    elif is_cut(e.kind):  # a whole value cut where its module returns; its gradient all-gathered back
+        if needs_grad:
+            events[("backward", "all_gather", n, 0)] += times
+    elif e.kind == "R" and needs_grad:  # Partial input gradient -> Replicate
+        events[("backward", "all_reduce", n, 0)] += times
+    elif e.kind != "R" and e.num_collectives:  # Shard(seq) -> Replicate on entry; its gradient reduce-scattered back
+        events[("forward", "all_gather", n, 0)] += times
+        if needs_grad:
+            events[("backward", "reduce_scatter", n, 0)] += times
+    return events
 
 
 def _group_grad_bytes(graph: OpGraph, solution: Solution) -> dict[tuple[int, int], int]:

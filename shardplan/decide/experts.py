@@ -36,10 +36,10 @@ from . import cost
 from ..analyze.graph import OpGraph
 from ..plan.model import Collectives, Estimate, Plan, Rule, matches
 from .assemble import pattern_map, patterned
-from .estimate import _representative, collective_list, unit_param_bytes
+from .estimate import _representative, entry_events, unit_param_bytes
 from .regions import find_regions
 from .fsdp import data_parallel_events, fsdp_units, unit_of
-from .solve import PlanningError, Solution, SolveContext, _host_time, _model_dtype_bytes, _update_time
+from .solve import PlanningError, Solution, SolveContext, _model_dtype_bytes, upkeep_time, work_time
 
 __all__ = ["Bank", "routed_banks", "listed_banks", "expert_count", "expert_parallel", "uniform_routing"]
 
@@ -311,13 +311,13 @@ def _listed_runs(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Soluti
             s = solution.strategies[op.index]
             if op.index in inside:
                 runs = op.multiplicity // ep
-                total[0] += _work_time(s, ctx) * (rows * runs - op.multiplicity) + (
-                    _update_time(s, ctx) + _host_time(s, ctx)) * (runs - op.multiplicity)
+                total[0] += work_time(s, ctx) * (rows * runs - op.multiplicity) + upkeep_time(s, ctx) * (
+                    runs - op.multiplicity)
                 events = [("forward", k, n) for k, n in s.fwd] + [("backward", k, n) for k, n in s.bwd]
                 for event in events + [(phase, k, n) for phase, k, n, _ in s.group_comms]:
                     _rescale(total, counts, logical, ctx, event, op.multiplicity, runs, rows)
             elif ep > 1 and op.kind in ("module", "function") and _inside(op.target if op.kind == "module" else op.owner, layer):
-                total[0] += _work_time(s, ctx) / 3 * op.multiplicity  # forward: 1 of the 3 matmuls of a step
+                total[0] += work_time(s, ctx) / 3 * op.multiplicity  # forward: 1 of the 3 matmuls of a step
                 for k, n in s.fwd:
                     _rescale(total, counts, logical, ctx, ("forward", k, n), 0, op.multiplicity, 1.0)
     return total[0], total[1], total[2]
@@ -336,17 +336,11 @@ def _entry_events(graph: OpGraph, solution: Solution, ops: set[int]) -> Counter:
     """The collectives of the regions whose readers are all in ``ops`` (an input gathered
     once for an expert's Linears, its gradient reduced), as :func:`.estimate.collective_list`
     counts them: ``(phase, kind, bytes, group) -> times``."""
-    base, out = dict(collective_list(graph, solution, [])), Counter()
+    out: Counter = Counter()
     for e in find_regions(graph, solution):
         if set(e.consumers) <= ops:
-            for key, times in collective_list(graph, solution, [e]):
-                out[key] += times - base.get(key, 0)
-    return +out
-
-
-def _work_time(s, ctx: SolveContext) -> float:
-    return ((cost.matmul_time(s.flops, hardware=ctx.hardware, dtype=ctx.dtype) if s.flops else 0.0)
-            + (cost.elementwise_time(s.mem_bytes, hardware=ctx.hardware) if s.mem_bytes else 0.0))
+            out.update(entry_events(graph, e))
+    return out
 
 
 def _bump(counts: dict, logical: dict, ctx: SolveContext, phase: str, kind: str, n: float, times: float):

@@ -41,7 +41,7 @@ from .placements import shard_dim
 from .strategies import MATMUL, Strategy, op_strategies
 from .weights import read_elsewhere
 
-__all__ = ["SolveContext", "Solution", "solve", "PlanningError", "strategy_time", "comm_time",
+__all__ = ["SolveContext", "Solution", "solve", "PlanningError", "strategy_time", "comm_time", "work_time", "upkeep_time",
            "BUCKETED_GRAD_STYLES"]
 
 
@@ -96,10 +96,25 @@ def strategy_time(s: Strategy, ctx: SolveContext) -> float:
     collectives, matmul FLOPs (forward + backward), bandwidth-bound traffic (forward +
     backward), the optimizer's update of the parameters it holds, and for a weight module
     under a parallel style the host's dispatch overhead."""
-    comm = comm_time(s, ctx)
+    compute, memory = _work(s, ctx)
+    return comm_time(s, ctx) + compute + memory + _update_time(s, ctx) + _host_time(s, ctx)
+
+
+def _work(s: Strategy, ctx: SolveContext) -> tuple[float, float]:
     compute = cost.matmul_time(s.flops, hardware=ctx.hardware, dtype=ctx.dtype) if s.flops else 0.0
     memory = cost.elementwise_time(s.mem_bytes, hardware=ctx.hardware) if s.mem_bytes else 0.0
-    return comm + compute + memory + _update_time(s, ctx) + _host_time(s, ctx)
+    return compute, memory
+
+
+def work_time(s: Strategy, ctx: SolveContext) -> float:
+    """The op's matmul FLOPs and bandwidth-bound traffic, forward + backward: what scales with its rows."""
+    compute, memory = _work(s, ctx)
+    return compute + memory
+
+
+def upkeep_time(s: Strategy, ctx: SolveContext) -> float:
+    """The optimizer's update of the parameters the op holds and its dispatch overhead: per call, not per row."""
+    return _update_time(s, ctx) + _host_time(s, ctx)
 
 
 # styles whose backward collectives reduce Partial weight gradients, bucketed when backward ends
