@@ -143,7 +143,7 @@ def _routes(op, graph: OpGraph, layer: str) -> bool:
     if op.kind == "module":
         return op.module_kind == "linear" and _inside(op.target, layer)
     return (op.kind == "function" and op.target in _MATMULS and op.output in graph.values
-            and (op.owner == layer or _inside(op.owner, layer)))
+            and _inside(op.owner, layer))
 
 
 _MATMULS = ("linear", "matmul", "mm", "einsum")
@@ -156,13 +156,14 @@ def _alike(experts: nn.ModuleList) -> bool:
 
 
 def _inside(fqn: str, parent: str) -> bool:
-    return not parent or fqn.startswith(f"{parent}.")
+    """``fqn`` is ``parent`` or under it (everything is under the root, ``""``)."""
+    return not parent or fqn == parent or fqn.startswith(f"{parent}.")
 
 
 def _top_k(graph: OpGraph, layer: str) -> int:
     """The k of the first ``topk`` the layer's code calls (``topk(x, k)``, ``x.topk(k)``, ``k=``)."""
     for op in graph.ops:
-        if op.kind == "function" and op.target == "topk" and (op.owner == layer or _inside(op.owner, layer)):
+        if op.kind == "function" and op.target == "topk" and _inside(op.owner, layer):
             k = op.node.kwargs.get("k", op.node.args[1] if len(op.node.args) > 1 else None)
             if isinstance(k, int):
                 return k
