@@ -77,7 +77,9 @@ def matches(rank: int, world: int, spec: str, plan_yaml: str, fsdp: bool = False
     elsewhere = held_elsewhere(model)
     listed = {n for n, _ in model.named_parameters() if ".experts." in n}
     mine = ids.chunk(data_world)[data_rank]
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    # Adam's first step is lr * sign(grad) where eps is far below |grad|: a gradient entry that
+    # is rounding noise around 0 (1e-12 here, -1e-12 there) would move by 2 lr either way
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-6) for m in (model, ref)]
     counter = CommDebugMode()
     out: dict = {"held_elsewhere": len(elsewhere), "experts_here": len({n.rsplit(".", 2)[0] for n in listed})}
     for step in range(steps):

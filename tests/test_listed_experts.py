@@ -239,3 +239,14 @@ def test_stacked_layers_after_a_linear_of_as_many_outputs_are_not_experts() -> N
 
     with pytest.raises(shardplan.PlanningError, match="has no expert bank"):
         shardplan.plan_model(Stack(), {"ep": 2}, example_inputs=(torch.randn(4, 8),), explain=False)
+
+
+@pytest.mark.parametrize("mesh", [{"tp": 2}, {"ep": 2, "tp": 2}])
+def test_experts_the_example_leaves_idle_are_planned_as_their_neighbours(mesh: dict) -> None:
+    """Every token of the example alike: DeepSeek's loop skips the idle experts, expert 0 among
+    them, so the first expert that runs stands for the list (planning raised a KeyError on the
+    never-called first one)."""
+    model = w._build(DEEPSEEK)
+    idle = shardplan.plan_model(model, mesh, example_inputs=(torch.zeros(2, 16, dtype=torch.long),), explain=False)
+    assert idle.module_styles() == _plan(DEEPSEEK, mesh).module_styles()
+    assert idle.module_styles()["layers.0.feed_forward.experts.0.w2"] == "rowwise"

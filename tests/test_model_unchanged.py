@@ -355,3 +355,39 @@ def test_world_size_and_price_styles_leave_the_model_as_it_was():
     shardplan.price_styles(model, {"tp": 2}, {"layers.*.up": "colwise"}, example_inputs=(_ids(),))
     _assert_unchanged(model, before)
     _assert_forward_as_before(model, CountingLM)
+
+
+_FRESH_PROCESS = """
+import sys, torch
+from torch import nn
+import shardplan
+
+class Routed(nn.Module):  # reads its routing counts as Python ints: the trace computes them
+    def __init__(self):
+        super().__init__()
+        self.router, self.proj = nn.Linear(32, 4), nn.Linear(32, 32)
+    def forward(self, x):
+        counts = torch.bincount(self.router(x).argmax(-1).flatten(), minlength=4).tolist()
+        return self.proj(x) * max(counts)
+
+hook = sys.excepthook
+shardplan.plan_model(Routed(), {"tp": 2}, example_inputs=(torch.randn(2, 8, 32),), explain=False)
+with torch.device("meta"):
+    table = torch.arange(0, 8, 2).float()
+    layer = nn.Linear(4, 4)
+print(table.device, layer.weight.device, sys.excepthook is hook)
+"""
+
+
+def test_planning_leaves_the_process_as_it_was():
+    """In a fresh process (what torch builds once per process is at stake): a trace that
+    computes values (``.tolist()`` of counts) ran while fx had swapped ``torch.arange`` for a
+    wrapper, and torch's device context then stopped moving ``torch.arange``: a model built
+    on meta afterwards got CPU buffers. The fake group's ``init_process_group`` wrapped
+    ``sys.excepthook`` for good, one ``[rank0]:`` prefix more per plan."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["meta", "meta", "True"], out.stdout

@@ -200,11 +200,24 @@ class _ShardTracer(MetaTracer):
         if self._computing_meta:  # inside a leaf's meta forward: plain meta tensors, no graph
             return forward(*args, **kwargs)
         fqn = self._fqn(m)
+        self._promote_if_first(fqn)
         out = super().call_module(m, forward, args, kwargs)
         self._record_call(fqn, args, kwargs, out)
         if fqn and fqn not in self.folded and fqn in self.folded.values():
             self._fold_cache[fqn] = (self._meta_key(args, kwargs), out)
         return out
+
+    def _promote_if_first(self, fqn: str) -> None:
+        """The first copy of a folded group to run is traced through: code that skips idle
+        experts (``if not counts[i]: continue``) may never call the first by name."""
+        rep = self.folded.get(fqn)
+        if rep is None or rep in self.calls:
+            return
+        for copy, its_rep in list(self.folded.items()):
+            if its_rep == rep:
+                self.folded[copy] = fqn
+        self.folded[rep] = fqn
+        del self.folded[fqn]
 
     def _record_call(self, fqn: str, args, kwargs, out) -> None:
         arg_nodes = [a.node if isinstance(a, torch.fx.Proxy) else None for a in args]
@@ -587,6 +600,7 @@ def trace_model(
     meta_args.update({k: _to_meta(v) for k, v in kwargs.items() if holds_tensor(v)})
     named = {**{f"x{i}": a for i, a in enumerate(example_inputs)}, **kwargs}
     tracer.examples.inputs = {k: v for k, v in named.items() if k in meta_args and not holds_tensor(v, meta=True)}
+    _cache_device_constructors()
     try:
         with _mask_checks_take_proxies(), nonzero_at_upper_bound():
             graph = tracer.trace(root, meta_args)
@@ -598,6 +612,20 @@ def trace_model(
             "Check that example_inputs match forward(), or make the failing module a leaf."
         ) from exc
     return _strip_root(graph, model, tracer)
+
+
+def _cache_device_constructors() -> None:
+    """``with torch.device(d)`` moves the calls of the functions in a set torch builds once per
+    process. fx's meta tracer swaps ``torch.arange``, ``torch.ones``... for wrappers while it
+    traces; were that set first built then (code under trace that enters a device context),
+    it would hold the wrappers for good, and every later ``torch.arange`` under
+    ``torch.device("meta")`` would make a CPU tensor: the user's next model built on meta
+    gets CPU buffers. Built here, before any swap."""
+    from torch.utils import _device
+
+    constructors = getattr(_device, "_device_constructors", None)
+    if constructors is not None:
+        constructors()
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Iterator, Mapping
 
 import torch.distributed as dist
@@ -49,10 +50,14 @@ def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[None]:
             "fake_process_group: a default process group is already initialized "
             f"(backend {dist.get_backend()!r}, world size {dist.get_world_size()}); destroy it first"
         )
+    # init_process_group wraps sys.excepthook to prefix "[rankN]:"; the wrapper outlives the
+    # group, so every plan would add one more prefix to the user's tracebacks.
+    hook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
+        sys.excepthook = hook
         if dist.is_initialized():
             dist.destroy_process_group()
         _forget_meshes()
