@@ -198,6 +198,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
         dtype=opts.dtype, memory_budget=opts.memory_budget, opts=opts,
         state_shards=state_shards(axes, tp_axis, opts.data_parallel),
         forced=_pin(graph, extra.get("_pinned") or {}) if axes[tp_axis] > 1 else _replicate_all(graph),
+        whole_experts=expert_axis(axes, tp_axis) is None,
     )
     whole: dict[str, str] = {}  # module -> the plan's warning for running it whole (_kept_whole)
     attributes: list = []  # modules whose size attributes take their local value (a head count)

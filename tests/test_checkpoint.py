@@ -38,8 +38,9 @@ from tests._checks import flat_state
 TYPES = ["phi3", "mixtral", "qwen3_moe", "gpt2"]
 
 
-# the style each type tests, at each tp; qwen3_moe's 2 kv heads are gathered on 2 ranks each at tp=4
-PACKED = {("phi3", 2): "packed_colwise", ("phi3", 4): "packed_colwise", ("mixtral", 2): "moe_tp_experts",
+# the style each type tests, at each tp; qwen3_moe's 2 kv heads are gathered on 2 ranks each at tp=4;
+# mixtral saved with whole experts per rank at tp=2 loads split inside every expert at tp=4
+PACKED = {("phi3", 2): "packed_colwise", ("phi3", 4): "packed_colwise", ("mixtral", 2): "moe_whole_experts",
           ("mixtral", 4): "moe_tp_experts", ("qwen3_moe", 4): "colwise_kv_gathered",
           # GPT-2's fused c_attn is HF's Conv1D ([in, out]): packed along weight dim 1
           ("gpt2", 2): "packed_colwise", ("gpt2", 4): "packed_colwise"}
@@ -47,7 +48,9 @@ PACKED = {("phi3", 2): "packed_colwise", ("phi3", 4): "packed_colwise", ("mixtra
 
 def _plan(model_type: str, tp: int) -> str:
     model, ids = w.build(model_type, 0)
-    plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=(ids,))
+    style = PACKED.get((model_type, tp), "")
+    pins = {"model.layers.*.mlp.experts": style} if style.startswith("moe_") else {}
+    plan = shardplan.price_styles(model, {"tp": tp}, pins, example_inputs=(ids,))
     if (model_type, tp) in PACKED:
         assert PACKED[model_type, tp] in set(plan.module_styles().values()), plan.module_styles()
     return plan.to_yaml()

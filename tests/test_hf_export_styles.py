@@ -91,6 +91,8 @@ def _phi3_hf_plan(model, ids):
     return from_hf_tp_plan(hf_tp_plan(model), model=model, mesh={"tp": TP}, example_inputs=(ids,))
 
 
+_INSIDE = {"model.layers.*.mlp.experts": "moe_tp_experts"}
+
 # name -> (model type, config overrides, plan_model options or a planning function, styles the export must hold)
 CASES = {
     "llama": ("llama", {}, {}, {"embedding_rowwise", "colwise", "rowwise", "colwise_gather_output", "replicate"}),
@@ -101,10 +103,12 @@ CASES = {
     "phi3": ("phi3", {"pad_token_id": 0}, {"_pinned": {"model.layers.*.self_attn.qkv_proj": "colwise_gather_output"}},
              {"colwise_gather_output", "packed_colwise", "rowwise"}),
     "phi3_hf_plan": ("phi3", {"pad_token_id": 0}, _phi3_hf_plan, {"colwise_gather_output", "rowwise_split_input"}),
+    # tiny banks plan moe_whole_experts, which HF's tp_plan lacks (see below): pinned split inside
     "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 16,
-                                "decoder_sparse_step": 1, "mlp_only_layers": []}, {},
+                                "decoder_sparse_step": 1, "mlp_only_layers": []}, {"_pinned": _INSIDE},
                   {"moe_tp_experts", "replicated_with_grad_allreduce", "packed_colwise", "colwise", "rowwise"}),
-    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}, {}, {"moe_tp_experts", "packed_colwise"}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}, {"_pinned": _INSIDE},
+                {"moe_tp_experts", "packed_colwise"}),
 }
 
 
@@ -293,6 +297,13 @@ def test_sequence_parallel_is_refused() -> None:
         plan.to_hf_tp_plan(model)
 
 
+def test_whole_experts_per_rank_are_refused() -> None:
+    model, plan = _plan("mixtral", _build("mixtral", num_local_experts=4, num_experts_per_tok=2),
+                        _pinned={"model.layers.*.mlp.experts": "moe_whole_experts"})
+    with pytest.raises(ValueError, match=r"moe_whole_experts .* no style in Hugging Face's tp_plan.*'moe_tp_experts'"):
+        plan.to_hf_tp_plan(model)
+
+
 def test_per_rank_attribute_values_are_refused() -> None:
     """OPT's attention views by ``self.num_heads`` (``view(b, -1, num_heads, d)``): shardplan sets
     it to 2 on each rank's shards; transformers would keep 4 and fold the heads into the sequence."""
@@ -315,7 +326,7 @@ def test_layouts_hf_styles_do_not_have_are_refused() -> None:
 def test_a_containers_own_split_parameters_are_refused() -> None:
     """gpt-oss's per-head attention sinks are split beside the heads (``param_layouts``)."""
     model, plan = _plan("gpt_oss", _build("gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16,
-                                          layer_types=["full_attention"] * 2))
+                                          layer_types=["full_attention"] * 2), _pinned=_INSIDE)
     with pytest.raises(ValueError, match=r"self_attn: replicate with its own parameters split \(\{'sinks': 'Shard\(0\)'\}\)"):
         plan.to_hf_tp_plan(model)
 

@@ -32,7 +32,7 @@ from .trace import Traced, is_weight_leaf
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like", "router_like"]
+__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like", "router_like", "grad_inputs"]
 
 
 @dataclass(frozen=True)
@@ -356,15 +356,33 @@ def _trainable_attribute(model: nn.Module, target: str) -> bool:
         return False
 
 
+# ops whose result carries no gradient whatever their input: they read its dtype, device or
+# shape only (``q.new_full((T, T), -inf)``, a mask made beside q), or cut the graph
+_DATA_FREE = frozenset({"new_empty", "new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "empty_like",
+                        "full_like", "detach"})
+# ``x.to(other)``, ``x.type_as(other)``: the gradient flows to x only; other gives a dtype
+_LIKE = frozenset({"to", "type_as"})
+
+
+def grad_inputs(op: Op) -> list[int]:
+    """The inputs of ``op`` a gradient flows back to (all but those read for metadata)."""
+    if op.kind != "function":
+        return op.inputs
+    return [] if op.target in _DATA_FREE else op.inputs[:1] if op.target in _LIKE else op.inputs
+
+
 def _set_requires_grad(graph: OpGraph) -> None:
-    """Inputs and constants need no gradient; anything computed from a trainable weight does."""
+    """Inputs and constants need no gradient; anything computed from a trainable weight does,
+    unless the op carries none (data-free, or a result that is not floating point)."""
     for op in graph.ops:
         if op.output is None:
             continue
         trainable = (op.kind in ("module", "folded") and any(
             p.requires_grad for p in graph.model.get_submodule(op.target).parameters()
         )) or (op.kind == "const" and _trainable_attribute(graph.model, op.target))
-        if trainable or any(v in graph.requires_grad for v in op.inputs):
+        carried = any(v in graph.requires_grad for v in grad_inputs(op))
+        dtype = graph.values[op.output].dtype
+        if (trainable or carried) and (dtype is None or dtype.is_floating_point or dtype.is_complex):
             graph.requires_grad.add(op.output)
 
 

@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern, set_int_attribute
 
 from .agree import agree
-from .experts_ep import ExpertParallel
+from .experts_ep import ExpertParallel, WholeExperts
 from .experts_listed import shard_listed_experts
 from .attention_style import MultiheadAttentionParallel
 from .gradsync import install_gradient_sync
@@ -97,6 +97,8 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False, scala
         return SequenceParallel(sequence_dim=(inp or Shard(1)).dim, use_local_output=True)
     if rule.style == "moe_tp_experts":
         return MoEExpertsParallel(reduce_output=not isinstance(out, Partial))
+    if rule.style == "moe_whole_experts":
+        return WholeExperts(reduce_output=not isinstance(out, Partial))
     if rule.style == "attention_heads":
         return MultiheadAttentionParallel(input_layouts=inp, output_layouts=out)
     if rule.style == "replicate":

@@ -55,7 +55,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from .dispatch import ScaleGrad, by_expert, exchange, send
 from .styles import _CopyToTP, _ReduceFromTP, _ScaleForward, expert_tp_placements
 
-__all__ = ["ExpertParallel", "bank_size"]
+__all__ = ["ExpertParallel", "WholeExperts", "bank_size"]
 
 
 def bank_size(module: nn.Module) -> int:
@@ -200,3 +200,87 @@ def _ep_routed(module: nn.Module, run: Callable, hidden: torch.Tensor, top_k_ind
     weights = top_k_weights.reshape(-1, k, 1).to(pairs.dtype)
     out = (pairs.view(-1, k, pairs.shape[-1]) * weights).sum(1).to(hidden.dtype).view(hidden.shape)
     return _ReduceFromTP.apply(out, tp.group) if tp is not None and tp.reduce_output else out
+
+
+class WholeExperts(ParallelStyle):
+    """Whole experts over the tp axis (``moe_whole_experts``): rank r of tp holds experts
+    ``[r E/tp, (r + 1) E/tp)`` whole (``Shard(0)`` DTensors). The tp ranks share their tokens,
+    so no token moves: each rank runs its experts on the rows routed to them, leaves zeros
+    for the others, and one all-reduce sums the ranks' outputs (Hugging Face's all-reduce
+    expert parallelism, whose ep group is the tp group). The tokens and routing weights
+    enter by Megatron's "f" (identity forward, gradient all-reduced over tp): each rank's
+    experts give a partial gradient of them. An expert's weight gradients come from every
+    routed row of the shared batch, on the one rank that holds it: the one-process gradient.
+    The three calling conventions of :class:`ExpertParallel` (module doc) are taken: routed
+    ``(hidden, top_k_index, top_k_weights)``, sorted rows with their counts, and Llama 4's
+    ``[E T, H]``. ``reduce_output=False`` (``output_layouts: Partial``) hands the partial
+    sums on for the MoE block's return to reduce-scatter onto sequence shards."""
+
+    def __init__(self, *, reduce_output: bool = True) -> None:
+        super().__init__()
+        self.reduce_output = reduce_output
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        tp, experts = device_mesh.size(), bank_size(module)
+        if experts % tp:
+            raise ValueError(f"{type(module).__name__} has {experts} experts, which tp={tp} does not divide; "
+                             f"plan it moe_tp_experts, or use a tp that divides {experts}")
+        for name, p in list(module.named_parameters(recurse=False)):
+            shard = distribute_tensor(p.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+        tp_group = _TpInside(device_mesh.get_group().group_name, tp, None, self.reduce_output)
+        module.forward = partial(_whole_forward, module, module.forward, rank=device_mesh.get_local_rank(),
+                                 local=experts // tp, tp=tp_group)
+        return module
+
+
+def _whole_forward(module: nn.Module, run: Callable, *args: torch.Tensor, rank: int, local: int,
+                   tp: _TpInside) -> torch.Tensor:
+    args = tuple(_CopyToTP.apply(t, tp.group) if t.requires_grad else t for t in args)
+    if len(args) == 3:
+        out = _whole_routed(module, run, *args, rank=rank, local=local)
+    else:
+        if len(args) == 1:  # Llama 4's [E T, H]: T rows per expert
+            counts = torch.full((local * tp.size,), args[0].shape[0] // (local * tp.size), dtype=torch.int64,
+                                device=args[0].device)
+            counts_first, rows, call = True, args[0], (lambda _c, r: run(r))
+        else:
+            counts_first = args[0].dim() == 1 and not args[0].is_floating_point()
+            counts, rows = args if counts_first else args[::-1]
+            call = run if counts_first else (lambda c, r: run(r, c))
+        out = _whole_sorted(module, call, counts, rows, rank=rank, local=local, tp=tp.size)
+    return _ReduceFromTP.apply(out, tp.group) if tp.reduce_output else out
+
+
+def _whole_routed(module: nn.Module, run: Callable, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor, *, rank: int, local: int) -> torch.Tensor:
+    """The (token, slot) pairs routed to this rank's experts, run at weight 1 with local ids,
+    put back among zeros, then weighted and summed over the slots as one process does."""
+    k, width = top_k_index.shape[-1], hidden.shape[-1]
+    ids = top_k_index.reshape(-1)
+    mine = torch.nonzero(ids // local == rank).squeeze(-1)
+    rows = hidden.reshape(-1, width)[mine // k]
+    local_ids = (ids[mine] - rank * local).unsqueeze(-1)
+    with _local_bank(module, local=local, ep=1, tp=None):
+        if rows.shape[0]:
+            y = run(rows, local_ids, torch.ones_like(local_ids, dtype=rows.dtype))
+        else:  # no rows here: one zero row keeps the tokens' gradient (and its all-reduce) on this rank
+            zero = rows.sum(0, keepdim=True)
+            y = run(zero, local_ids.new_zeros(1, 1), zero.new_ones(1, 1))[:0]
+    pairs = y.new_zeros(ids.shape[0], width).index_copy(0, mine, y)
+    weights = top_k_weights.reshape(-1, k, 1).to(pairs.dtype)
+    return (pairs.view(-1, k, width) * weights).sum(1).to(hidden.dtype).view(hidden.shape)
+
+
+def _whole_sorted(module: nn.Module, run: Callable, counts: torch.Tensor, rows: torch.Tensor, *, rank: int,
+                  local: int, tp: int) -> torch.Tensor:
+    """``run(counts, rows)`` on the run of rows sorted to this rank's experts, among zeros."""
+    per_rank = counts.reshape(tp, local).to(torch.int64)
+    start, size = (int(n) for n in (per_rank[:rank].sum(), per_rank[rank].sum()))  # the one host sync
+    with _local_bank(module, local=local, ep=1, tp=None):
+        if size:
+            y = run(per_rank[rank], rows[start:start + size])
+        else:  # as _whole_routed: one zero row, dropped
+            zero = rows[:0].sum(0, keepdim=True)
+            y = run(torch.nn.functional.one_hot(per_rank.new_zeros(()), local), zero)[:0]
+    return torch.nn.functional.pad(y, (0, 0, start, rows.shape[0] - start - size))

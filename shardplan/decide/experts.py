@@ -26,166 +26,19 @@ when there is one), an ep that does not divide E. Names and numbers only: no pro
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from dataclasses import dataclass
-
-from torch import nn
 
 from . import cost
 from ..analyze.graph import OpGraph
 from ..plan.model import Collectives, Estimate, Plan, Rule, matches
 from .assemble import pattern_map, patterned
+from .banks import Bank, expert_count, inside, listed_banks, routed_banks
 from .estimate import _representative, entry_events, unit_param_bytes
 from .regions import find_regions
 from .fsdp import data_parallel_events, fsdp_units, unit_of
 from .solve import PlanningError, Solution, SolveContext, _model_dtype_bytes, upkeep_time, work_time
 
-__all__ = ["Bank", "routed_banks", "listed_banks", "expert_count", "expert_parallel", "uniform_routing"]
-
-
-@dataclass(frozen=True)
-class Bank:
-    module: str  # the bank's FQN (a folded stack's representative)
-    experts: int
-    tokens: int  # T at its call, per rank
-    top_k: int
-    hidden: int
-    calls: int  # per step: the op's multiplicity
-    listed: bool = False  # an nn.ModuleList of experts, each its own module (module: the list)
-
-
-def routed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Bank]:
-    """Expert banks called as ``bank(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``
-    or, on rows sorted by expert, ``bank(num_tokens_per_expert [E], rows [N, H])``
-    (torchtitan's; a bank of N rows at top-1). A bank called otherwise (a shared expert
-    written as a bank, Llama 4's bank of every token) is not one: it is listed in ``unread``
-    as ``"<fqn>: <shapes>"`` when a list is given."""
-    out = []
-    for op in graph.ops:
-        if op.kind != "module" or op.module_kind != "experts":
-            continue
-        shapes = [tuple(graph.values[v].shape) for v in op.inputs]
-        dtypes = [graph.values[v].dtype for v in op.inputs]
-        experts = int(next(graph.model.get_submodule(op.target).parameters(recurse=False)).shape[0])
-        if _routed(shapes, dtypes):
-            out.append(Bank(op.target, experts, shapes[0][0], shapes[1][1], shapes[0][1], op.multiplicity))
-        elif rows := _sorted_rows(shapes, dtypes, experts):
-            out.append(Bank(op.target, experts, rows[0], 1, rows[1], op.multiplicity))
-        elif _every_token(graph, op, shapes, dtypes, experts):  # each token sent to every expert: top-k is E
-            out.append(Bank(op.target, experts, shapes[0][0] // experts, experts, shapes[0][1], op.multiplicity))
-        elif unread is not None:
-            unread.append(f"{op.target}: called with tensors of shapes {shapes}")
-    return out
-
-
-def _routed(shapes: list[tuple], dtypes: list) -> bool:
-    return (len(shapes) == 3 and len(shapes[0]) == 2 and shapes[1] == shapes[2] and len(shapes[1]) == 2
-            and shapes[1][0] == shapes[0][0] and not dtypes[1].is_floating_point and dtypes[2].is_floating_point)
-
-
-def _sorted_rows(shapes: list[tuple], dtypes: list, experts: int) -> tuple | None:
-    """The rows' shape ``[N, H]`` of a call with counts [E] (integers) and rows sorted by expert,
-    in either order (torchtitan passes rows first); None for any other call."""
-    if len(shapes) != 2:
-        return None
-    (counts, c_type), (rows, r_type) = sorted(zip(shapes, dtypes), key=lambda sd: len(sd[0]))
-    found = counts == (experts,) and not c_type.is_floating_point and len(rows) == 2 and r_type.is_floating_point
-    return rows if found else None
-
-
-def listed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Bank]:
-    """Experts written as an ``nn.ModuleList`` of alike modules, each called by its layer's
-    own code on the rows a router chose: the list's layer runs a Linear of E outputs (the
-    router) before the first expert. ``tokens`` is the router's rows, ``top_k`` the k of a
-    ``topk`` in the layer's code (1 without one). An expert that does not map ``[n, H]`` to
-    ``[n, H]`` is listed in ``unread``."""
-    modules = [op for op in graph.ops if op.kind == "module"]
-    out = []
-    for path, experts in graph.model.named_modules():
-        if not isinstance(experts, nn.ModuleList) or len(experts) < 2 or not _alike(experts) or _chained(graph, path):
-            continue
-        calls = [op for op in modules if op.target.startswith(f"{path}.")]
-        parent = path.rpartition(".")[0]
-        router = next((op for op in graph.ops if calls and op.index < calls[0].index and _routes(op, graph, parent)
-                       and graph.values[op.output].shape[-1] == len(experts)), None)
-        if router is None:
-            continue
-        first, last = (graph.values[calls[0].inputs[0]].shape, graph.values[calls[-1].output].shape)
-        if first[-1] != last[-1]:
-            if unread is not None:
-                unread.append(f"{path}: experts map rows of {first[-1]} features to {last[-1]}")
-            continue
-        rows = graph.values[router.output]
-        out.append(Bank(path, len(experts), math.prod(rows.shape[:-1]), _top_k(graph, parent), first[-1],
-                        router.multiplicity, listed=True))
-    return out
-
-
-def _chained(graph: OpGraph, path: str) -> bool:
-    """The list's second entry reads what its first returned (stacked layers, not experts)."""
-    first, second = (graph.traced.calls.get(f"{path}.{i}") for i in (0, 1))
-    if not first or not second or not second[0].args or second[0].args[0] is None:
-        return False
-    outputs, seen, todo = set(first[0].outputs), set(), [second[0].args[0]]
-    while todo:
-        node = todo.pop()
-        if node in outputs:
-            return True
-        if node not in seen:
-            seen.add(node)
-            todo.extend(node.all_input_nodes)
-    return False
-
-
-def _routes(op, graph: OpGraph, layer: str) -> bool:
-    """A matmul in ``layer`` (a Linear module, or ``F.linear(x, self.weight)`` in its code)."""
-    if op.kind == "module":
-        return op.module_kind == "linear" and _inside(op.target, layer)
-    return (op.kind == "function" and op.target in _MATMULS and op.output in graph.values
-            and _inside(op.owner, layer))
-
-
-_MATMULS = ("linear", "matmul", "mm", "einsum")
-
-
-def _alike(experts: nn.ModuleList) -> bool:
-    """Every entry the same class with the same parameter names and shapes, and some."""
-    shapes = {(type(m), tuple((n, tuple(p.shape)) for n, p in m.named_parameters())) for m in experts}
-    return len(shapes) == 1 and bool(next(iter(shapes))[1])
-
-
-def _inside(fqn: str, parent: str) -> bool:
-    """``fqn`` is ``parent`` or under it (everything is under the root, ``""``)."""
-    return not parent or fqn == parent or fqn.startswith(f"{parent}.")
-
-
-def _top_k(graph: OpGraph, layer: str) -> int:
-    """The k of the first ``topk`` the layer's code calls (``topk(x, k)``, ``x.topk(k)``, ``k=``)."""
-    for op in graph.ops:
-        if op.kind == "function" and op.target == "topk" and _inside(op.owner, layer):
-            k = op.node.kwargs.get("k", op.node.args[1] if len(op.node.args) > 1 else None)
-            if isinstance(k, int):
-                return k
-    return 1
-
-
-def _every_token(graph: OpGraph, op, shapes: list[tuple], dtypes: list, experts: int) -> bool:
-    """A bank called on one [E T, H] tensor, expert-major: Llama 4's, every token once per
-    expert, pre-scaled by its routing score (zero where not chosen). T is the rows of the
-    layer's router (a matmul of E outputs before the bank), so a shared expert written as a
-    bank and called on the tokens is not one."""
-    if experts < 2 or len(shapes) != 1 or len(shapes[0]) != 2 or not dtypes[0].is_floating_point:
-        return False
-    layer = op.target.rpartition(".")[0]
-    return any(_routes(r, graph, layer) and graph.values[r.output].shape[-1] == experts
-               and experts * math.prod(graph.values[r.output].shape[:-1]) == shapes[0][0]
-               for r in graph.ops[:op.index] if r.output is not None)
-
-
-def expert_count(graph: OpGraph) -> int | None:
-    """The experts of the model's routed banks (the fewest, if they differ); None without any."""
-    return min((b.experts for b in routed_banks(graph) + listed_banks(graph)), default=None)
+__all__ = ["expert_parallel", "uniform_routing", "expert_count"]
 
 
 def expert_parallel(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Solution) -> Plan:
@@ -304,20 +157,20 @@ def _listed_runs(plan: Plan, graph: OpGraph, ctx: SolveContext, solution: Soluti
     total = [0.0, 0.0, 0.0]
     for b in (b for b in banks if b.listed):
         layer = b.module.rpartition(".")[0]
-        inside = {op.index for op in graph.ops if op.target.startswith(f"{b.module}.") or op.owner.startswith(f"{b.module}.")}
+        ops = {op.index for op in graph.ops if op.target.startswith(f"{b.module}.") or op.owner.startswith(f"{b.module}.")}
         rows = ep / b.experts
-        for (phase, k, n, _), times in _entry_events(graph, solution, inside).items():
+        for (phase, k, n, _), times in _entry_events(graph, solution, ops).items():
             _rescale(total, counts, logical, ctx, (phase, k, n), times, times // ep, rows)
         for op in graph.ops:
             s = solution.strategies[op.index]
-            if op.index in inside:
+            if op.index in ops:
                 runs = op.multiplicity // ep
                 total[0] += work_time(s, ctx) * (rows * runs - op.multiplicity) + upkeep_time(s, ctx) * (
                     runs - op.multiplicity)
                 events = [("forward", k, n) for k, n in s.fwd] + [("backward", k, n) for k, n in s.bwd]
                 for event in events + [(phase, k, n) for phase, k, n, _ in s.group_comms]:
                     _rescale(total, counts, logical, ctx, event, op.multiplicity, runs, rows)
-            elif ep > 1 and op.kind in ("module", "function") and _inside(op.target if op.kind == "module" else op.owner, layer):
+            elif ep > 1 and op.kind in ("module", "function") and inside(op.target if op.kind == "module" else op.owner, layer):
                 total[0] += work_time(s, ctx) / 3 * op.multiplicity  # forward: 1 of the 3 matmuls of a step
                 for k, n in s.fwd:
                     _rescale(total, counts, logical, ctx, ("forward", k, n), 0, op.multiplicity, 1.0)

@@ -54,9 +54,12 @@ from ..analyze.graph import Op
 
 __all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "split_widths", "slice_range", "index_items", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts", "whole_tail", "tail_of", "permutation", "rank_order",
            "view_groups", "VIEW_OPS",
-           "local_shape"]
+           "local_shape", "ANY"]
 
 Comm = tuple[str, int]  # (collective kind, logical bytes)
+# an input placement that takes whatever its producer gives: the op reads the input's
+# metadata only (dtype, device), or a folded block's inputs are tied elsewhere
+ANY = "*"
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..analyze.graph import OpGraph, router_like
 from .assemble import pattern_map, patterned, unused_modules
-from .placements import one_slice, shard_dim
+from .placements import ANY, one_slice, shard_dim
 from .scatter import is_gather
 from .solve import Solution
 from .weights import read_elsewhere
@@ -353,6 +353,6 @@ def _outputs_taking(user, value: int, placement: str, strategies) -> set[str] | 
     (at every position it is passed), or None if no strategy does."""
     positions = [i for i, v in enumerate(user.inputs) if v == value]
     # a strategy that gathers the split where it reads it (a norm over all features) needs it whole
-    fits = [s for s in strategies if all(i < len(s.inputs) and s.inputs[i] == placement
+    fits = [s for s in strategies if all(i < len(s.inputs) and s.inputs[i] in (placement, ANY)
                                          and not is_gather(s.entry[i] if i < len(s.entry) else None) for i in positions)]
     return {s.output or "R" for s in fits} if fits else None

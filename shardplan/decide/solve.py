@@ -37,7 +37,7 @@ from .milp import MilpModel, MilpView
 from ..analyze.graph import Op, OpGraph
 from .scatter import cut_rows, gather_rows, is_cut, is_gather, is_scatter, scatter_rows
 from .slices import is_slice, slice_rows
-from .placements import shard_dim
+from .placements import ANY, shard_dim
 from .strategies import MATMUL, Strategy, op_strategies
 from .weights import read_elsewhere
 
@@ -62,6 +62,9 @@ class SolveContext:
     state_shards: int = 1
     # op index -> style name, or (style name, layouts that must match, e.g. {"input": "S1"})
     forced: dict[int, str | tuple[str, dict[str, str]]] = field(default_factory=dict)
+    # moe_whole_experts on offer: not on a mesh with an ep axis, whose banks are whole over ep
+    # already and split over tp inside (moe_tp_experts) or not at all
+    whole_experts: bool = True
 
 
 @dataclass
@@ -212,7 +215,8 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
     for op in graph.ops:
         if op.index not in cache:
             cache[op.index] = op_strategies(op, graph, tp=ctx.tp, opts=ctx.opts)
-        strategies[op.index] = cache[op.index]
+        strategies[op.index] = cache[op.index] if ctx.whole_experts else \
+            [s for s in cache[op.index] if s.name != "moe_whole_experts"]
     prog = _Program(graph, ctx, strategies, {}, {}, {})
     for op_index, options in strategies.items():
         for i in range(len(options)):
@@ -333,9 +337,13 @@ def _rows(prog: _Program) -> tuple[list[dict[int, float]], list[float], list[flo
 
 
 def _placement_rows(prog: _Program, op: Op, slot: int, producer: int, rows, lo, hi) -> None:
+    """The op takes input ``slot`` as its producer gives it: for each placement p, the op
+    chooses a strategy reading p exactly when the producer chooses one giving p. A strategy
+    reading ``ANY`` there takes any: then the op's choice of p only implies the producer's."""
     mine = prog.strategies[op.index]
     theirs = prog.strategies[producer]
-    placements = {s.inputs[slot] for s in mine} | {s.output for s in theirs if s.output}
+    free = any(s.inputs[slot] == ANY for s in mine)
+    placements = ({s.inputs[slot] for s in mine} | {s.output for s in theirs if s.output}) - {ANY}
     for p in sorted(placements):
         row = {prog.var_of[(op.index, i)]: 1.0 for i, s in enumerate(mine) if s.inputs[slot] == p}
         for i, s in enumerate(theirs):
@@ -343,7 +351,7 @@ def _placement_rows(prog: _Program, op: Op, slot: int, producer: int, rows, lo, 
                 col = prog.var_of[(producer, i)]
                 row[col] = row.get(col, 0.0) - 1.0
         rows.append(row)
-        lo.append(0.0)
+        lo.append(-np.inf if free else 0.0)
         hi.append(0.0)
 
 
@@ -572,6 +580,11 @@ def _no_strategy_message(op: Op, ctx: SolveContext, graph: OpGraph) -> str:
     if forced and op.kind == "module" and op.target in read_elsewhere(graph):
         return (f"{op.target!r} cannot take style {forced!r}: other code reads its weight as a plain tensor (a tied "
                 "weight used outside the module), so it stays whole; pin it to 'replicate' or drop the pin")
+    if forced == "moe_whole_experts" and op.kind == "module" and op.module_kind == "experts":
+        return (f"{op.target!r} cannot take style 'moe_whole_experts' at tp={ctx.tp}: that style takes a bank of E "
+                f"experts, E divisible by {ctx.tp}, called with its routing (hidden, top_k_index, top_k_weights), with "
+                "rows sorted by expert and their counts, or on every token once per expert [E T, H]"
+                + ("" if ctx.whole_experts else ", on a mesh without an ep axis") + "; pin it to 'moe_tp_experts'")
     if forced:
         return f"{op.target!r} cannot take style {forced!r} at tp={ctx.tp}: a dimension it splits is not divisible by {ctx.tp}"
     return f"op {op.target!r} in {op.owner or 'the top level'!r} has no valid placement at tp={ctx.tp}"

@@ -34,12 +34,12 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..analyze.graph import Op, OpGraph
+from ..analyze.graph import Op, OpGraph, grad_inputs
 
 from .folded import folded_factory_strategies, folded_values, folded_variants, folded_view_strategies, rank_order_twins
 from .heads import grouped_conversions, grouped_values, grouped_variants, partial_grad_twins, under_partial_grad_owner
 from .placements import (
-    VIEW_OPS, Strategy, chunk_count, expanded_dims, groups_of, index_items, local_shape, narrow_index, packed, permutation,
+    ANY, VIEW_OPS, Strategy, chunk_count, expanded_dims, groups_of, index_items, local_shape, narrow_index, packed, permutation,
     placement_str, shard_dim, tail_of,
     sliced_part,
     split_parts, split_widths, view_groups, view_parts,
@@ -100,7 +100,7 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
             found += gather_twins(op, graph, found, tp) + scatter_twins(op, graph, found) + cut_twins(op, graph, found)
         return found
     if op.kind == "folded":  # placements are tied to the representative block by the solver
-        return [Strategy("folded", tuple("*" for _ in op.inputs), None)]
+        return [Strategy("folded", tuple(ANY for _ in op.inputs), None)]
     if op.output is None:
         if metadata_only(op):  # x.device, x.dtype: the same answer from any shard
             if len(op.inputs) != 1:
@@ -246,9 +246,10 @@ def param_only_values(graph: OpGraph) -> frozenset[int]:
         for op in graph.ops:
             if op.output is None or op.output not in graph.requires_grad:
                 continue
+            sources = grad_inputs(op)
             if (op.kind == "const" and _container_param(graph, op.target) is not None) or (
-                    op.kind == "function" and op.inputs and all(
-                        v in found or v not in graph.requires_grad for v in op.inputs) and any(v in found for v in op.inputs)):
+                    op.kind == "function" and sources and all(
+                        v in found or v not in graph.requires_grad for v in sources) and any(v in found for v in sources)):
                 found.add(op.output)
         cached = graph.strategy_cache["param_only"] = frozenset(found)
     return cached
@@ -283,7 +284,16 @@ def _param_free_elementwise(op: Op, graph: OpGraph) -> bool:
     return known and len(op.inputs) == 1 and _shape(graph, op.inputs[0]) == _shape(graph, op.output)
 
 
+# x.to(other), x.type_as(other): ``other`` gives its dtype and device only
+_LIKE = {"to", "type_as"}
+
+
 def _unary(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
+    if len(op.inputs) == 2 and op.target in _LIKE and _shape(graph, op.inputs[0]) == out_shape:
+        # the second tensor is read for its dtype and device, which no placement changes: it
+        # may come split or whole (``mask.to(q)`` with q split by heads)
+        return [Strategy("", (p, ANY), p) for p in _candidates(out_shape, tp) if p != "R"] + [
+            Strategy("", ("P", ANY), "P"), Strategy("", ("R", ANY), "R")]
     if len(op.inputs) != 1:
         return _broadcast(op, graph, tp, out_shape)
     if _shape(graph, op.inputs[0]) != out_shape:
@@ -562,13 +572,14 @@ def _spans(item: slice, size: int) -> bool:
 
 
 def _new_tensor(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
-    """``x.new_empty(size)``: data-free, so any placement of ``x`` gives any placement of the
-    result; a split result needs the code to size it from the local tensor
-    (``k.new_empty((*k.shape[:-1], d))``, DeepSeek's key buffer), which the local check
-    proves (a size written as a global number fails it)."""
-    ins = _candidates(_shape(graph, op.inputs[0]), tp) if op.inputs else []
-    return [Strategy("", (p,) + ("R",) * (len(op.inputs) - 1), o) for p in ins
-            for o in _candidates(out_shape, tp) if o != "R"]
+    """``x.new_empty(size)``: data-free, ``x`` gives its dtype and device only, so ``x`` may
+    take any placement and the result any of its own: whole (``q.new_full((T, T), -inf)``,
+    a mask sized by the sequence beside q split by heads) or split, when the code sizes it
+    from a local tensor (``k.new_empty((*k.shape[:-1], d))``, DeepSeek's key buffer); the
+    local check proves which (a size written as a global number fails a split one)."""
+    if not op.inputs:
+        return []
+    return [Strategy("", (ANY,) + ("R",) * (len(op.inputs) - 1), o) for o in _candidates(out_shape, tp)]
 
 
 def _expand(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:

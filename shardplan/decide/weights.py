@@ -68,6 +68,7 @@ from .packing import packed_into, unequal_parts
 from .folded import folded_module_twins, folded_values
 from .tails import tailed_colwise
 from .elementwise import scalar_elementwise_dims
+from .banks import bank_call
 from .placements import Strategy, group_counts, grouped, packed
 
 __all__ = ["module_strategies", "STYLE_NAMES"]
@@ -347,38 +348,65 @@ def _sliced_replicate(op: Op, graph: OpGraph, module: nn.Module, tp: int) -> lis
 
 
 def _experts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool = False) -> list[Strategy]:
-    """Tensor parallel inside every expert: the up (and gate) projections split on their
-    output features, the down projection on its input features, as Megatron's MLP. Each
-    rank's experts produce partial sums: one all-reduce forward; backward all-reduces the
-    gradients of the inputs (hidden states and routing weights) the experts consumed whole."""
+    """An expert bank whole, or split over tp in one of two ways with the same collectives
+    (the partial sums of every row all-reduced forward; backward, the gradients of the
+    inputs the experts consumed whole, hidden states and routing weights):
+
+    * ``moe_tp_experts``: tensor parallel inside every expert, the up (and gate) projections
+      split on their output features, the down projection on its input features, as
+      Megatron's MLP. Every rank runs every expert on all its rows, 1/tp of their width.
+    * ``moe_whole_experts``: rank r holds experts [r E/tp, (r + 1) E/tp) whole and runs them
+      on the rows routed to them (Hugging Face's all-reduce expert parallelism, an ep group
+      equal to the tp group): 1/tp of the rows at full width, so 1/tp of the routed rows'
+      traffic (gathered, run, added back), but the step waits for the busiest rank.
+
+    Routing is priced as uniform; the busiest of tp ranks then holds about
+    ``1 + sqrt(2 ln tp) sqrt((tp - 1) / rows)`` times its share of the ``rows = T k`` routed
+    rows (the expected largest of tp binomial counts, in the normal approximation): a few
+    percent at training batch sizes, much more at a decode step's few tokens."""
     from ..analyze.graph import expert_params
 
     ep = expert_params(module)
-    up, packed = ep.up, ep.packed
     inner = getattr(module, ep.down).shape[ep.down_dim]
     y = graph.values[op.output]
-    tokens = y.shape[0] if len(y.shape) == 2 else y.nbytes // y.shape[-1] // y.dtype.itemsize
-    k = graph.values[op.inputs[1]].shape[-1] if len(op.inputs) > 1 and graph.values[op.inputs[1]].shape else 1
-    hidden = getattr(module, up).shape[3 - ep.up_dim]
-    flops = 3 * 2 * tokens * k * hidden * inner * (3 if packed or ep.gate else 2)  # each token visits k experts
-    out = [_replicate(op, graph, module, flops)]
+    bank = bank_call(graph, op)
+    if bank is not None:  # routed T k rows, sorted rows, or every token once per expert
+        rows = bank.tokens * bank.top_k
+    else:  # any other call, e.g. every token through every expert weighted by scores [T, E]
+        tokens = y.shape[0] if len(y.shape) == 2 else y.nbytes // y.shape[-1] // y.dtype.itemsize
+        rows = tokens * (graph.values[op.inputs[1]].shape[-1] if len(op.inputs) > 1 and graph.values[op.inputs[1]].shape else 1)
+    hidden = getattr(module, ep.up).shape[3 - ep.up_dim]
+    flops = 3 * 2 * rows * hidden * inner * (3 if ep.packed or ep.gate else 2)
+    # forward: each routed row read from the tokens, written as the experts' input, their
+    # output written and added back into the tokens'
+    traffic = 4 * rows * hidden * y.dtype.itemsize
+    out = [replace(_replicate(op, graph, module, flops), mem_bytes=traffic)]
+    grads = tuple(("all_reduce", graph.values[v].nbytes) for v in op.inputs
+                  if v in graph.requires_grad and graph.values[v].dtype.is_floating_point)
+    outputs = ("R", "P") if sp else ("R",)  # P: the partial sums handed on, for the MoE block's return to reduce-scatter
     if inner % tp == 0 and not (ep.interleaved and inner * 2 // tp % 2):
-        grads = tuple(
-            ("all_reduce", graph.values[v].nbytes) for v in op.inputs
-            if v in graph.requires_grad and graph.values[v].dtype.is_floating_point
-        )
-        out.append(Strategy(
-            "moe_tp_experts", tuple("R" for _ in op.inputs), "R", fwd=(("all_reduce", y.nbytes),), bwd=grads,
-            param_bytes=_experts_param_bytes(module, ep.down_bias, tp), flops=flops / tp, act_bytes=y.nbytes,
-            layouts={"weight": "experts"},
-        ))
-        if sp:  # the partial sums handed on, for the MoE block's return to reduce-scatter onto sequence shards
-            out.append(Strategy(
-                "moe_tp_experts", tuple("R" for _ in op.inputs), "P", bwd=grads,
-                param_bytes=_experts_param_bytes(module, ep.down_bias, tp), flops=flops / tp, act_bytes=y.nbytes,
-                layouts={"weight": "experts", "output": "P"},
-            ))
+        out += [Strategy("moe_tp_experts", tuple("R" for _ in op.inputs), o, fwd=(("all_reduce", y.nbytes),) * (o == "R"),
+                         bwd=grads, param_bytes=_experts_param_bytes(module, ep.down_bias, tp), flops=flops / tp,
+                         mem_bytes=traffic, act_bytes=y.nbytes, layouts=_experts_layouts("experts", o)) for o in outputs]
+    if bank is not None and bank.experts % tp == 0 and tp > 1:  # the calls WholeExperts takes
+        busiest = busiest_share(rows, tp)
+        out += [Strategy("moe_whole_experts", tuple("R" for _ in op.inputs), o, fwd=(("all_reduce", y.nbytes),) * (o == "R"),
+                         bwd=grads, param_bytes=_param_bytes(module) / tp, flops=busiest * flops / tp,
+                         mem_bytes=busiest * traffic / tp, act_bytes=y.nbytes, layouts=_experts_layouts("whole", o))
+                for o in outputs]
     return out
+
+
+def busiest_share(rows: int, ranks: int) -> float:
+    """The busiest of ``ranks`` ranks' rows over its mean share when ``rows`` rows each pick a
+    rank uniformly: the expected largest of ``ranks`` binomial counts, normally approximated."""
+    if ranks <= 1 or rows <= 0:
+        return 1.0
+    return min(float(ranks), 1.0 + math.sqrt(2 * math.log(ranks)) * math.sqrt((ranks - 1) / rows))
+
+
+def _experts_layouts(weight: str, output: str) -> dict[str, str]:
+    return {"weight": weight, "output": "P"} if output == "P" else {"weight": weight}
 
 
 def _attention(op: Op, graph: OpGraph, module: nn.MultiheadAttention, tp: int, sp: bool) -> list[Strategy]:

@@ -123,6 +123,14 @@ def _refuse_for_hf(plan) -> None:
             "(kv heads replicated in groups, torch's nn.MultiheadAttention split by heads, one kv head or MLA's "
             "latent whole with a partial gradient); apply the plan with "
             "shardplan.apply_plan instead, or plan for a tp that divides the kv heads")
+    whole = next((r for r in plan.rules if r.style == "moe_whole_experts"), None)
+    if whole is not None:
+        raise ValueError(
+            f"{whole.module}: moe_whole_experts (whole experts on each tp rank, their partial sums all-reduced) has no "
+            "style in Hugging Face's tp_plan (its all-reduce expert parallelism is an ep_plan on an ep group equal to "
+            "the tp group); for a tp_plan, plan it split inside every expert: shardplan.price_styles(model, mesh, "
+            f"{{{whole.module!r}: 'moe_tp_experts'}}), or "
+            f"{_APPLY}")
     sharded_out = [r for r in plan.rules if r.style == "colwise" and r.output_layouts is not None]
     if sharded_out:
         # loss_parallel keeps the head's logits vocab-sharded; Hugging Face's "colwise" would

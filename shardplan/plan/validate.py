@@ -44,8 +44,8 @@ def sharded_dim(style: str, module: Any) -> int | None:
     kind = module_kind(module)
     if style == "moe_tp_experts" and kind == "experts":
         return _expert_dim(module)
-    if style == "ep_experts" and kind == "experts":
-        return 0  # whole experts, over the ep axis (not tp)
+    if style in ("ep_experts", "moe_whole_experts") and kind == "experts":
+        return 0  # whole experts, over the ep axis or the tp axis
     if style == "attention_heads" and kind == "attention":
         return 0  # in_proj_weight [3E, E]: each rank's heads of q, k and v
     if style == "norm_sharded":
@@ -191,7 +191,7 @@ _KINDS = {
     "colwise": {"linear", "conv1d", "embedding"}, "colwise_gather_output": {"linear", "conv1d", "embedding"},
     "packed_colwise": {"linear", "conv1d"}, "colwise_kv_replicated": {"linear"}, "colwise_kv_gathered": {"linear"}, "rowwise": {"linear", "conv1d", "embedding"},
     "rowwise_split_input": {"linear", "conv1d"}, "embedding_rowwise": {"embedding"}, "moe_tp_experts": {"experts"},
-    "ep_experts": {"experts"},
+    "ep_experts": {"experts"}, "moe_whole_experts": {"experts"},
     "attention_heads": {"attention"},
 }
 

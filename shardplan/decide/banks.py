@@ -1,0 +1,179 @@
+"""Expert banks: which modules hold experts and how the model calls them (names and shapes only).
+
+Contract
+--------
+``routed_banks(graph)`` lists the 3-D expert banks called in one of the three ways expert
+parallelism dispatches (:func:`bank_call`): ``bank(hidden [T, H], top_k_index [T, k],
+top_k_weights [T, k])`` (Hugging Face's routed banks), ``bank(num_tokens_per_expert [E],
+rows [N, H])`` on rows sorted by expert (torchtitan's), or ``bank(rows [E T, H])``, every
+token once per expert (Llama 4's). ``listed_banks(graph)`` lists the experts written as an
+``nn.ModuleList`` of alike modules that the layer's own code calls after a router. Each is a
+:class:`Bank`: its module, E, the tokens T and top-k k of a call, the hidden width, and how
+often it runs per step. Nothing here prices or plans: :mod:`.experts` and :mod:`.weights`
+read these.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..analyze.graph import OpGraph
+
+__all__ = ["Bank", "bank_call", "routed_banks", "listed_banks", "expert_count", "inside"]
+
+
+@dataclass(frozen=True)
+class Bank:
+    module: str  # the bank's FQN (a folded stack's representative)
+    experts: int
+    tokens: int  # T at its call, per rank
+    top_k: int
+    hidden: int
+    calls: int  # per step: the op's multiplicity
+    listed: bool = False  # an nn.ModuleList of experts, each its own module (module: the list)
+
+
+def routed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Bank]:
+    """Expert banks called as ``bank(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``
+    or, on rows sorted by expert, ``bank(num_tokens_per_expert [E], rows [N, H])``
+    (torchtitan's; a bank of N rows at top-1). A bank called otherwise (a shared expert
+    written as a bank, Llama 4's bank of every token) is not one: it is listed in ``unread``
+    as ``"<fqn>: <shapes>"`` when a list is given."""
+    out = []
+    for op in graph.ops:
+        if op.kind != "module" or op.module_kind != "experts":
+            continue
+        bank = bank_call(graph, op)
+        if bank is not None:
+            out.append(bank)
+        elif unread is not None:
+            unread.append(f"{op.target}: called with tensors of shapes {[tuple(graph.values[v].shape) for v in op.inputs]}")
+    return out
+
+
+def bank_call(graph: OpGraph, op) -> Bank | None:
+    """The bank experts module ``op`` calls, when it is called in one of the three ways
+    expert parallelism dispatches (the routed, sorted-rows and every-token calls of
+    :func:`routed_banks`), else None."""
+    shapes = [tuple(graph.values[v].shape) for v in op.inputs]
+    dtypes = [graph.values[v].dtype for v in op.inputs]
+    experts = int(next(graph.model.get_submodule(op.target).parameters(recurse=False)).shape[0])
+    if _routed(shapes, dtypes):
+        return Bank(op.target, experts, shapes[0][0], shapes[1][1], shapes[0][1], op.multiplicity)
+    if rows := _sorted_rows(shapes, dtypes, experts):
+        return Bank(op.target, experts, rows[0], 1, rows[1], op.multiplicity)
+    if _every_token(graph, op, shapes, dtypes, experts):  # each token sent to every expert: top-k is E
+        return Bank(op.target, experts, shapes[0][0] // experts, experts, shapes[0][1], op.multiplicity)
+    return None
+
+
+def _routed(shapes: list[tuple], dtypes: list) -> bool:
+    return (len(shapes) == 3 and len(shapes[0]) == 2 and shapes[1] == shapes[2] and len(shapes[1]) == 2
+            and shapes[1][0] == shapes[0][0] and not dtypes[1].is_floating_point and dtypes[2].is_floating_point)
+
+
+def _sorted_rows(shapes: list[tuple], dtypes: list, experts: int) -> tuple | None:
+    """The rows' shape ``[N, H]`` of a call with counts [E] (integers) and rows sorted by expert,
+    in either order (torchtitan passes rows first); None for any other call."""
+    if len(shapes) != 2:
+        return None
+    (counts, c_type), (rows, r_type) = sorted(zip(shapes, dtypes), key=lambda sd: len(sd[0]))
+    found = counts == (experts,) and not c_type.is_floating_point and len(rows) == 2 and r_type.is_floating_point
+    return rows if found else None
+
+
+def listed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Bank]:
+    """Experts written as an ``nn.ModuleList`` of alike modules, each called by its layer's
+    own code on the rows a router chose: the list's layer runs a Linear of E outputs (the
+    router) before the first expert. ``tokens`` is the router's rows, ``top_k`` the k of a
+    ``topk`` in the layer's code (1 without one). An expert that does not map ``[n, H]`` to
+    ``[n, H]`` is listed in ``unread``."""
+    modules = [op for op in graph.ops if op.kind == "module"]
+    out = []
+    for path, experts in graph.model.named_modules():
+        if not isinstance(experts, nn.ModuleList) or len(experts) < 2 or not _alike(experts) or _chained(graph, path):
+            continue
+        calls = [op for op in modules if op.target.startswith(f"{path}.")]
+        parent = path.rpartition(".")[0]
+        router = next((op for op in graph.ops if calls and op.index < calls[0].index and _routes(op, graph, parent)
+                       and graph.values[op.output].shape[-1] == len(experts)), None)
+        if router is None:
+            continue
+        first, last = (graph.values[calls[0].inputs[0]].shape, graph.values[calls[-1].output].shape)
+        if first[-1] != last[-1]:
+            if unread is not None:
+                unread.append(f"{path}: experts map rows of {first[-1]} features to {last[-1]}")
+            continue
+        rows = graph.values[router.output]
+        out.append(Bank(path, len(experts), math.prod(rows.shape[:-1]), _top_k(graph, parent), first[-1],
+                        router.multiplicity, listed=True))
+    return out
+
+
+def _chained(graph: OpGraph, path: str) -> bool:
+    """The list's second entry reads what its first returned (stacked layers, not experts)."""
+    first, second = (graph.traced.calls.get(f"{path}.{i}") for i in (0, 1))
+    if not first or not second or not second[0].args or second[0].args[0] is None:
+        return False
+    outputs, seen, todo = set(first[0].outputs), set(), [second[0].args[0]]
+    while todo:
+        node = todo.pop()
+        if node in outputs:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(node.all_input_nodes)
+    return False
+
+
+def _routes(op, graph: OpGraph, layer: str) -> bool:
+    """A matmul in ``layer`` (a Linear module, or ``F.linear(x, self.weight)`` in its code)."""
+    if op.kind == "module":
+        return op.module_kind == "linear" and inside(op.target, layer)
+    return (op.kind == "function" and op.target in _MATMULS and op.output in graph.values
+            and inside(op.owner, layer))
+
+
+_MATMULS = ("linear", "matmul", "mm", "einsum")
+
+
+def _alike(experts: nn.ModuleList) -> bool:
+    """Every entry the same class with the same parameter names and shapes, and some."""
+    shapes = {(type(m), tuple((n, tuple(p.shape)) for n, p in m.named_parameters())) for m in experts}
+    return len(shapes) == 1 and bool(next(iter(shapes))[1])
+
+
+def inside(fqn: str, parent: str) -> bool:
+    """``fqn`` is ``parent`` or under it (everything is under the root, ``""``)."""
+    return not parent or fqn == parent or fqn.startswith(f"{parent}.")
+
+
+def _top_k(graph: OpGraph, layer: str) -> int:
+    """The k of the first ``topk`` the layer's code calls (``topk(x, k)``, ``x.topk(k)``, ``k=``)."""
+    for op in graph.ops:
+        if op.kind == "function" and op.target == "topk" and inside(op.owner, layer):
+            k = op.node.kwargs.get("k", op.node.args[1] if len(op.node.args) > 1 else None)
+            if isinstance(k, int):
+                return k
+    return 1
+
+
+def _every_token(graph: OpGraph, op, shapes: list[tuple], dtypes: list, experts: int) -> bool:
+    """A bank called on one [E T, H] tensor, expert-major: Llama 4's, every token once per
+    expert, pre-scaled by its routing score (zero where not chosen). T is the rows of the
+    layer's router (a matmul of E outputs before the bank), so a shared expert written as a
+    bank and called on the tokens is not one."""
+    if experts < 2 or len(shapes) != 1 or len(shapes[0]) != 2 or not dtypes[0].is_floating_point:
+        return False
+    layer = op.target.rpartition(".")[0]
+    return any(_routes(r, graph, layer) and graph.values[r.output].shape[-1] == experts
+               and experts * math.prod(graph.values[r.output].shape[:-1]) == shapes[0][0]
+               for r in graph.ops[:op.index] if r.output is not None)
+
+
+def expert_count(graph: OpGraph) -> int | None:
+    """The experts of the model's routed banks (the fewest, if they differ); None without any."""
+    return min((b.experts for b in routed_banks(graph) + listed_banks(graph)), default=None)
