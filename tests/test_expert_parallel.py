@@ -419,11 +419,27 @@ def test_a_bank_called_on_rows_sorted_by_expert_plans_on_ep_with_attention_split
     a wrong result with no error)."""
     plan = _titan_plan(mesh)
     styles = plan.module_styles()
-    assert styles["layers.0.moe.experts"] == ("ep_experts" if "ep" in mesh else "moe_tp_experts"), styles
+    assert styles["layers.0.moe.experts"] in (("ep_experts",) if "ep" in mesh else ("moe_tp_experts", "moe_whole_experts")), styles
     assert not [w for w in plan.warnings if "check skipped" in w], plan.warnings
     if "tp" in mesh:
         assert [styles[f"layers.0.{w}"] for w in ("wq", "wk", "wv", "wo")] == ["colwise"] * 3 + ["rowwise"], plan.warnings
         assert [(a.module, a.values) for a in plan.attributes] == [("layers.*", {"heads": 2})], plan.attributes
+
+
+@pytest.mark.parametrize("mesh", [{"tp": 2}, {"ep": 2, "tp": 2}])
+def test_built_on_the_cpu_the_block_around_the_bank_is_checked_as_on_meta(mesh: dict) -> None:
+    """Built on the CPU (real weights, real tokens), the bank's trace assumed its output shape
+    (it splits its rows by ``counts.tolist()``); the check ran the block's children one by
+    one, not the block's own code, so ``view(b, s, self.heads, -1)`` with 4 heads on 2 heads'
+    width ran unchecked (4 narrow heads on each rank: a wrong result, no error). The bank is
+    stood in for now, shaped as its rows (not as its first argument, the counts), and the
+    block gets its local head count as on meta."""
+    import shardplan
+    from tests.portability.titan_moe import titan_moe
+
+    plan = shardplan.plan_model(titan_moe(), mesh, example_inputs=(torch.zeros(2, 16, dtype=torch.long),), explain=False)
+    assert [a.values for a in plan.attributes] == [a.values for a in _titan_plan(mesh).attributes] == [{"heads": 2}]
+    assert not [w for w in plan.warnings if "not checked" in w or "check skipped" in w], plan.warnings
 
 
 @pytest.mark.parametrize(("mesh", "nproc"), [({"tp": 2}, 2), ({"ep": 2}, 2), ({"ep": 2, "tp": 2}, 4)])

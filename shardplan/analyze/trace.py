@@ -306,7 +306,8 @@ class _ShardTracer(MetaTracer):
         try:
             return self._module_meta(mod, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - decided below, re-raised if not an experts-like leaf
-            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            # the rows: torchtitan's bank takes its counts [E] first, the rows [N, H] second
+            first = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
             if first is None or not is_weight_leaf(mod) or all(p.dim() < 3 for p in mod.parameters(recurse=False)):
                 raise
             self.assumed.append(target.removeprefix("m."))

@@ -112,11 +112,17 @@ def _unfolded_siblings(graph: OpGraph, reps: list[str]) -> list[str]:
 
 
 def _around_assumed(graph: OpGraph, fqn: str) -> list[str]:
+    """``fqn`` itself, its modules whose output shape the tracer assumed stood in for (shaped
+    as the trace recorded them), so its own code (the attention beside the experts, written
+    in the block) is checked; else, where one cannot be stood in for, its children."""
     inside = [a for a in graph.traced.assumed if not fqn or a == fqn or a.startswith(fqn + ".")]
     if not inside:
         return [fqn] if fqn in graph.traced.calls else []
     if fqn in inside:
         return []
+    if fqn in graph.traced.calls and all(_output_value(graph, a) is not None for a in inside):
+        graph.strategy_cache.setdefault("check stands in", set()).update(inside)
+        return [fqn]
     module = graph.model.get_submodule(fqn) if fqn else graph.model
     return [t for name, _ in module.named_children() for t in _around_assumed(graph, f"{fqn}.{name}" if fqn else name)]
 
