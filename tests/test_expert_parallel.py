@@ -442,6 +442,25 @@ def test_built_on_the_cpu_the_block_around_the_bank_is_checked_as_on_meta(mesh: 
     assert not [w for w in plan.warnings if "not checked" in w or "check skipped" in w], plan.warnings
 
 
+@pytest.mark.parametrize("mesh", [{"tp": 2}, {"ep": 2, "tp": 2}])
+def test_a_bank_whose_shapes_read_both_ways_is_not_split_inside_on_the_wrong_dim(mesh: dict) -> None:
+    """w1, w3 [E, H, I] and w2 [E, I, H] read as [E, X, H] + [E, H, I] too, with H and I
+    swapped: split inside over tp, the ranks crashed (mat1 and mat2 shapes cannot be
+    multiplied). The layout must give the width the bank returns, or the bank is split by
+    whole experts only (over ep, or over tp), which runs; counted collectives equal the
+    prediction."""
+    import shardplan
+    from shardplan.tools.simulate import simulate
+    from tests.portability.titan_moe import titan_bmm_moe
+
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    plan = shardplan.plan_model(titan_bmm_moe(), mesh, example_inputs=(tokens,), explain=False)
+    rule = next(r for r in plan.rules if r.module == "layers.*.moe.experts")
+    assert rule.style != "moe_tp_experts" and rule.inner is None, rule
+    result = simulate(titan_bmm_moe(), plan, (tokens,))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
 @pytest.mark.parametrize(("mesh", "nproc"), [({"tp": 2}, 2), ({"ep": 2}, 2), ({"ep": 2, "tp": 2}, 4)])
 def test_a_bank_called_on_rows_sorted_by_expert_matches_one_process(mesh: dict, nproc: int) -> None:
     """Outputs, loss and every gradient against one process on the whole batch: the counts

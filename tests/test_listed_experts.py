@@ -18,6 +18,7 @@ import torch
 import shardplan
 from shardplan.tools.launch import run_on_gloo
 from tests import _listed_workers as w
+from tests.portability.listed_experts import gated_moe as GATED
 
 MISTRAL, DEEPSEEK, HIT = (f"tests.portability.listed_experts:{n}" for n in ("mistral_moe", "deepseek_moe", "hit_moe"))
 INDEX_ADD = "tests.portability.routed_experts:moe_lm"
@@ -250,3 +251,33 @@ def test_experts_the_example_leaves_idle_are_planned_as_their_neighbours(mesh: d
     idle = shardplan.plan_model(model, mesh, example_inputs=(torch.zeros(2, 16, dtype=torch.long),), explain=False)
     assert idle.module_styles() == _plan(DEEPSEEK, mesh).module_styles()
     assert idle.module_styles()["layers.0.feed_forward.experts.0.w2"] == "rowwise"
+
+
+def test_experts_called_with_more_than_their_rows_are_refused_over_ep() -> None:
+    """``expert(x[idx], w[idx])``: the dispatch sends each expert one tensor of rows, so the
+    weights would not reach it on another rank (planned before, the ranks raised); refused
+    when planning, with the call named. On tp alone each expert is split inside as usual."""
+    from tests.portability.listed_experts import weighted_moe
+
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(shardplan.PlanningError, match=r"expert 0 is called with 2 tensors"):
+        shardplan.plan_model(weighted_moe(), {"ep": 2}, example_inputs=(tokens,), explain=False)
+    plan = shardplan.plan_model(weighted_moe(), {"tp": 2}, example_inputs=(tokens,), explain=False)
+    assert plan.module_styles()["layers.0.feed_forward.experts.0.w1"] == "colwise"
+
+
+def test_a_router_module_with_a_raw_weight_and_grouped_top_k_routes_the_list() -> None:
+    """DeepSeek-V3's gate as a module (a raw weight [E, H], a top-2 per expert group before
+    the routing top-3) returns the chosen experts, not E scores: the list was not found and
+    ep was refused. It is a router now, and k is the top-k over the E experts (3), not the
+    first top-k of the layer (the groups' 2). On 2 gloo ranks it matches one process."""
+    from shardplan.tools.verify import verify
+
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    plan = shardplan.plan_model(GATED(), {"ep": 2}, example_inputs=(tokens,), explain=False)
+    rule = next(r for r in plan.rules if r.style == "ep_experts")
+    assert (rule.module, rule.num_experts) == ("layers.*.feed_forward.experts", 8)
+    assert f"{2 * 16 * 3 * 32} elements" in rule.why, rule.why  # T k H
+    result = verify("tests.portability.listed_experts:gated_moe", plan=plan, nproc=2, timeout_s=300, seq_len=16)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..analyze.graph import OpGraph
+from ..analyze.graph import OpGraph, router_like
 
 __all__ = ["Bank", "bank_call", "routed_banks", "listed_banks", "expert_count", "inside"]
 
@@ -98,19 +98,36 @@ def listed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Ban
             continue
         calls = [op for op in modules if op.target.startswith(f"{path}.")]
         parent = path.rpartition(".")[0]
-        router = next((op for op in graph.ops if calls and op.index < calls[0].index and _routes(op, graph, parent)
-                       and graph.values[op.output].shape[-1] == len(experts)), None)
+        router = next((op for op in graph.ops if calls and op.index < calls[0].index and op.output is not None
+                       and _routes(op, graph, parent, len(experts))), None)
         if router is None:
             continue
         first, last = (graph.values[calls[0].inputs[0]].shape, graph.values[calls[-1].output].shape)
-        if first[-1] != last[-1]:
+        why = (f"experts map rows of {first[-1]} features to {last[-1]}" if first[-1] != last[-1]
+               else _more_than_rows(graph, path, len(experts)))
+        if why:
             if unread is not None:
-                unread.append(f"{path}: experts map rows of {first[-1]} features to {last[-1]}")
+                unread.append(f"{path}: {why}")
             continue
-        rows = graph.values[router.output]
-        out.append(Bank(path, len(experts), math.prod(rows.shape[:-1]), _top_k(graph, parent), first[-1],
+        # a router module of its own returns its choice, [T, k]; a Linear's E scores meet a topk in the layer
+        k = graph.values[router.output].shape[-1] if router.kind == "module" and router.module_kind != "linear" \
+            else _top_k(graph, parent, len(experts))
+        out.append(Bank(path, len(experts), _router_rows(graph, router), k, first[-1],
                         router.multiplicity, listed=True))
     return out
+
+
+def _more_than_rows(graph: OpGraph, path: str, count: int) -> str:
+    """Why the list's experts cannot be sent their rows alone ("" when they can): the dispatch
+    sends one tensor of rows [n, H] per expert call, and an expert called with more (its own
+    routing weights, ``expert(x[idx], w[idx])``) would lose them on another rank."""
+    for i in range(count):
+        for call in graph.traced.calls.get(f"{path}.{i}", []):
+            given = sum(a is not None for a in call.args) + len(call.kwargs)
+            if given != 1:
+                return (f"expert {i} is called with {given} tensors; expert parallelism of a list sends each "
+                        "expert one tensor of rows [n, H] (apply the routing weights to its output in the layer)")
+    return ""
 
 
 def _chained(graph: OpGraph, path: str) -> bool:
@@ -129,8 +146,15 @@ def _chained(graph: OpGraph, path: str) -> bool:
     return False
 
 
-def _routes(op, graph: OpGraph, layer: str) -> bool:
-    """A matmul in ``layer`` (a Linear module, or ``F.linear(x, self.weight)`` in its code)."""
+def _routes(op, graph: OpGraph, layer: str, experts: int) -> bool:
+    """A router of ``experts`` outputs in ``layer``: a Linear module or a matmul in its code
+    (``F.linear(x, self.weight)``) giving E scores per row, or a router module of its own
+    (a ``weight`` [E, H] and a top-k in its class: DeepSeek's ``MoEGate``, returning the
+    chosen experts and their weights, not E scores)."""
+    if op.kind == "module" and inside(op.target, layer) and router_like(graph.model.get_submodule(op.target)):
+        return graph.model.get_submodule(op.target).weight.shape[0] == experts
+    if graph.values[op.output].shape[-1:] != (experts,):
+        return False
     if op.kind == "module":
         return op.module_kind == "linear" and inside(op.target, layer)
     return (op.kind == "function" and op.target in _MATMULS and op.output in graph.values
@@ -151,14 +175,17 @@ def inside(fqn: str, parent: str) -> bool:
     return not parent or fqn == parent or fqn.startswith(f"{parent}.")
 
 
-def _top_k(graph: OpGraph, layer: str) -> int:
-    """The k of the first ``topk`` the layer's code calls (``topk(x, k)``, ``x.topk(k)``, ``k=``)."""
+def _top_k(graph: OpGraph, layer: str, experts: int) -> int:
+    """The k of the ``topk`` in the layer's code (``topk(x, k)``, ``x.topk(k)``, ``k=``) that
+    picks among the E experts (its input's last dim is E): DeepSeek-V3's gate first takes a
+    top-k of expert groups; else the first ``topk``; 1 without one."""
+    found = []
     for op in graph.ops:
         if op.kind == "function" and op.target == "topk" and inside(op.owner, layer):
             k = op.node.kwargs.get("k", op.node.args[1] if len(op.node.args) > 1 else None)
             if isinstance(k, int):
-                return k
-    return 1
+                found.append((bool(op.inputs) and graph.values[op.inputs[0]].shape[-1:] == (experts,), k))
+    return next((k for over_experts, k in found if over_experts), found[0][1] if found else 1)
 
 
 def _every_token(graph: OpGraph, op, shapes: list[tuple], dtypes: list, experts: int) -> bool:
@@ -169,9 +196,13 @@ def _every_token(graph: OpGraph, op, shapes: list[tuple], dtypes: list, experts:
     if experts < 2 or len(shapes) != 1 or len(shapes[0]) != 2 or not dtypes[0].is_floating_point:
         return False
     layer = op.target.rpartition(".")[0]
-    return any(_routes(r, graph, layer) and graph.values[r.output].shape[-1] == experts
-               and experts * math.prod(graph.values[r.output].shape[:-1]) == shapes[0][0]
+    return any(_routes(r, graph, layer, experts) and experts * _router_rows(graph, r) == shapes[0][0]
                for r in graph.ops[:op.index] if r.output is not None)
+
+
+def _router_rows(graph: OpGraph, router) -> int:
+    """The rows a router scores: its input's (a router module's output is its choice, not E scores)."""
+    return math.prod(graph.values[router.inputs[0] if router.inputs else router.output].shape[:-1])
 
 
 def expert_count(graph: OpGraph) -> int | None:

@@ -384,7 +384,9 @@ def _experts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool = Fals
     grads = tuple(("all_reduce", graph.values[v].nbytes) for v in op.inputs
                   if v in graph.requires_grad and graph.values[v].dtype.is_floating_point)
     outputs = ("R", "P") if sp else ("R",)  # P: the partial sums handed on, for the MoE block's return to reduce-scatter
-    if inner % tp == 0 and not (ep.interleaved and inner * 2 // tp % 2):
+    # the layout read off the shapes alone must give the hidden width the bank returns: an
+    # unpacked bank [E, A, B] + [E, B, A] reads both ways, and a misread splits H, not I
+    if inner % tp == 0 and not (ep.interleaved and inner * 2 // tp % 2) and hidden == y.shape[-1]:
         out += [Strategy("moe_tp_experts", tuple("R" for _ in op.inputs), o, fwd=(("all_reduce", y.nbytes),) * (o == "R"),
                          bwd=grads, param_bytes=_experts_param_bytes(module, ep.down_bias, tp), flops=flops / tp,
                          mem_bytes=traffic, act_bytes=y.nbytes, layouts=_experts_layouts("experts", o)) for o in outputs]

@@ -50,6 +50,65 @@ class MistralMoE(nn.Module):
         return results.view_as(inputs)
 
 
+class WeightedExpert(SwiGLU):
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # scales its own output
+        return super().forward(x) * weight
+
+
+class WeightedMoE(MistralMoE):
+    """Each expert called with its rows and their routing weights, ``expert(x[idx], w[idx])``."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int) -> None:
+        super().__init__(dim, hidden, num_experts, top_k)
+        self.experts = nn.ModuleList([WeightedExpert(dim, hidden) for _ in range(num_experts)])
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        flat = inputs.view(-1, inputs.shape[-1])
+        weights, selected = torch.topk(self.gate(flat), self.num_experts_per_tok)
+        weights = F.softmax(weights, dim=1, dtype=torch.float).type_as(inputs)
+        results = torch.zeros_like(flat)
+        for i, expert in enumerate(self.experts):
+            rows, nth = torch.where(selected == i)
+            results[rows] += expert(flat[rows], weights[rows, nth, None])
+        return results.view_as(inputs)
+
+
+class GroupedGate(nn.Module):
+    """DeepSeek-V3's gate as a module of its own (its reference code's ``Gate``, HF's
+    ``MoEGate``): a raw weight [E, H], sigmoid scores, a top-2 of each group's scores, the
+    best groups kept, then the routing top-k; returns the chosen experts and their weights."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, groups: int = 4, top_groups: int = 2) -> None:
+        super().__init__()
+        self.top_k, self.groups, self.top_groups = top_k, groups, top_groups
+        self.weight = nn.Parameter(torch.randn(num_experts, dim) * dim ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x, self.weight).sigmoid()
+        grouped = scores.view(x.shape[0], self.groups, -1)
+        best = grouped.topk(2, dim=-1)[0].sum(-1).topk(self.top_groups, dim=-1)[1]
+        mask = torch.zeros_like(grouped[..., 0]).scatter_(1, best, 1.0).unsqueeze(-1).expand_as(grouped)
+        indices = torch.topk(grouped.masked_fill(mask == 0, 0.0).flatten(1), self.top_k, dim=-1)[1]
+        weights = scores.gather(1, indices)
+        return indices, weights / weights.sum(-1, keepdim=True)
+
+
+class GatedMoE(nn.Module):
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.gate = GroupedGate(dim, num_experts, top_k)
+        self.experts = nn.ModuleList([SwiGLU(dim, hidden) for _ in range(num_experts)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.view(-1, x.shape[-1])
+        indices, weights = self.gate(flat)
+        y = torch.zeros_like(flat)
+        for i, expert in enumerate(self.experts):
+            rows, nth = torch.where(indices == i)
+            y[rows] += expert(flat[rows]) * weights[rows, nth, None]
+        return y.view_as(x)
+
+
 class DeepSeekMoE(nn.Module):
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int) -> None:
         super().__init__()
@@ -119,6 +178,16 @@ def moe_transformer(moe: type, *, vocab: int = 96, dim: int = 32, heads: int = 4
 def mistral_moe() -> TokenLM:
     torch.manual_seed(0)
     return moe_transformer(MistralMoE)
+
+
+def weighted_moe() -> TokenLM:
+    torch.manual_seed(0)
+    return moe_transformer(WeightedMoE)
+
+
+def gated_moe() -> TokenLM:
+    torch.manual_seed(0)
+    return moe_transformer(GatedMoE, num_experts=8, top_k=3)
 
 
 def deepseek_moe() -> TokenLM:

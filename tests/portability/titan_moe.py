@@ -32,12 +32,30 @@ class GroupedExperts(nn.Module):
         return torch.cat(out, dim=0)
 
 
+class GroupedExpertsBmm(nn.Module):
+    """torchtitan's first layout (early 2025): w1, w3 ``[E, H, I]``, w2 ``[E, I, H]``, used as
+    ``rows @ w1[i]``; by shapes alone it reads as well as ``[E, X, H]`` + ``[E, H, I]``."""
+
+    def __init__(self, dim: int, inner: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.randn(num_experts, dim, inner) * dim**-0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, inner, dim) * inner**-0.5)
+        self.w3 = nn.Parameter(torch.randn(num_experts, dim, inner) * dim**-0.5)
+
+    def forward(self, num_tokens_per_expert: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        out = []
+        for i, rows in enumerate(torch.split(x, num_tokens_per_expert.tolist(), dim=0)):
+            out.append((F.silu(rows @ self.w1[i]) * (rows @ self.w3[i])) @ self.w2[i])
+        return torch.cat(out, dim=0)
+
+
 class MoE(nn.Module):
-    def __init__(self, dim: int, inner: int, num_experts: int = 4, top_k: int = 2) -> None:
+    def __init__(self, dim: int, inner: int, num_experts: int = 4, top_k: int = 2, bank: type = GroupedExperts) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.router = nn.Linear(dim, num_experts, bias=False)
-        self.experts = GroupedExperts(dim, inner, num_experts)
+        self.experts = bank(dim, inner, num_experts)
         self.shared = nn.Sequential(nn.Linear(dim, inner, bias=False), nn.SiLU(), nn.Linear(inner, dim, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,12 +74,12 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, inner: int) -> None:
+    def __init__(self, dim: int, heads: int, inner: int, bank: type = GroupedExperts) -> None:
         super().__init__()
         self.heads = heads
         self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-        self.moe = MoE(dim, inner)
+        self.moe = MoE(dim, inner, bank=bank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -73,10 +91,11 @@ class Block(nn.Module):
 
 
 class TitanMoE(nn.Module):
-    def __init__(self, vocab: int = 128, dim: int = 32, heads: int = 4, inner: int = 48, layers: int = 2) -> None:
+    def __init__(self, vocab: int = 128, dim: int = 32, heads: int = 4, inner: int = 48, layers: int = 2,
+                 bank: type = GroupedExperts) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads, inner) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(dim, heads, inner, bank) for _ in range(layers))
         self.norm = nn.RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
 
@@ -90,3 +109,8 @@ class TitanMoE(nn.Module):
 def titan_moe() -> TitanMoE:
     torch.manual_seed(0)
     return TitanMoE()
+
+
+def titan_bmm_moe() -> TitanMoE:
+    torch.manual_seed(0)
+    return TitanMoE(bank=GroupedExpertsBmm)
