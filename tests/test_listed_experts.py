@@ -20,10 +20,11 @@ from shardplan.tools.launch import run_on_gloo
 from tests import _listed_workers as w
 from tests.portability.listed_experts import gated_moe as GATED
 
-MISTRAL, DEEPSEEK, HIT = (f"tests.portability.listed_experts:{n}" for n in ("mistral_moe", "deepseek_moe", "hit_moe"))
+MISTRAL, DEEPSEEK, HIT, NAMED, SEQUENTIAL = (f"tests.portability.listed_experts:{n}" for n in (
+    "mistral_moe", "deepseek_moe", "hit_moe", "named_moe", "sequential_moe"))
 INDEX_ADD = "tests.portability.routed_experts:moe_lm"
-VOCAB = {MISTRAL: 96, DEEPSEEK: 96, HIT: 96, INDEX_ADD: 128}
-EXPERTS = {MISTRAL: 4, DEEPSEEK: 8, HIT: 4, INDEX_ADD: 4}
+VOCAB = {MISTRAL: 96, DEEPSEEK: 96, HIT: 96, INDEX_ADD: 128, NAMED: 96, SEQUENTIAL: 96}
+EXPERTS = {MISTRAL: 4, DEEPSEEK: 8, HIT: 4, INDEX_ADD: 4, NAMED: 4, SEQUENTIAL: 4}
 
 
 def _inputs(spec: str, batch: int = 4) -> tuple:
@@ -38,7 +39,7 @@ def _lists(spec: str) -> str:
     return "moes.*.experts" if spec == INDEX_ADD else "layers.*.feed_forward.experts"
 
 
-@pytest.mark.parametrize("spec", [MISTRAL, DEEPSEEK, HIT, INDEX_ADD])
+@pytest.mark.parametrize("spec", [MISTRAL, DEEPSEEK, HIT, INDEX_ADD, NAMED, SEQUENTIAL])
 def test_a_list_of_experts_plans_over_ep_by_whole_experts_and_nothing_else(spec: str) -> None:
     plan = _plan(spec, {"ep": 2})
     split = [r for r in plan.rules if r.style == "ep_experts"]
@@ -92,7 +93,8 @@ def _gloo(spec: str, mesh: dict, fsdp: bool) -> list[dict]:
 
 @pytest.mark.parametrize("spec, mesh, fsdp", [
     (MISTRAL, {"ep": 2}, False), (DEEPSEEK, {"ep": 2}, False), (HIT, {"ep": 2}, False), (INDEX_ADD, {"ep": 2}, False),
-    (MISTRAL, {"ep": 2, "tp": 2}, False), (DEEPSEEK, {"ep": 2, "tp": 2}, False), (DEEPSEEK, {"dp": 2, "ep": 2}, True)])
+    (MISTRAL, {"ep": 2, "tp": 2}, False), (DEEPSEEK, {"ep": 2, "tp": 2}, False), (DEEPSEEK, {"dp": 2, "ep": 2}, True),
+    (NAMED, {"ep": 2}, False), (SEQUENTIAL, {"ep": 2}, True)])
 def test_listed_experts_over_ep_match_one_process(spec: str, mesh: dict, fsdp: bool) -> None:
     """Each data rank its own rows: logits, every gradient a rank holds (dense ones averaged
     over the data ranks, by hand or by FSDP), and the weights after 2 AdamW steps equal one

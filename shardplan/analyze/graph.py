@@ -32,7 +32,7 @@ from .trace import Traced, is_weight_leaf
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like", "router_like", "grad_inputs"]
+__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like", "router_like", "grad_inputs", "EXPERT_CONTAINERS"]
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,11 @@ def expert_params(module: nn.Module) -> ExpertParams | None:
         return None
     found = replace(found, interleaved=found.packed and _interleaved(module))
     return _with_biases(found, weights, biases) if biases else found
+
+
+# containers a layer may hold its experts in, each expert a module (``experts[i]``,
+# ``experts[str(i)]``, ``for expert in experts``)
+EXPERT_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 def linear_like(module: nn.Module) -> bool:

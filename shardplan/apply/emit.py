@@ -31,6 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from ..analyze.graph import EXPERT_CONTAINERS
 from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern, set_int_attribute
 
 from .agree import agree
@@ -131,7 +132,7 @@ def _experts_over_ep(model: nn.Module, device_mesh, plan: Plan) -> None:
 
 def _listed(rule: Rule, model: nn.Module, plan: Plan) -> bool:
     """An ``ep_experts`` rule on an ``nn.ModuleList`` of experts (not a 3-D bank)."""
-    return any(isinstance(model.get_submodule(f), nn.ModuleList) for f in expand_pattern(rule.module, plan.model.repeats))
+    return any(isinstance(model.get_submodule(f), EXPERT_CONTAINERS) for f in expand_pattern(rule.module, plan.model.repeats))
 
 
 def _lists_over_ep(model: nn.Module, device_mesh, plan: Plan) -> None:

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ..analyze.graph import EXPERT_CONTAINERS
 from .dispatch import ScaleGrad, by_expert, exchange, send
 
 __all__ = ["RemoteExpert", "shard_listed_experts", "held_elsewhere", "held_here", "gather_listed_state"]
@@ -76,7 +77,7 @@ class RemoteExpert(nn.Module):
 class _Dispatch:
     """One list's dispatch state: what the record pass saw, what the replay hands back."""
 
-    experts: nn.ModuleList
+    experts: nn.Module  # the ModuleList, ModuleDict or Sequential
     group: Any
     ep: int
     local: int  # experts per rank
@@ -129,23 +130,40 @@ class _Call:
         return self._dispatch.call(self._position, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._dispatch.experts._modules[str(self._position)], name)
+        return getattr(nth(self._dispatch.experts, self._position), name)
 
 
-class _DispatchedList(nn.ModuleList):
-    """The list as the model's code indexes and iterates it; ``_modules`` (state dict, FSDP,
-    ``get_submodule``) is untouched. The class is swapped in place, as ``fully_shard`` does."""
+class _Dispatched:
+    """The container as the model's code indexes and iterates it (a list or ``Sequential`` by
+    position, a ``ModuleDict`` by key); ``_modules`` (state dict, FSDP, ``get_submodule``) is
+    untouched. Mixed into the container's class, swapped in place, as ``fully_shard`` does."""
 
     _shardplan_dispatch: _Dispatch
+    _modules: dict[str, nn.Module]
 
     def __getitem__(self, idx: Any) -> Any:
-        positions = list(range(len(self)))[idx]
+        if isinstance(idx, str):  # a ModuleDict's key
+            return _Call(self._shardplan_dispatch, list(self._modules).index(idx))
+        positions = list(range(len(self._modules)))[idx]
         if isinstance(positions, list):
             return [_Call(self._shardplan_dispatch, p) for p in positions]
         return _Call(self._shardplan_dispatch, positions)
 
     def __iter__(self) -> Iterator[Any]:
+        if isinstance(self, nn.ModuleDict):  # a dict iterates its keys
+            return iter(self._modules)
         return iter(self[:])
+
+    def values(self) -> list[Any]:
+        return self[:]
+
+    def items(self) -> list[tuple[str, Any]]:
+        return list(zip(self._modules, self[:]))
+
+
+def nth(experts: nn.Module, position: int) -> nn.Module:
+    """The container's ``position``-th expert module, whatever it is named."""
+    return list(experts._modules.values())[position]
 
 
 def held_elsewhere(model: nn.Module) -> dict[str, int]:
@@ -160,7 +178,7 @@ def held_elsewhere(model: nn.Module) -> dict[str, int]:
 def held_here(model: nn.Module) -> set[str]:
     """Parameter names of the listed experts this rank holds (their gradients are already the
     mean over ep: no data-parallel average over ep for them)."""
-    return {f"{fqn}.{name}" for fqn, module in model.named_modules() if isinstance(module, _DispatchedList)
+    return {f"{fqn}.{name}" for fqn, module in model.named_modules() if isinstance(module, _Dispatched)
             for name, _ in module.named_parameters()}
 
 
@@ -170,7 +188,7 @@ def gather_listed_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dic
     is broadcast from here over ep, one it does not is received from its owner. Collective."""
     import torch.distributed as dist
 
-    lists = {fqn: m for fqn, m in model.named_modules() if isinstance(m, _DispatchedList)}
+    lists = {fqn: m for fqn, m in model.named_modules() if isinstance(m, _Dispatched)}
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         prefix = next((f for f in lists if key.startswith(f"{f}.")), None)
@@ -198,20 +216,20 @@ def shard_listed_experts(layer: nn.Module, child: str, ep_mesh: Any) -> None:
     """Whole experts of ``layer.<child>`` over ``ep_mesh``, the layer's forward run as record,
     exchange, replay; see the module doc."""
     experts = getattr(layer, child)
-    if not isinstance(experts, nn.ModuleList):
+    if not isinstance(experts, EXPERT_CONTAINERS):
         raise ValueError(f"{type(layer).__name__}.{child} is a {type(experts).__name__}; expected the nn.ModuleList "
-                         "of experts the plan names")
+                         "(or ModuleDict, Sequential) of experts the plan names")
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     if len(experts) % ep:
         raise ValueError(f"{type(layer).__name__}.{child} has {len(experts)} experts, which ep={ep} does not divide; "
                          f"use an ep that divides {len(experts)}")
     local = len(experts) // ep
-    hidden = _in_features(experts[0])
+    hidden = _in_features(nth(experts, 0))
     for position, name in enumerate(list(experts._modules)):
         if position // local != rank:
             experts._modules[name] = RemoteExpert(position // local, experts._modules[name])
     dispatch = _Dispatch(experts, ep_mesh.get_group(), ep, local, rank * local, hidden)
-    experts.__class__ = type("Dispatched" + type(experts).__name__, (_DispatchedList, type(experts)), {})
+    experts.__class__ = type("Dispatched" + type(experts).__name__, (_Dispatched, type(experts)), {})
     experts._shardplan_dispatch = dispatch
     layer.forward = partial(_two_passes, layer.forward, dispatch, layer)
 
@@ -280,7 +298,7 @@ def _exchange_calls(d: _Dispatch) -> list[torch.Tensor]:
 
 
 def _param_kind(d: _Dispatch) -> dict[str, Any]:
-    p = next(d.experts._modules[str(d.first)].parameters())
+    p = next(nth(d.experts, d.first).parameters())
     local = p.to_local() if hasattr(p, "to_local") else p
     return {"dtype": local.dtype, "device": local.device}
 
@@ -288,5 +306,5 @@ def _param_kind(d: _Dispatch) -> dict[str, Any]:
 def _run_local(d: _Dispatch, e: int, rows: torch.Tensor) -> torch.Tensor:
     """Expert ``first + e`` on its rows, called as a module (FSDP's hooks run). Its parameters'
     gradient comes out / ep, the rows' exact: rows * ep -> expert -> / ep, in backward only."""
-    expert = d.experts._modules[str(d.first + e)]
+    expert = nth(d.experts, d.first + e)
     return ScaleGrad.apply(expert(ScaleGrad.apply(rows, float(d.ep))), 1.0 / d.ep)

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from ..analyze.graph import EXPERT_CONTAINERS
 from ..decide import fsdp as units_of
 from ..plan.model import Plan, expand_pattern
 from .emit import check_fingerprint
@@ -84,7 +85,7 @@ def fully_shard_plan(model: nn.Module, device_mesh: DeviceMesh, plan: Plan, *, o
 def _expert_units(module: nn.Module, fqn: str) -> list[str]:
     """A bank is one unit; a list of experts, each expert this rank holds (its dispatch calls
     each once per layer call, so each unit's all-gather runs on every rank)."""
-    if not isinstance(module, nn.ModuleList):
+    if not isinstance(module, EXPERT_CONTAINERS):
         return [fqn]
     return [f"{fqn}.{name}" for name, m in module.named_children() if any(True for _ in m.parameters())]
 

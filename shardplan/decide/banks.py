@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..analyze.graph import OpGraph, router_like
+from ..analyze.graph import EXPERT_CONTAINERS, OpGraph, router_like
 
 __all__ = ["Bank", "bank_call", "routed_banks", "listed_banks", "expert_count", "inside"]
 
@@ -86,7 +86,7 @@ def _sorted_rows(shapes: list[tuple], dtypes: list, experts: int) -> tuple | Non
 
 
 def listed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Bank]:
-    """Experts written as an ``nn.ModuleList`` of alike modules, each called by its layer's
+    """Experts written as an ``nn.ModuleList`` (or ``ModuleDict``, ``Sequential``) of alike modules, each called by its layer's
     own code on the rows a router chose: the list's layer runs a Linear of E outputs (the
     router) before the first expert. ``tokens`` is the router's rows, ``top_k`` the k of a
     ``topk`` in the layer's code (1 without one). An expert that does not map ``[n, H]`` to
@@ -94,7 +94,8 @@ def listed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Ban
     modules = [op for op in graph.ops if op.kind == "module"]
     out = []
     for path, experts in graph.model.named_modules():
-        if not isinstance(experts, nn.ModuleList) or len(experts) < 2 or not _alike(experts) or _chained(graph, path):
+        if not isinstance(experts, EXPERT_CONTAINERS) or len(experts) < 2 or not _alike(experts) \
+                or _chained(graph, path, list(experts._modules)):
             continue
         calls = [op for op in modules if op.target.startswith(f"{path}.")]
         parent = path.rpartition(".")[0]
@@ -104,7 +105,7 @@ def listed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Ban
             continue
         first, last = (graph.values[calls[0].inputs[0]].shape, graph.values[calls[-1].output].shape)
         why = (f"experts map rows of {first[-1]} features to {last[-1]}" if first[-1] != last[-1]
-               else _more_than_rows(graph, path, len(experts)))
+               else _more_than_rows(graph, path, list(experts._modules)))
         if why:
             if unread is not None:
                 unread.append(f"{path}: {why}")
@@ -117,22 +118,22 @@ def listed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Ban
     return out
 
 
-def _more_than_rows(graph: OpGraph, path: str, count: int) -> str:
+def _more_than_rows(graph: OpGraph, path: str, names: list[str]) -> str:
     """Why the list's experts cannot be sent their rows alone ("" when they can): the dispatch
     sends one tensor of rows [n, H] per expert call, and an expert called with more (its own
     routing weights, ``expert(x[idx], w[idx])``) would lose them on another rank."""
-    for i in range(count):
-        for call in graph.traced.calls.get(f"{path}.{i}", []):
+    for name in names:
+        for call in graph.traced.calls.get(f"{path}.{name}", []):
             given = sum(a is not None for a in call.args) + len(call.kwargs)
             if given != 1:
-                return (f"expert {i} is called with {given} tensors; expert parallelism of a list sends each "
+                return (f"expert {name} is called with {given} tensors; expert parallelism of a list sends each "
                         "expert one tensor of rows [n, H] (apply the routing weights to its output in the layer)")
     return ""
 
 
-def _chained(graph: OpGraph, path: str) -> bool:
+def _chained(graph: OpGraph, path: str, names: list[str]) -> bool:
     """The list's second entry reads what its first returned (stacked layers, not experts)."""
-    first, second = (graph.traced.calls.get(f"{path}.{i}") for i in (0, 1))
+    first, second = (graph.traced.calls.get(f"{path}.{name}") for name in names[:2])
     if not first or not second or not second[0].args or second[0].args[0] is None:
         return False
     outputs, seen, todo = set(first[0].outputs), set(), [second[0].args[0]]
@@ -164,9 +165,9 @@ def _routes(op, graph: OpGraph, layer: str, experts: int) -> bool:
 _MATMULS = ("linear", "matmul", "mm", "einsum")
 
 
-def _alike(experts: nn.ModuleList) -> bool:
+def _alike(experts: nn.Module) -> bool:
     """Every entry the same class with the same parameter names and shapes, and some."""
-    shapes = {(type(m), tuple((n, tuple(p.shape)) for n, p in m.named_parameters())) for m in experts}
+    shapes = {(type(m), tuple((n, tuple(p.shape)) for n, p in m.named_parameters())) for m in experts.children()}
     return len(shapes) == 1 and bool(next(iter(shapes))[1])
 
 

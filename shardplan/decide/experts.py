@@ -278,10 +278,12 @@ def _rank_units(held: dict[str, float], ep: int, lists: set[str]) -> list[tuple[
     E/ep it holds whole (priced as the first E/ep: they are alike)."""
     out = []
     for fqn, n in held.items():
-        head, _, index = fqn.rpartition(".")
+        head = fqn.rpartition(".")[0]
         if head not in lists:
             out.append((fqn, n / ep))
-        elif int(index) < sum(1 for f in held if f.rpartition(".")[0] == head) // ep:
+            continue
+        members = [f for f in held if f.rpartition(".")[0] == head]  # in the container's order
+        if members.index(fqn) < len(members) // ep:
             out.append((fqn, n))
     return out
 

@@ -57,9 +57,9 @@ def to_hf_ep_plan(plan, model) -> tuple[dict[str, str], dict[str, int]]:
 
 
 def _is_list(model, pattern: str) -> bool:
-    from torch import nn
+    from ..analyze.graph import EXPERT_CONTAINERS
 
-    return any(isinstance(m, nn.ModuleList) for f, m in model.named_modules() if matches(pattern, f))
+    return any(isinstance(m, EXPERT_CONTAINERS) for f, m in model.named_modules() if matches(pattern, f))
 
 
 def to_hf_tp_plan(plan, model=None) -> dict[str, str]:

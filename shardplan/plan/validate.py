@@ -106,9 +106,9 @@ def _expert_count_findings(plan: Any, modules: dict[str, Any], at: Any) -> list[
 
 def _expert_list(module: Any) -> bool:
     """An ``nn.ModuleList`` of experts: what ``ep_experts`` splits whole when they are modules."""
-    from torch import nn
+    from ..analyze.graph import EXPERT_CONTAINERS
 
-    return isinstance(module, nn.ModuleList) and len(module) > 1 and any(True for _ in module.parameters())
+    return isinstance(module, EXPERT_CONTAINERS) and len(module) > 1 and any(True for _ in module.parameters())
 
 
 def _owns_params(module: Any) -> bool:

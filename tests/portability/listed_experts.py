@@ -50,6 +50,42 @@ class MistralMoE(nn.Module):
         return results.view_as(inputs)
 
 
+class NamedMoE(nn.Module):
+    """Experts in an ``nn.ModuleDict`` keyed by name, looked up by the chosen index."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = nn.ModuleDict({f"expert_{i}": SwiGLU(dim, hidden) for i in range(num_experts)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(flat).softmax(-1).topk(self.top_k, dim=-1)
+        out = torch.zeros_like(flat)
+        for i in range(len(self.experts)):
+            rows, slot = torch.where(chosen == i)
+            out = out.index_add(0, rows, self.experts[f"expert_{i}"](flat[rows]) * weights[rows, slot, None])
+        return out.reshape(x.shape)
+
+
+class SequentialMoE(NamedMoE):
+    """Experts in an ``nn.Sequential``, iterated (not chained)."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int) -> None:
+        super().__init__(dim, hidden, num_experts, top_k)
+        self.experts = nn.Sequential(*(SwiGLU(dim, hidden) for _ in range(num_experts)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(flat).softmax(-1).topk(self.top_k, dim=-1)
+        out = torch.zeros_like(flat)
+        for i, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == i)
+            out = out.index_add(0, rows, expert(flat[rows]) * weights[rows, slot, None])
+        return out.reshape(x.shape)
+
+
 class WeightedExpert(SwiGLU):
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # scales its own output
         return super().forward(x) * weight
@@ -178,6 +214,16 @@ def moe_transformer(moe: type, *, vocab: int = 96, dim: int = 32, heads: int = 4
 def mistral_moe() -> TokenLM:
     torch.manual_seed(0)
     return moe_transformer(MistralMoE)
+
+
+def named_moe() -> TokenLM:
+    torch.manual_seed(0)
+    return moe_transformer(NamedMoE)
+
+
+def sequential_moe() -> TokenLM:
+    torch.manual_seed(0)
+    return moe_transformer(SequentialMoE)
 
 
 def weighted_moe() -> TokenLM:
