@@ -143,20 +143,27 @@ def _local_bank(module: nn.Module, *, local: int, ep: int, tp: _TpInside | None)
 
 def _ep_forward(module: nn.Module, run: Callable, *args: torch.Tensor, group: Any, ep: int, local: int,
                 tp: _TpInside | None) -> torch.Tensor:
-    if len(args) == 1:  # Llama 4's bank: every token once per expert, pre-scaled, expert-major [E T, H]
+    if len(args) == 3:
+        return _ep_routed(module, run, *args, group=group, ep=ep, local=local, tp=tp)
+    counts, rows, call = _sorted_call(module, run, args, experts=local * ep)
+    return _ep_sorted(module, call, counts, rows, group=group, ep=ep, local=local, tp=tp)
+
+
+def _sorted_call(module: nn.Module, run: Callable, args: tuple, *, experts: int) -> tuple:
+    """``(counts [E], rows sorted by expert, run(counts, rows))`` of a bank called on sorted
+    rows: ``(num_tokens_per_expert, rows)`` in either order (torchtitan's), or one ``[E T, H]``
+    tensor, every token once per expert, pre-scaled and expert-major (Llama 4's: T per expert)."""
+    if len(args) == 1:
         rows = args[0]
-        if rows.dim() != 2 or rows.shape[0] % (local * ep):
+        if rows.dim() != 2 or rows.shape[0] % experts:
             raise ValueError(f"{type(module).__name__} was called on one tensor of shape {tuple(rows.shape)}; expert "
                              f"parallelism reads one argument as every token once per expert, [E T, H] with E = "
-                             f"{local * ep}; call the bank with its routing (hidden, top_k_index, top_k_weights)")
-        counts = torch.full((local * ep,), rows.shape[0] // (local * ep), dtype=torch.int64, device=rows.device)
-        return _ep_sorted(module, lambda _c, r: run(r), counts, rows, group=group, ep=ep, local=local, tp=tp)
-    if len(args) == 2:  # num_tokens_per_expert [E] and rows sorted by expert [N, H], in either order
-        counts_first = args[0].dim() == 1 and not args[0].is_floating_point()
-        counts, rows = args if counts_first else args[::-1]
-        call = run if counts_first else (lambda c, r: run(r, c))
-        return _ep_sorted(module, call, counts, rows, group=group, ep=ep, local=local, tp=tp)
-    return _ep_routed(module, run, *args, group=group, ep=ep, local=local, tp=tp)
+                             f"{experts}; call the bank with its routing (hidden, top_k_index, top_k_weights)")
+        counts = torch.full((experts,), rows.shape[0] // experts, dtype=torch.int64, device=rows.device)
+        return counts, rows, lambda _c, r: run(r)
+    counts_first = args[0].dim() == 1 and not args[0].is_floating_point()
+    counts, rows = args if counts_first else args[::-1]
+    return counts, rows, run if counts_first else (lambda c, r: run(r, c))
 
 
 def _ep_sorted(module: nn.Module, run: Callable, counts: torch.Tensor, rows: torch.Tensor, *, group: Any, ep: int,
@@ -240,14 +247,7 @@ def _whole_forward(module: nn.Module, run: Callable, *args: torch.Tensor, rank: 
     if len(args) == 3:
         out = _whole_routed(module, run, *args, rank=rank, local=local)
     else:
-        if len(args) == 1:  # Llama 4's [E T, H]: T rows per expert
-            counts = torch.full((local * tp.size,), args[0].shape[0] // (local * tp.size), dtype=torch.int64,
-                                device=args[0].device)
-            counts_first, rows, call = True, args[0], (lambda _c, r: run(r))
-        else:
-            counts_first = args[0].dim() == 1 and not args[0].is_floating_point()
-            counts, rows = args if counts_first else args[::-1]
-            call = run if counts_first else (lambda c, r: run(r, c))
+        counts, rows, call = _sorted_call(module, run, args, experts=local * tp.size)
         out = _whole_sorted(module, call, counts, rows, rank=rank, local=local, tp=tp.size)
     return _ReduceFromTP.apply(out, tp.group) if tp.reduce_output else out
 
