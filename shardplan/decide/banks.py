@@ -61,8 +61,8 @@ def bank_call(graph: OpGraph, op) -> Bank | None:
     shapes = [tuple(graph.values[v].shape) for v in op.inputs]
     dtypes = [graph.values[v].dtype for v in op.inputs]
     experts = int(next(graph.model.get_submodule(op.target).parameters(recurse=False)).shape[0])
-    if _routed(shapes, dtypes):
-        return Bank(op.target, experts, shapes[0][0], shapes[1][1], shapes[0][1], op.multiplicity)
+    if routed := _routed(shapes, dtypes):
+        return Bank(op.target, experts, *routed, op.multiplicity)
     if rows := _sorted_rows(shapes, dtypes, experts):
         return Bank(op.target, experts, rows[0], 1, rows[1], op.multiplicity)
     if _every_token(graph, op, shapes, dtypes, experts):  # each token sent to every expert: top-k is E
@@ -70,9 +70,21 @@ def bank_call(graph: OpGraph, op) -> Bank | None:
     return None
 
 
-def _routed(shapes: list[tuple], dtypes: list) -> bool:
-    return (len(shapes) == 3 and len(shapes[0]) == 2 and shapes[1] == shapes[2] and len(shapes[1]) == 2
-            and shapes[1][0] == shapes[0][0] and not dtypes[1].is_floating_point and dtypes[2].is_floating_point)
+def _routed(shapes: list[tuple], dtypes: list) -> tuple[int, int, int] | None:
+    """``(T, k, H)`` of a call with hidden [T, H], top_k_index [T, k] (integers) and
+    top_k_weights [T, k], whatever order the front end lists them in (export's graph does
+    not keep the call's); None for any other call."""
+    if len(shapes) != 3 or any(len(s) != 2 for s in shapes):
+        return None
+    index = [i for i, d in enumerate(dtypes) if not d.is_floating_point]
+    if len(index) != 1:
+        return None
+    weights = [i for i in range(3) if i != index[0] and shapes[i] == shapes[index[0]] and dtypes[i].is_floating_point]
+    hidden = [i for i in range(3) if i not in index + weights[:1]]
+    if not weights or len(hidden) != 1 or shapes[hidden[0]][0] != shapes[index[0]][0]:
+        return None
+    (tokens, width), k = shapes[hidden[0]], shapes[index[0]][1]
+    return tokens, k, width
 
 
 def _sorted_rows(shapes: list[tuple], dtypes: list, experts: int) -> tuple | None:

@@ -379,14 +379,15 @@ def _experts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool = Fals
     flops = 3 * 2 * rows * hidden * inner * (3 if ep.packed or ep.gate else 2)
     # forward: each routed row read from the tokens, written as the experts' input, their
     # output written and added back into the tokens'
-    traffic = 4 * rows * hidden * y.dtype.itemsize
+    width = bank.hidden if bank is not None else y.shape[-1]
+    traffic = 4 * rows * width * y.dtype.itemsize
     out = [replace(_replicate(op, graph, module, flops), mem_bytes=traffic)]
     grads = tuple(("all_reduce", graph.values[v].nbytes) for v in op.inputs
                   if v in graph.requires_grad and graph.values[v].dtype.is_floating_point)
     outputs = ("R", "P") if sp else ("R",)  # P: the partial sums handed on, for the MoE block's return to reduce-scatter
     # the layout read off the shapes alone must give the hidden width the bank returns: an
     # unpacked bank [E, A, B] + [E, B, A] reads both ways, and a misread splits H, not I
-    if inner % tp == 0 and not (ep.interleaved and inner * 2 // tp % 2) and hidden == y.shape[-1]:
+    if inner % tp == 0 and not (ep.interleaved and inner * 2 // tp % 2) and hidden == width:
         out += [Strategy("moe_tp_experts", tuple("R" for _ in op.inputs), o, fwd=(("all_reduce", y.nbytes),) * (o == "R"),
                          bwd=grads, param_bytes=_experts_param_bytes(module, ep.down_bias, tp), flops=flops / tp,
                          mem_bytes=traffic, act_bytes=y.nbytes, layouts=_experts_layouts("experts", o)) for o in outputs]

@@ -93,6 +93,7 @@ STYLE_FAMILY: dict[str, str] = {
     "moe_identity_expert": "replicate",
     # mixture of experts: each rank holds a slice of every expert (or whole experts)
     "moe_tp_experts": "experts",
+    "moe_whole_experts": "experts",
     "ep_experts": "experts",
     "grouped_gemm": "experts",
     "ep_dispatch_experts": "experts",

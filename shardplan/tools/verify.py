@@ -81,12 +81,15 @@ __all__ = ["verify", "VerifyResult", "Row", "VerifyError", "TOLERANCES", "MAX_PA
 # 8.3e-7 at |logits| <= 2.5; loss worst 4.8e-7, one ulp of ~6.4) and in the backward matmuls
 # and gradient all-reduces (grad worst 1.3e-7 at |grad| <= 0.33). The relative part keeps
 # the check meaningful for models whose outputs or gradients are larger than those. Sharding
-# a weight and gathering it back moves no bits: ``weights`` is exact.
+# a weight and gathering it back moves no bits: ``weights`` is exact. On an AMD EPYC (another
+# BLAS kernel) CLIP's text position-embedding gradient differed by 3.9e-6 at max|grad| 0.70
+# (its contrastive loss scales normalized features by exp(logit_scale) = 14.3), past 2e-6 +
+# 2e-6 * max|grad|: the gradient tolerance is 5e-6 + 5e-6 * max|grad|.
 TOLERANCES: dict[str, tuple[float, float]] = {
     "weights": (0.0, 0.0),
     "output": (1e-5, 1e-5),
     "loss": (1e-5, 1e-5),
-    "grad": (2e-6, 2e-6),
+    "grad": (5e-6, 5e-6),
 }
 QUANTITIES = tuple(TOLERANCES)
 # each rank holds two float32 copies with gradients (~16 bytes a parameter) plus activations
