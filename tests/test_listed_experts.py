@@ -283,3 +283,13 @@ def test_a_router_module_with_a_raw_weight_and_grouped_top_k_routes_the_list() -
     result = verify("tests.portability.listed_experts:gated_moe", plan=plan, nproc=2, timeout_s=300, seq_len=16)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
 
+
+def test_experts_of_raw_parameters_are_refused_over_ep_when_planning() -> None:
+    """The dispatch reads an expert's row width off its first Linear: experts of raw
+    parameters (``x @ self.w_in``) planned over ep before and the ranks raised."""
+    from tests.portability.listed_experts import param_moe
+
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(shardplan.PlanningError, match=r"ParamExpert\) hold no Linear"):
+        shardplan.plan_model(param_moe(), {"ep": 2}, example_inputs=(tokens,), explain=False)
+

@@ -117,7 +117,7 @@ def listed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Ban
             continue
         first, last = (graph.values[calls[0].inputs[0]].shape, graph.values[calls[-1].output].shape)
         why = (f"experts map rows of {first[-1]} features to {last[-1]}" if first[-1] != last[-1]
-               else _more_than_rows(graph, path, list(experts._modules)))
+               else _more_than_rows(graph, path, list(experts._modules)) or _no_linear(experts))
         if why:
             if unread is not None:
                 unread.append(f"{path}: {why}")
@@ -141,6 +141,16 @@ def _more_than_rows(graph: OpGraph, path: str, names: list[str]) -> str:
                 return (f"expert {name} is called with {given} tensors; expert parallelism of a list sends each "
                         "expert one tensor of rows [n, H] (apply the routing weights to its output in the layer)")
     return ""
+
+
+def _no_linear(experts: nn.Module) -> str:
+    """Why the ranks could not size the rows they receive ("" when they can): the dispatch
+    reads an expert's row width off its first Linear's ``in_features``."""
+    first = next(experts.children())
+    if any(isinstance(getattr(m, "in_features", None), int) for m in first.modules()):
+        return ""
+    return (f"its experts ({type(first).__name__}) hold no Linear to read their rows' width from; expert parallelism "
+            "of a module list needs experts made of Linears (or a 3-D bank [E, ...] called with its routing)")
 
 
 def _chained(graph: OpGraph, path: str, names: list[str]) -> bool:

@@ -86,6 +86,24 @@ class SequentialMoE(NamedMoE):
         return out.reshape(x.shape)
 
 
+class ParamExpert(nn.Module):
+    """An expert of raw parameters, no Linear: ``x @ self.w_in``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(dim, hidden) * dim ** -0.5)
+        self.w_out = nn.Parameter(torch.randn(hidden, dim) * hidden ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x @ self.w_in) @ self.w_out
+
+
+class ParamMoE(MistralMoE):
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int) -> None:
+        super().__init__(dim, hidden, num_experts, top_k)
+        self.experts = nn.ModuleList([ParamExpert(dim, hidden) for _ in range(num_experts)])
+
+
 class WeightedExpert(SwiGLU):
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # scales its own output
         return super().forward(x) * weight
@@ -224,6 +242,11 @@ def named_moe() -> TokenLM:
 def sequential_moe() -> TokenLM:
     torch.manual_seed(0)
     return moe_transformer(SequentialMoE)
+
+
+def param_moe() -> TokenLM:
+    torch.manual_seed(0)
+    return moe_transformer(ParamMoE)
 
 
 def weighted_moe() -> TokenLM:
