@@ -32,7 +32,7 @@ from .trace import Traced, is_weight_leaf
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like", "router_like", "grad_inputs", "EXPERT_CONTAINERS"]
+__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like", "router_like", "grad_inputs", "EXPERT_CONTAINERS", "LIKE_OPS"]
 
 
 @dataclass(frozen=True)
@@ -365,15 +365,15 @@ def _trainable_attribute(model: nn.Module, target: str) -> bool:
 # shape only (``q.new_full((T, T), -inf)``, a mask made beside q), or cut the graph
 _DATA_FREE = frozenset({"new_empty", "new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "empty_like",
                         "full_like", "detach"})
-# ``x.to(other)``, ``x.type_as(other)``: the gradient flows to x only; other gives a dtype
-_LIKE = frozenset({"to", "type_as"})
+# ``x.to(other)``, ``x.type_as(other)``: other gives its dtype and device only, no gradient
+LIKE_OPS = frozenset({"to", "type_as"})
 
 
 def grad_inputs(op: Op) -> list[int]:
     """The inputs of ``op`` a gradient flows back to (all but those read for metadata)."""
     if op.kind != "function":
         return op.inputs
-    return [] if op.target in _DATA_FREE else op.inputs[:1] if op.target in _LIKE else op.inputs
+    return [] if op.target in _DATA_FREE else op.inputs[:1] if op.target in LIKE_OPS else op.inputs
 
 
 def _set_requires_grad(graph: OpGraph) -> None:

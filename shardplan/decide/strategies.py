@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..analyze.graph import Op, OpGraph, grad_inputs
+from ..analyze.graph import LIKE_OPS, Op, OpGraph, grad_inputs
 
 from .folded import folded_factory_strategies, folded_values, folded_variants, folded_view_strategies, rank_order_twins
 from .heads import grouped_conversions, grouped_values, grouped_variants, partial_grad_twins, under_partial_grad_owner
@@ -284,12 +284,8 @@ def _param_free_elementwise(op: Op, graph: OpGraph) -> bool:
     return known and len(op.inputs) == 1 and _shape(graph, op.inputs[0]) == _shape(graph, op.output)
 
 
-# x.to(other), x.type_as(other): ``other`` gives its dtype and device only
-_LIKE = {"to", "type_as"}
-
-
 def _unary(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
-    if len(op.inputs) == 2 and op.target in _LIKE and _shape(graph, op.inputs[0]) == out_shape:
+    if len(op.inputs) == 2 and op.target in LIKE_OPS and _shape(graph, op.inputs[0]) == out_shape:
         # the second tensor is read for its dtype and device, which no placement changes: it
         # may come split or whole (``mask.to(q)`` with q split by heads)
         return [Strategy("", (p, ANY), p) for p in _candidates(out_shape, tp) if p != "R"] + [
