@@ -32,7 +32,7 @@ from .trace import Traced, is_weight_leaf
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like", "router_like", "grad_inputs", "EXPERT_CONTAINERS", "LIKE_OPS"]
+__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like", "router_like", "grad_inputs", "EXPERT_CONTAINERS", "LIKE_OPS", "rows_width"]
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,13 @@ def expert_params(module: nn.Module) -> ExpertParams | None:
 # containers a layer may hold its experts in, each expert a module (``experts[i]``,
 # ``experts[str(i)]``, ``for expert in experts``)
 EXPERT_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def rows_width(expert: nn.Module) -> int | None:
+    """H, the width of the rows an expert module takes: its first Linear's ``in_features``;
+    None for an expert with no Linear (raw parameters)."""
+    first = next((m for m in expert.modules() if isinstance(getattr(m, "in_features", None), int)), None)
+    return None if first is None else first.in_features
 
 
 def linear_like(module: nn.Module) -> bool:

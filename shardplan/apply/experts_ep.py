@@ -204,8 +204,7 @@ def _ep_routed(module: nn.Module, run: Callable, hidden: torch.Tensor, top_k_ind
     back = exchange(y, *sizes, group)
     pairs = torch.empty_like(back)
     pairs[order] = back
-    weights = top_k_weights.reshape(-1, k, 1).to(pairs.dtype)
-    out = (pairs.view(-1, k, pairs.shape[-1]) * weights).sum(1).to(hidden.dtype).view(hidden.shape)
+    out = _weighted(pairs, top_k_weights, hidden)
     return _ReduceFromTP.apply(out, tp.group) if tp is not None and tp.reduce_output else out
 
 
@@ -267,9 +266,15 @@ def _whole_routed(module: nn.Module, run: Callable, hidden: torch.Tensor, top_k_
         else:  # no rows here: one zero row keeps the tokens' gradient (and its all-reduce) on this rank
             zero = rows.sum(0, keepdim=True)
             y = run(zero, local_ids.new_zeros(1, 1), zero.new_ones(1, 1))[:0]
-    pairs = y.new_zeros(ids.shape[0], width).index_copy(0, mine, y)
+    return _weighted(y.new_zeros(ids.shape[0], width).index_copy(0, mine, y), top_k_weights, hidden)
+
+
+def _weighted(pairs: torch.Tensor, top_k_weights: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """Each token's output as one process makes it: its k (token, slot) rows, in that order,
+    times their routing weights, summed over the slots, in the tokens' dtype and shape."""
+    k = top_k_weights.shape[-1]
     weights = top_k_weights.reshape(-1, k, 1).to(pairs.dtype)
-    return (pairs.view(-1, k, width) * weights).sum(1).to(hidden.dtype).view(hidden.shape)
+    return (pairs.view(-1, k, pairs.shape[-1]) * weights).sum(1).to(hidden.dtype).view(hidden.shape)
 
 
 def _whole_sorted(module: nn.Module, run: Callable, counts: torch.Tensor, rows: torch.Tensor, *, rank: int,

@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from ..analyze.graph import EXPERT_CONTAINERS
+from ..analyze.graph import EXPERT_CONTAINERS, rows_width
 from .dispatch import ScaleGrad, by_expert, exchange, send
 
 __all__ = ["RemoteExpert", "shard_listed_experts", "held_elsewhere", "held_here", "gather_listed_state"]
@@ -235,12 +235,12 @@ def shard_listed_experts(layer: nn.Module, child: str, ep_mesh: Any) -> None:
 
 
 def _in_features(expert: nn.Module) -> int:
-    """H, the width of the rows an expert takes: its first Linear's ``in_features``."""
-    first = next((m for m in expert.modules() if isinstance(getattr(m, "in_features", None), int)), None)
-    if first is None:
+    """H, the width of the rows an expert takes (:func:`..analyze.graph.rows_width`)."""
+    width = rows_width(expert)
+    if width is None:
         raise ValueError(f"{type(expert).__name__} has no Linear (in_features) to read its rows' width from; expert "
                          "parallelism of a module list needs experts made of Linears")
-    return first.in_features
+    return width
 
 
 def _two_passes(run: Callable, dispatch: _Dispatch, layer: nn.Module, *args: Any, **kwargs: Any) -> Any:

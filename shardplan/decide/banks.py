@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..analyze.graph import EXPERT_CONTAINERS, OpGraph, router_like
+from ..analyze.graph import EXPERT_CONTAINERS, OpGraph, router_like, rows_width
 
 __all__ = ["Bank", "bank_call", "routed_banks", "listed_banks", "expert_count", "inside"]
 
@@ -98,8 +98,8 @@ def _sorted_rows(shapes: list[tuple], dtypes: list, experts: int) -> tuple | Non
 
 
 def listed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Bank]:
-    """Experts written as an ``nn.ModuleList`` (or ``ModuleDict``, ``Sequential``) of alike modules, each called by its layer's
-    own code on the rows a router chose: the list's layer runs a Linear of E outputs (the
+    """Experts written as an ``nn.ModuleList`` (or ``ModuleDict``, ``Sequential``) of alike
+    modules, each called by its layer's own code on the rows a router chose: the list's layer runs a Linear of E outputs (the
     router) before the first expert. ``tokens`` is the router's rows, ``top_k`` the k of a
     ``topk`` in the layer's code (1 without one). An expert that does not map ``[n, H]`` to
     ``[n, H]`` is listed in ``unread``."""
@@ -147,7 +147,7 @@ def _no_linear(experts: nn.Module) -> str:
     """Why the ranks could not size the rows they receive ("" when they can): the dispatch
     reads an expert's row width off its first Linear's ``in_features``."""
     first = next(experts.children())
-    if any(isinstance(getattr(m, "in_features", None), int) for m in first.modules()):
+    if rows_width(first) is not None:
         return ""
     return (f"its experts ({type(first).__name__}) hold no Linear to read their rows' width from; expert parallelism "
             "of a module list needs experts made of Linears (or a 3-D bank [E, ...] called with its routing)")
