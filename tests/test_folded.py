@@ -35,9 +35,11 @@ def test_folded_view_places_the_blocks(src, dst, d, parts, want) -> None:
 
 LOCAL = {"bmm_model": lambda tp: {"num_heads": 4 // tp, "embed_dim": 64 // tp},
          "megatron_model": lambda tp: {"num_attention_heads": 4 // tp, "hidden_size": 64 // tp},
-         "expanded_mask_model": lambda tp: {"n_heads": 4 // tp}}
+         "expanded_mask_model": lambda tp: {"n_heads": 4 // tp},
+         # fairseq's ``view(-1, bsz * self.num_heads, head_dim)``: the split dim is b * heads
+         "fairseq_model": lambda tp: {"embed_dim": 64 // tp, "num_heads": 4 // tp}}
 SPLIT = {"bmm_model": ("q_proj", "k_proj", "v_proj", "out_proj"), "megatron_model": ("query_key_value", "dense"),
-         "expanded_mask_model": ("query_key_value", "dense")}
+         "expanded_mask_model": ("query_key_value", "dense"), "fairseq_model": ("q_proj", "k_proj", "v_proj", "out_proj")}
 
 
 @pytest.mark.parametrize(("tp", "seq"), [(2, 16), (4, 16), (2, 2048)])

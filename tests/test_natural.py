@@ -561,15 +561,16 @@ def _norm_pins() -> dict[str, str]:
     return {"attn.*.q_norm": "norm_sharded", "attn.*.k_norm": "norm_sharded"}
 
 
+@pytest.mark.parametrize("norm", [natural.HandRMSNorm, natural.torch_rms_norm])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_a_norm_over_all_heads_runs_on_the_heads_split_with_its_statistic_all_reduced(tp: int) -> None:
+def test_a_norm_over_all_heads_runs_on_the_heads_split_with_its_statistic_all_reduced(tp: int, norm) -> None:
     """OLMo 2 normalizes q and k over all heads (``q_norm`` of ``[b, s, heads * hd]``). At a
     real width the planner keeps q/k colwise and runs the norm on the split features
     (``norm_sharded``: DTensor all-reduces the statistic, one value per row) instead of
     gathering q and k for it, as Hugging Face's plan and vLLM do; the norm's weight is split
-    with the features."""
+    with the features. Torch's fused ``nn.RMSNorm`` as well: the style runs it written out."""
     with torch.device("meta"):
-        model = natural.QKNormLM(natural.HandRMSNorm, dim=2048, heads=16)
+        model = natural.QKNormLM(norm, dim=2048, heads=16)
     tokens = torch.zeros(1, 4096, dtype=torch.long, device="meta")
     plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=(tokens,), explain=False)
     styles = _block_styles(plan, "attn.0.")
@@ -601,6 +602,19 @@ def test_a_norm_over_all_heads_on_split_features_matches_one_process_and_its_col
     assert simulate(hf, olmo, inputs, kwargs).matches
     with pytest.raises(ValueError, match=r"q_norm: style 'norm_sharded' has no Hugging Face tp_plan counterpart"):
         olmo.to_hf_tp_plan(hf)
+
+
+def test_torch_rms_norm_over_all_heads_on_split_features_matches_one_process_and_its_collectives() -> None:
+    """``nn.RMSNorm`` calls one fused kernel, which DTensor runs on whole features; written out
+    by the style, its statistic is one all-reduce, as counted and as predicted."""
+    model = natural.qk_torch_rms_norm()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    plan = shardplan.price_styles(model, {"tp": 2}, _norm_pins(), example_inputs=(tokens,))
+    assert _block_styles(plan, "attn.0.")["q_norm"] == "norm_sharded" and not plan.warnings, plan.warnings
+    result = verify("tests.portability.natural:qk_torch_rms_norm", plan=plan, nproc=2, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    counted = simulate(model, plan, (tokens,))
+    assert counted.matches, f"counted {dict(counted.counted)} != predicted {counted.predicted}"
 
 
 def test_a_norm_whose_code_gathers_split_features_is_kept_whole() -> None:

@@ -246,9 +246,13 @@ class NormSharded(ParallelStyle):
     ``x.pow(2).mean(-1)`` as a partial result and all-reduces it (``[b, s, 1]``, one value per
     row) before ``rsqrt``, the rest stays on each rank's features, and ``w`` (and a bias) are
     ``Shard(0)`` with them, so their gradients are each rank's own rows. The output goes on
-    as the local ``Shard(-1)`` tensor, as colwise's does."""
+    as the local ``Shard(-1)`` tensor, as colwise's does. Torch's ``nn.RMSNorm`` calls one
+    fused kernel, which DTensor would run on whole features (an all-gather): it runs written
+    out instead (:func:`_rms_norm_written_out`)."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if type(module) is nn.RMSNorm:
+            module.forward = partial(_rms_norm_written_out, module)
         for name, p in list(module.named_parameters(recurse=False)):
             shard = distribute_tensor(p.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
@@ -265,3 +269,13 @@ class NormSharded(ParallelStyle):
         module.register_forward_pre_hook(enter)
         module.register_forward_hook(leave)
         return module
+
+
+def _rms_norm_written_out(module: nn.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """``F.rms_norm`` over the last dim as its reductions: ``x / sqrt(mean(x^2) + eps) * w``,
+    in fp32 for lower-precision inputs as the fused kernel computes it. On a ``Shard(-1)``
+    DTensor the ``mean`` is a partial sum over the ranks' features, all-reduced once."""
+    eps = torch.finfo(x.dtype).eps if module.eps is None else module.eps
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y * module.weight if module.weight is not None else y

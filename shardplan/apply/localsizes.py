@@ -21,6 +21,7 @@ from torch import nn
 
 from ..analyze.graph import OpGraph
 from ..analyze.values import nonzero_at_upper_bound
+from ..decide.folded import parts_of
 from ..decide.placements import groups_of, index_items, local_shape, one_slice, shard_dim, tail_of
 from ..decide.propagation import quiet_probes
 from ..plan.model import CutFix, LocalAttributes, LocalViews, Plan, ViewFix, int_attributes
@@ -52,6 +53,11 @@ def _dim_sizes(graph: OpGraph, placements: dict[int, str], fqn: str, tp: int) ->
         kind, n = groups_of(p) or ("", tp)
         parts = {d: n, d + 1: tp // n} if kind == "e" else {d: n}
         split.update((shape[i], k) for i, k in parts.items())
+        blocks = parts_of(p)
+        if blocks > 1 and d < len(shape) - 1 and shape[d] % blocks == 0:
+            # heads folded into the batch (fairseq's ``view(-1, bsz * self.num_heads, head_dim)``,
+            # ``[b * heads, ...]``): the count split is each block's heads, not the dim's size
+            split[shape[d] // blocks] = tp
         whole.update(size for i, size in enumerate(shape) if i not in parts)
         src = groups_of(placements.get(op.inputs[0], "R")) if op.target == "repeat_interleave" and op.inputs else None
         repeats = op.node.args[1] if len(op.node.args) > 1 else op.node.kwargs.get("repeats")

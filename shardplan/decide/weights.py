@@ -518,12 +518,14 @@ def _sharded_norm(x, module: nn.Module, pbytes: int, last: int, tp: int) -> list
     ``Shard(2)`` from a colwise q_proj): its code runs on DTensors, where the statistic over the
     features (``x.pow(2).mean(-1)``) is a partial result all-reduced once, ``[b, s, 1]``, and
     its weight is split with the features; backward reduce-scatters once. Instead of gathering
-    q and k for the norm, as vLLM and Hugging Face do, each layer moves ``b s`` values. Only a
-    norm written out in the model's own code (not torch's fused kernels, which DTensor runs
-    on whole features) with parameters over the features alone; the local check counts the
-    collectives its code makes and keeps it whole if it gathers."""
+    q and k for the norm, as vLLM and Hugging Face do, each layer moves ``b s`` values. A
+    norm written out in the model's own code, or torch's ``nn.RMSNorm`` (whose fused kernel
+    DTensor runs on whole features: the style writes it out), with parameters over the
+    features alone; the local check counts the collectives its code makes and keeps it whole
+    if it gathers."""
     params = list(module.parameters(recurse=False))
-    if type(module).forward.__module__.startswith("torch.nn.") or not params or any(
+    torch_own = type(module).forward.__module__.startswith("torch.nn.") and type(module) is not nn.RMSNorm
+    if torch_own or not params or any(
             tuple(p.shape) != (x.shape[last],) for p in params):
         return []
     stat = x.nbytes // x.shape[last] // x.dtype.itemsize * 4  # one fp32 value per row

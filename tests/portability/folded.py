@@ -69,6 +69,34 @@ class MegatronCoreAttention(nn.Module):
         return self.dense(context).transpose(0, 1)
 
 
+class FairseqAttention(nn.Module):
+    """fairseq's ``MultiheadAttention``: time-major ``[t, b, c]``, q scaled before the fold,
+    the keys and values folded by ``view(-1, bsz * self.num_heads, self.head_dim)`` (a ``-1``
+    where the local count must go), the mask added to the ``bmm`` scores."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.embed_dim, self.num_heads, self.head_dim = dim, heads, dim // heads
+        self.scaling = self.head_dim ** -0.5
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(dim, dim) for _ in range(3))
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        query = x.transpose(0, 1)
+        tgt_len, bsz, embed_dim = query.size()
+        q = self.q_proj(query) * self.scaling
+        k, v = self.k_proj(query), self.v_proj(query)
+        q = q.contiguous().view(tgt_len, bsz * self.num_heads, self.head_dim).transpose(0, 1)
+        k = k.contiguous().view(-1, bsz * self.num_heads, self.head_dim).transpose(0, 1)
+        v = v.contiguous().view(-1, bsz * self.num_heads, self.head_dim).transpose(0, 1)
+        attn_weights = torch.bmm(q, k.transpose(1, 2))
+        mask = torch.triu(torch.full((tgt_len, tgt_len), float("-inf"), device=x.device), 1)
+        attn_probs = F.softmax(attn_weights + mask.unsqueeze(0), dim=-1)
+        attn = torch.bmm(attn_probs, v)
+        attn = attn.transpose(0, 1).contiguous().view(tgt_len, bsz, self.embed_dim)
+        return self.out_proj(attn).transpose(0, 1)
+
+
 class ExpandedMaskAttention(nn.Module):
     """A whole causal mask expanded to every folded row, ``mask.expand(b * self.n_heads, s,
     s)``, as the ``baddbmm`` input with ``beta=1``; a packed ``[q_i, k_i, v_i]`` per head."""
@@ -105,3 +133,7 @@ def megatron_model() -> TokenLM:
 
 def expanded_mask_model() -> TokenLM:
     return _lm(ExpandedMaskAttention)
+
+
+def fairseq_model() -> TokenLM:
+    return _lm(FairseqAttention)

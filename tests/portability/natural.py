@@ -628,6 +628,19 @@ def qk_rms_norm() -> QKNormLM:
     return QKNormLM(HandRMSNorm)
 
 
+def torch_rms_norm(dim: int) -> nn.RMSNorm:
+    """Torch's own fused ``nn.RMSNorm`` (OLMo-core, torchtitan-style code), weights not all one."""
+    norm = nn.RMSNorm(dim, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(dim, device=norm.weight.device))
+    return norm
+
+
+def qk_torch_rms_norm() -> QKNormLM:
+    torch.manual_seed(0)
+    return QKNormLM(torch_rms_norm)
+
+
 def qk_layer_norm() -> QKNormLM:
     torch.manual_seed(0)
     return QKNormLM(HandLayerNorm)
