@@ -48,6 +48,7 @@ from .apply.localsizes import find_local_attributes
 from .apply.standins import OuterCodeError, check_outer_code, stood_blocks
 from .plan.model import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint, matches
 from .decide.regions import find_handovers, find_partial_blocks, find_regions, handover_regions
+from .decide.slices import inner_cuts
 from .decide.solve import PlanningError, SolveContext, solve
 from .decide.splits import MeshCandidate, MeshComparison, choose, dp_tp_splits, ep_splits
 from .analyze.trace import TraceError, trace_model
@@ -206,6 +207,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
     notes: list[str] = []  # what the check made the planner give up (sequence parallel)
     handover = False  # sequence shards reach the blocks as DTensors (code between them reads their sizes)
     squeezed, pending, assembled = 0, None, None
+    cut_seen: set[str] = set()  # modules whose inner cuts were looked for
     while True:
         solution, pending = pending or _solve_explained(graph, ctx), None
         if assembled is None or assembled[0] is not solution:  # local attributes found: same solution, same plan
@@ -233,7 +235,18 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 unchecked = check_outer_code(graph, plan, _after_exits(solution), mesh=mesh)
                 if unchecked:
                     plan.warnings.append(unchecked)
-            break
+            cut = _next_inner_cuts(graph, solution, cut_seen, whole)
+            if cut is None:
+                break
+            # a value the plan cuts inside a module's code, not yet found (its shards ran as
+            # they were): find the call, or run that module whole
+            found = find_local_attributes(graph, plan, solution.placements, cut[0], mesh=mesh, cuts=cut[1])
+            if found:
+                attributes, views, pending = attributes + found[0], views + found[1], solution
+            else:
+                whole[cut[0]] = _uncut(graph, *cut)
+                ctx.forced = {**ctx.forced, **_run_whole(graph, cut[0], ctx)}
+            continue
         except LocalShapeError as exc:
             if isinstance(exc, OuterCodeError) and not handover and _sequence_parallel(graph, solution):
                 # positions or a mask made from the sequence-split embedding output: hand it on
@@ -242,7 +255,8 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 continue
             # its code sizes by a global count (a weight module then fails on what it was
             # handed: o_proj on twice its features): the local count makes its shards run
-            found = find_local_attributes(graph, plan, solution.placements, exc.module, mesh=mesh) if (
+            found = find_local_attributes(graph, plan, solution.placements, exc.module, mesh=mesh,
+                                          cuts=_inner_cuts_in(graph, solution, exc.module, cut_seen)) if (
                 exc.module and exc.module != exc.leaf and len(attributes) + len(views) < 16) else None
             if found:
                 attributes += found[0]
@@ -408,6 +422,33 @@ def _run_whole(graph: OpGraph, module: str, ctx: SolveContext) -> dict[int, str]
             names = {s.name for s in op_strategies(op, graph, tp=ctx.tp, opts=ctx.opts)}
             pins[op.index] = "colwise_gather_output" if "colwise_gather_output" in names else "replicate"
     return pins
+
+
+def _next_inner_cuts(graph: OpGraph, solution: Any, seen: set[str], whole: dict[str, str]) -> tuple[str, list] | None:
+    """A module whose code the solution cuts a whole value in (:func:`.decide.slices.inner_cuts`)
+    not yet looked at, with its cuts; marked seen."""
+    for fqn, cuts in inner_cuts(graph, solution.strategies).items():
+        if fqn not in seen and fqn not in whole:
+            seen.add(fqn)
+            return fqn, cuts
+    return None
+
+
+def _inner_cuts_in(graph: OpGraph, solution: Any, fqn: str | None, seen: set[str]) -> list:
+    """The inner cuts of the modules at or under ``fqn`` not yet looked at, in trace order
+    (the check failed in ``fqn``: its local views count the calls of the code under it); marked seen."""
+    found = [] if not fqn else [(m, cuts) for m, cuts in inner_cuts(graph, solution.strategies).items()
+                                if m not in seen and (m == fqn or m.startswith(fqn + "."))]
+    seen.update(m for m, _ in found)
+    return sorted((c for _, cuts in found for c in cuts), key=lambda c: (c.op, c.slot))
+
+
+def _uncut(graph: OpGraph, fqn: str, cuts: list) -> str:
+    from .analyze.trace import _user_line
+
+    reads = ", ".join(f"`{graph.ops[c.op].target}` ({_user_line(graph.ops[c.op].node)})" for c in cuts[:2])
+    return (f"{fqn}: runs on whole activations, its weights still sharded: its code makes a value read beside "
+            f"values split tp ways ({reads}) that the check could not find whole where it is read, so it is not cut there")
 
 
 def _kept_whole(graph: OpGraph, module: str, exc: LocalShapeError) -> str:

@@ -381,7 +381,7 @@ def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
         return model
     parallelize_module(model, mesh, to_parallelize_plan(plan, model))
     set_local_attributes(model, plan)
-    install_local_views(model, plan)
+    install_local_views(model, plan, rank=mesh.get_local_rank())
     read_outside = [f"{fqn}.{n}" if fqn else n for rule in plan.rules
                     for fqn in expand_pattern(rule.module, plan.model.repeats)
                     if rule.read_outside or _local_replica(rule, model.get_submodule(fqn))

@@ -14,7 +14,7 @@ the plan expects of it; nothing is written that the check did not pass.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -24,13 +24,14 @@ from ..analyze.values import nonzero_at_upper_bound
 from ..decide.folded import parts_of
 from ..decide.placements import groups_of, index_items, local_shape, one_slice, shard_dim, tail_of
 from ..decide.propagation import quiet_probes
-from ..plan.model import CutFix, LocalAttributes, LocalViews, Plan, ViewFix, int_attributes
+from ..decide.slices import InnerCut
+from ..plan.model import CutFix, LocalAttributes, LocalViews, Plan, SliceFix, ViewFix, int_attributes
 from .emit import shard
 from .localcheck import (
     LocalShapeError, _ViewRecorder, _check_mesh, _expected_views, _local_args, _meta_copy, _sub_plan, _targets,
     _track_modules, _view_ops, check_local_shapes, stand_in_for,
 )
-from .localviews import CUT_FUNCTIONS, discover_fixes, read_cut
+from .localviews import CUT_FUNCTIONS, WholeRead, discover_fixes, read_cut
 
 __all__ = ["find_local_attributes"]
 
@@ -66,35 +67,51 @@ def _dim_sizes(graph: OpGraph, placements: dict[int, str], fqn: str, tp: int) ->
     return split, whole
 
 
-def find_local_attributes(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, *,
-                          mesh: Any = None) -> tuple[list[LocalAttributes], list[LocalViews]] | None:
+def find_local_attributes(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, *, mesh: Any = None,
+                          cuts: Sequence[InnerCut] = ()) -> tuple[list[LocalAttributes], list[LocalViews]] | None:
     """The fewest integer attributes of ``fqn`` that, set to their local value, let its shards
     run (``self.num_heads`` / tp; with kv heads in groups, ``self.n_kv_heads`` / groups and
     ``self.n_rep`` / (tp / groups)): the smallest sets first, each proven by running the
     check again and by every view having its planned local shape. Where none does (the code
     reads a width off a whole tensor: nanoGPT's ``view(B, T, C)``), the views that fail are
-    fixed (:mod:`.localviews`), alone and then beside each set. None when nothing is found."""
+    fixed (:mod:`.localviews`), alone and then beside each set. ``cuts``: whole values the
+    plan cuts inside ``fqn``'s code (:func:`~shardplan.decide.slices.inner_cuts`); each
+    candidate must find every one of them still whole where it is read (ALiBi slopes made
+    from a head count made local would run, on the wrong slopes). None when nothing is found."""
     from itertools import chain, islice
 
     names = _rule_names(graph, fqn)
     candidates, ints, split = _attribute_candidates(graph, placements, fqn, plan.tp)
+    reads = _whole_reads(graph, cuts, plan.tp)
 
     def attributes(subset: tuple[str, ...]) -> list[LocalAttributes]:
         values = {k: ints[k] // split[ints[k]] for k in subset}
         why = _attribute_why(ints, values, split, plan.tp)
         return [LocalAttributes(module=n, values=values, why=why) for n in names] if subset else []
 
-    for subset in islice(_subsets(candidates), _MAX_ATTRIBUTE_TRIALS):
+    for subset in islice(_subsets(candidates) if not reads else (), _MAX_ATTRIBUTE_TRIALS):
         if _passes(graph, plan.model_copy(update={"attributes": plan.attributes + attributes(subset)}), placements, fqn, mesh):
             return attributes(subset), []
     for subset in islice(chain([()], _subsets(candidates)), _MAX_ATTRIBUTE_TRIALS):
         trial = plan.model_copy(update={"attributes": plan.attributes + attributes(subset)})
-        fixes, cuts = _discover_views(graph, trial, placements, fqn, mesh)
-        views = [LocalViews(module=n, fixes=fixes, cuts=cuts, why=_views_why(fixes, cuts))
-                 for n in names] if fixes or cuts else []
+        fixes, cut_fixes, slices = _discover_views(graph, trial, placements, fqn, mesh, reads)
+        if len(slices) != len(reads):
+            continue
+        views = [LocalViews(module=n, fixes=fixes, cuts=cut_fixes, slices=slices, why=_views_why(fixes, cut_fixes, slices))
+                 for n in names] if fixes or cut_fixes or slices else []
         if views and _passes(graph, trial.model_copy(update={"local_views": plan.local_views + views}), placements, fqn, mesh):
             return attributes(subset), views
     return None
+
+
+def _whole_reads(graph: OpGraph, cuts: Sequence[InnerCut], tp: int) -> list[WholeRead]:
+    """The calls that read a whole value the plan cuts there, as the trace recorded them."""
+    out = []
+    for c in cuts:
+        op = graph.ops[c.op]
+        shape = graph.values[op.inputs[c.slot]].shape
+        out.append(WholeRead(function=op.target.strip("_"), input=c.slot, shape=tuple(shape), dim=shard_dim(c.target), parts=tp))
+    return out
 
 
 def _rule_names(graph: OpGraph, fqn: str) -> list[str]:
@@ -132,8 +149,8 @@ def _passes(graph: OpGraph, trial: Plan, placements: dict[int, str], fqn: str, m
     return _views_as_planned(graph, trial, placements, fqn, mesh)
 
 
-def _discover_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str,
-                    mesh: Any) -> tuple[list[ViewFix], list[CutFix]]:
+def _discover_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any,
+                    reads: list[WholeRead]) -> tuple[list[ViewFix], list[CutFix], list[SliceFix]]:
     """Run ``fqn``'s shards under ``plan`` and match each view that fails to the next local
     shape the plan expects of ``fqn``'s own views, and each cut (split, narrow, slice) to
     the numbers the plan expects of the trace's cut in the same place
@@ -141,15 +158,15 @@ def _discover_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn:
     the rest."""
     expected = _expected_views(graph, placements, fqn, plan.tp).get(fqn, [])
     cuts = _expected_cuts(graph, placements, fqn, plan.tp)
-    found: list[tuple[list[ViewFix], list[CutFix]]] = []
+    found: list[tuple[list[ViewFix], list[CutFix], list[SliceFix]]] = []
 
     def prepare(block: nn.Module, inner: str) -> contextlib.AbstractContextManager:
-        found.append(discover_fixes(block.get_submodule(inner), expected, cuts))
+        found.append(discover_fixes(block.get_submodule(inner), expected, cuts, reads))
         return contextlib.nullcontext()
 
-    if expected or any(c is not None for c in cuts):
+    if expected or reads or any(c is not None for c in cuts):
         _run_view_target(graph, plan, placements, fqn, mesh, prepare)
-    return found[0] if found else ([], [])
+    return found[0] if found else ([], [], [])
 
 
 def _expected_cuts(graph: OpGraph, placements: dict[int, str], fqn: str, tp: int) -> list[Any]:
@@ -201,9 +218,13 @@ def _cut_dim(name: str, op: Any, ndim: int) -> int | None:
     return dim % ndim if isinstance(dim, int) else None
 
 
-def _views_why(fixes: list[ViewFix], cuts: list[CutFix]) -> str:
+def _views_why(fixes: list[ViewFix], cuts: list[CutFix], slices: list[SliceFix] = ()) -> str:
     dims = ", ".join([f"dim {f.dim} / {f.parts}" for f in fixes] + [f"cut {c.call} / {c.parts}" for c in cuts])
-    return f"its code sizes views by a width read off a whole tensor; on a shard: {dims}"
+    said = [f"its code sizes views by a width read off a whole tensor; on a shard: {dims}"] if dims else []
+    if slices:
+        calls = ", ".join(f"{f.function} call {f.call} input {f.input} dim {f.dim}" for f in slices)
+        said.append(f"its code makes a whole value read beside split ones, cut to this rank's part where read: {calls}")
+    return "; ".join(said)
 
 
 def _attribute_why(ints: dict[str, int], values: dict[str, int], split: dict[int, int], tp: int) -> str:

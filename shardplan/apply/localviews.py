@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..plan.model import CutFix, Plan, ViewFix, expand_pattern
+from ..plan.model import CutFix, Plan, SliceFix, ViewFix, expand_pattern
 
-__all__ = ["install_local_views", "discover_fixes", "read_cut", "VIEW_FUNCTIONS", "CUT_FUNCTIONS"]
+__all__ = ["install_local_views", "discover_fixes", "read_cut", "WholeRead", "VIEW_FUNCTIONS", "CUT_FUNCTIONS"]
 
 VIEW_FUNCTIONS = frozenset({"view", "reshape"})
 
@@ -41,17 +41,23 @@ VIEW_FUNCTIONS = frozenset({"view", "reshape"})
 Chooser = Callable[[int, list[int], int], "ViewFix | None"]
 # (index among the module's cuts, the cut's numbers) -> parts, or None
 CutChooser = Callable[[int, list[int]], "int | None"]
+# (function, index among its calls, its tensor arguments) -> (argument, dim, parts) to cut, or None
+SliceChooser = Callable[[str, int, list[torch.Tensor]], "tuple[int, int, int] | None"]
 
 
 class _FixViews(TorchFunctionMode):
-    def __init__(self, choose: Chooser, choose_cut: CutChooser) -> None:
+    def __init__(self, choose: Chooser, choose_cut: CutChooser, choose_slice: SliceChooser | None = None,
+                 rank: int = 0) -> None:
         super().__init__()
-        self.choose, self.choose_cut = choose, choose_cut
+        self.choose, self.choose_cut, self.choose_slice, self.rank = choose, choose_cut, choose_slice, rank
         self.failing = self.cuts = 0
+        self.calls: dict[str, int] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if self.choose_slice is not None:
+            args, kwargs = self._slice(name.strip("_"), args, kwargs)
         if name in CUT_FUNCTIONS and args and isinstance(args[0], torch.Tensor):
             cut = read_cut(name, args[1:], kwargs)
             if cut is not None:
@@ -65,6 +71,25 @@ class _FixViews(TorchFunctionMode):
                     sizes[fix.dim] //= fix.parts
                     return func(args[0], sizes, **kwargs)
         return func(*args, **kwargs)
+
+    def _slice(self, name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Every call is counted by its function; the one a :class:`SliceFix` names gets its
+        whole tensor argument cut to this rank's part (rank order, equal parts)."""
+        k = self.calls[name] = self.calls.get(name, -1) + 1
+        tensors = _tensor_args(args, kwargs)
+        found = self.choose_slice(name, k, [a for _, _, a in tensors])
+        if found is None:
+            return args, kwargs
+        slot, dim, parts = found
+        where, key, x = tensors[slot]
+        if x.shape[dim] % parts:
+            raise ValueError(f"{name} call {k}: its input {slot} of shape {tuple(x.shape)} cannot be cut in {parts} "
+                             f"equal parts on dim {dim}, as the plan cuts it; plan again for these inputs")
+        width = x.shape[dim] // parts
+        x = x.narrow(dim, self.rank * width, width)
+        if where == "args":
+            return args[:key] + (x,) + args[key + 1:], kwargs
+        return args, {**kwargs, key: x}
 
     def _cut(self, func, args: tuple, kwargs: dict, cut: "Cut"):
         """Every cut is counted (one by a global width runs, on other parts, so it cannot be
@@ -137,12 +162,20 @@ def _sizes(rest: tuple) -> list[int] | None:
     return [int(s) for s in rest] if rest and all(isinstance(s, int) for s in rest) else None
 
 
-def _run_with(module: nn.Module, choose: Chooser, choose_cut: CutChooser) -> None:
+def _tensor_args(args: tuple, kwargs: dict) -> list[tuple[str, Any, torch.Tensor]]:
+    """The tensor arguments of a call in the tracer's order (positional, then keyword), with
+    where each sits: ``("args", i)`` or ``("kwargs", name)``."""
+    found = [("args", i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    return found + [("kwargs", k, a) for k, a in kwargs.items() if isinstance(a, torch.Tensor)]
+
+
+def _run_with(module: nn.Module, choose: Chooser, choose_cut: CutChooser, choose_slice: SliceChooser | None = None,
+              rank: int = 0) -> None:
     """Enter a fresh mode for every call of ``module``'s forward and leave it after."""
     live: list[_FixViews] = []
 
     def enter(_m, _args):
-        live.append(_FixViews(choose, choose_cut))
+        live.append(_FixViews(choose, choose_cut, choose_slice, rank))
         live[-1].__enter__()
 
     def leave(_m, _args, _out):
@@ -152,23 +185,52 @@ def _run_with(module: nn.Module, choose: Chooser, choose_cut: CutChooser) -> Non
     module.register_forward_hook(leave, always_call=True)
 
 
-def install_local_views(model: nn.Module, plan: Plan) -> None:
+def install_local_views(model: nn.Module, plan: Plan, *, rank: int = 0) -> None:
+    """``rank``: this rank's coordinate on the tp axis, which a :class:`SliceFix` cuts by."""
     for entry in plan.local_views:
         fixes, cuts = list(entry.fixes), {c.call: c.parts for c in entry.cuts}
+        slices = {(f.function, f.call): (f.input, f.dim, f.parts) for f in entry.slices}
+        choose_slice = (lambda name, k, _t, s=slices: s.get((name, k))) if slices else None
         for fqn in expand_pattern(entry.module, plan.model.repeats):
             _run_with(model.get_submodule(fqn), lambda k, _s, _n, f=fixes: f[k] if k < len(f) else None,
-                      lambda k, _n, p=cuts: p.get(k))
+                      lambda k, _n, p=cuts: p.get(k), choose_slice, rank)
 
 
-def discover_fixes(module: nn.Module, expected: list[tuple[int, ...]],
-                   expected_cuts: list[Any] = ()) -> tuple[list[ViewFix], list[CutFix]]:
+@dataclass(frozen=True)
+class WholeRead:
+    """A cut the plan makes inside a module's code, as the trace recorded it: the call of
+    ``function`` whose ``input``-th tensor argument has the whole ``shape``, cut on ``dim``."""
+
+    function: str
+    input: int
+    shape: tuple[int, ...]
+    dim: int
+    parts: int
+
+
+def discover_fixes(module: nn.Module, expected: list[tuple[int, ...]], expected_cuts: list[Any] = (),
+                   expected_slices: list[WholeRead] = ()) -> tuple[list[ViewFix], list[CutFix], list[SliceFix]]:
     """Install the planner's chooser on ``module`` (run it afterwards); the returned lists
-    fill in as its failing views are matched to ``expected``, in order, and as its k-th cut
+    fill in as its failing views are matched to ``expected``, in order, as its k-th cut
     asks ``parts`` times the numbers ``expected_cuts[k]`` (the trace's cuts under the
-    module, in order, as the plan expects them locally; None: nothing to fix) holds."""
+    module, in order, as the plan expects them locally; None: nothing to fix) holds, and as
+    a call reads a tensor of the whole shape the next of ``expected_slices`` names (in trace
+    order) where it names it."""
     found: list[ViewFix] = []
     found_cuts: list[CutFix] = []
+    found_slices: list[SliceFix] = []
     cursor = [0]
+    next_slice = [0]
+
+    def choose_slice(name: str, k: int, tensors: list[torch.Tensor]) -> tuple[int, int, int] | None:
+        if next_slice[0] >= len(expected_slices):
+            return None
+        want = expected_slices[next_slice[0]]
+        if name != want.function or want.input >= len(tensors) or tuple(tensors[want.input].shape) != want.shape:
+            return None
+        next_slice[0] += 1
+        found_slices.append(SliceFix(function=name, call=k, input=want.input, dim=want.dim, parts=want.parts))
+        return want.input, want.dim, want.parts
 
     def choose(k: int, sizes: list[int], numel: int) -> ViewFix | None:
         for i in range(cursor[0], len(expected)):
@@ -186,8 +248,8 @@ def discover_fixes(module: nn.Module, expected: list[tuple[int, ...]],
             found_cuts.append(CutFix(call=k, parts=parts))
         return parts
 
-    _run_with(module, choose, choose_cut)
-    return found, found_cuts
+    _run_with(module, choose, choose_cut, choose_slice if expected_slices else None)
+    return found, found_cuts, found_slices
 
 
 def _cut_parts(got: list[int], want: list[int]) -> int | None:

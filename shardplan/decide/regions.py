@@ -27,7 +27,7 @@ import torch
 from ..analyze.graph import OpGraph
 from .propagation import metadata_only
 from .scatter import exits, is_cut, is_gather, is_scatter
-from .slices import is_slice, place
+from .slices import is_inner_cut, is_slice, place
 from ..plan.model import Region
 from .solve import Solution
 from .strategies import placement_str
@@ -135,7 +135,7 @@ def find_regions(graph: OpGraph, solution: Solution) -> list[Entry]:
         if not used:
             continue
         consumers = _entering_consumers(graph, solution, value, kind)
-        if not consumers:
+        if not consumers or is_inner_cut(kind):  # cut inside the module's code: a local view, no region
             continue
         sequence = kind.startswith("S")
         if is_gather(kind):  # gathered where the outermost module holding its readers receives it

@@ -14,23 +14,52 @@ Shard is a local slice, no collective, and the module's code then sees its rank'
 Only values no gradient flows into qualify (an ALiBi bias made from the mask: MPT's
 ``position_bias`` of ``[heads, 1, keys]``, added to scores split by heads), so the slice
 has no backward; a value with a gradient would need its gradient all-gathered back.
+
+``inner_cut_twins(op, graph, strategies)`` does the same for a value the module's own code
+makes (ALiBi slopes computed in the attention's forward from ``self.n_heads``, or read from
+a buffer, then ``slopes[:, None, None] * rel`` added to the scores): no module receives it,
+so it is cut where the op that reads it beside the split values is called, with the entry
+``R~S{d}``. ``inner_cuts(graph, solution)`` lists those cuts by the module whose code makes
+the call; the local check finds each call in that module's forward and records it
+(:class:`~shardplan.plan.model.SliceFix`), run by the same mode as local views.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from torch import nn
+
 from ..analyze.graph import Op, OpGraph, _inside
+from ..analyze.trace import is_weight_leaf
 from .placements import Strategy
 from .propagation import metadata_only
 
-__all__ = ["received_values", "slice_entries", "slice_twins", "entry_twins", "slice_rows", "is_slice", "slice_target", "place"]
+__all__ = ["received_values", "slice_entries", "slice_twins", "entry_twins", "slice_rows", "is_slice", "slice_target", "place",
+           "inner_cut_twins", "is_inner_cut", "inner_cuts", "InnerCut"]
 
 # ``S{d}p{k}``: heads folded into the batch (Bloom's ALiBi of ``[b * heads, 1, keys]`` beside
 # scores folded the same way): each rank's heads of every one of the ``k`` blocks
 _SLICE = re.compile(r"R>(S\d+(?:p\d+)?)")
+
+
+# ``R~S{d}``: a whole value made in a module's own code, cut where an op of that code reads it
+_INNER = re.compile(r"R~(S\d+)")
+
+
+@dataclass(frozen=True)
+class InnerCut:
+    """Op ``op``'s ``slot``-th tensor input, whole, cut to ``target`` (``S{d}``) where it is read."""
+
+    op: int
+    slot: int
+    target: str
+
+
+def is_inner_cut(entry: str | None) -> bool:
+    return bool(entry) and _INNER.fullmatch(entry) is not None
 
 
 def is_slice(entry: str | None) -> bool:
@@ -77,6 +106,51 @@ def slice_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Stra
     entries = slice_entries(graph)
     slots = [i for i, v in enumerate(op.inputs) if any(_inside(op.owner, m) for m in entries.get(v, ()))]
     return entry_twins(strategies, slots, reads="R", folded=True)
+
+
+def inner_cut_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Strategy]:
+    """Twins of ``op``'s strategies that read a whole value made in its module's own code
+    (no gradient, no module receiving it) and cut it there. Not under the export front end,
+    whose ops are ATen's, not the calls the module's code makes."""
+    if (op.kind != "function" or not op.owner or graph.traced.front_end == "export" or metadata_only(op)
+            or _holds_layers(graph, op.owner)):
+        return []
+    entries = slice_entries(graph)
+    slots = []
+    for i, v in enumerate(op.inputs):
+        made = graph.ops[graph.values[v].producer] if v in graph.values else None
+        if (made is None or made.kind == "input" or v in graph.requires_grad or not _inside(place(made), op.owner)
+                or any(_inside(op.owner, m) for m in entries.get(v, ()))):
+            continue
+        slots.append(i)
+    return entry_twins(strategies, slots, reads="R", arrow="~")
+
+
+def _holds_layers(graph: OpGraph, fqn: str) -> bool:
+    """``fqn`` holds layers of a stack (children of a ``ModuleList`` or the like): the code
+    between them (MPT's model body making the ALiBi bias for every block) is checked around
+    the blocks, not run as one with them, so a cut there could not be found; the bias is cut
+    where each block receives it instead."""
+    layers = graph.strategy_cache.get("stack layers")
+    if layers is None:
+        containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+        layers = graph.strategy_cache["stack layers"] = tuple(
+            f"{name}.{child}" if name else child for name, m in graph.model.named_modules()
+            if isinstance(m, containers) for child, c in m.named_children()
+            if any(True for _ in c.parameters()) and not is_weight_leaf(c))  # a block, not to_out's Linear
+    return any(_inside(layer, fqn) and layer != fqn for layer in layers)
+
+
+def inner_cuts(graph: OpGraph, chosen: dict[int, Strategy]) -> dict[str, list[InnerCut]]:
+    """The module whose code makes each call -> the inner cuts the chosen strategies make
+    there, in trace order."""
+    out: dict[str, list[InnerCut]] = {}
+    for op in graph.ops:
+        s = chosen.get(op.index)
+        for slot, entry in enumerate(s.entry if s is not None else ()):
+            if is_inner_cut(entry):
+                out.setdefault(op.owner, []).append(InnerCut(op.index, slot, _INNER.fullmatch(entry).group(1)))
+    return out
 
 
 def entry_twins(strategies: list[Strategy], slots: list[int], *, reads: str, arrow: str = ">",

@@ -36,7 +36,7 @@ from . import cost
 from .milp import MilpModel, MilpView
 from ..analyze.graph import Op, OpGraph
 from .scatter import cut_rows, gather_rows, is_cut, is_gather, is_scatter, scatter_rows
-from .slices import is_slice, slice_rows
+from .slices import is_inner_cut, is_slice, slice_rows
 from .placements import ANY, shard_dim
 from .strategies import MATMUL, Strategy, op_strategies
 from .weights import read_elsewhere
@@ -166,7 +166,7 @@ def _host_time(s: Strategy, ctx: SolveContext) -> float:
 
 
 def entry_time(entry: str, nbytes: int, ctx: SolveContext, *, needs_grad: bool = True) -> float:
-    if is_slice(entry):  # a whole value no gradient reaches, cut locally where its module receives it
+    if is_slice(entry) or is_inner_cut(entry):  # a whole value no gradient reaches, cut locally: no collective
         return 0.0
     if is_scatter(entry):  # a partial sum reduce-scattered where its module returns; its gradient all-gathered
         return cost.collective_time("reduce_scatter", nbytes, group_size=ctx.tp, link=ctx.link) + (

@@ -46,7 +46,7 @@ from .placements import (
 )
 from .propagation import dtensor_strategies, in_place_strategies, metadata_only
 from .scatter import cut_twins, gather_twins, scatter_twins
-from .slices import slice_twins
+from .slices import inner_cut_twins, slice_twins
 from .tails import tail_strategies
 from .packing import slice_partition
 from .weights import module_strategies
@@ -198,6 +198,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
     if under_partial_grad_owner(op.owner, graph, tp):
         strategies += partial_grad_twins(op, graph, tp, strategies, out_shape)
     strategies += slice_twins(op, graph, strategies)  # a whole bias cut where its module receives it
+    strategies += inner_cut_twins(op, graph, strategies)  # a whole bias its module makes, cut where it is read
     if getattr(opts, "sequence_parallel", None) is not False:
         strategies += scatter_twins(op, graph, strategies)  # a partial sum reduce-scattered where its module returns
         strategies += cut_twins(op, graph, strategies)  # a whole value cut where its module returns

@@ -27,7 +27,7 @@ from .patterns import brace_members, brace_ranges, expand_braces, expand_pattern
 
 __all__ = [
     "int_attributes", "set_int_attribute",
-    "STYLES", "Rule", "Region", "LocalAttributes", "ViewFix", "CutFix", "LocalViews", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
+    "STYLES", "Rule", "Region", "LocalAttributes", "ViewFix", "CutFix", "SliceFix", "LocalViews", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
     "PlanOptions", "Plan", "load_plan", "load_plan_with_lines", "expand_braces", "brace_ranges", "brace_members", "fingerprint", "PlanFileError", "LAYOUT_RE", "portable", "SIGNIFICANT_DIGITS",
 ]
 
@@ -272,6 +272,20 @@ class CutFix(_Strict):
     parts: Annotated[int, Field(strict=True, ge=2)]
 
 
+class SliceFix(_Strict):
+    """A whole value the module's own code makes (ALiBi slopes from ``self.n_heads``, or a
+    buffer of them, times the positions) read by an op beside values split tp ways: on one
+    rank, the ``call``-th call of ``function`` (Python's name, underscores stripped: ``add``
+    for ``+``) the module's forward makes gets its ``input``-th tensor argument cut to this
+    rank's part of dim ``dim`` (``parts`` equal parts, rank order), a local slice."""
+
+    function: Annotated[str, Field(min_length=1)]
+    call: Annotated[int, Field(strict=True, ge=0)]
+    input: Annotated[int, Field(strict=True, ge=0)]
+    dim: Annotated[int, Field(strict=True, ge=0)]
+    parts: Annotated[int, Field(strict=True, ge=2)]
+
+
 class LocalViews(_Strict):
     """Views sized by a width the code reads off a whole tensor (``B, T, C = x.size()`` of
     the attention's input, then ``y.view(B, T, C)`` of its heads' output: nanoGPT, minGPT,
@@ -286,6 +300,7 @@ class LocalViews(_Strict):
     module: ModulePattern
     fixes: list[ViewFix] = Field(default_factory=list)
     cuts: list[CutFix] = Field(default_factory=list)
+    slices: list[SliceFix] = Field(default_factory=list)
     why: str = ""
 
 
@@ -419,7 +434,7 @@ class Plan(_Strict):
         if data["mesh"]["ep_axis"] is None:  # files without expert parallelism do not mention it
             del data["mesh"]["ep_axis"]
         for entry in data.get("local_views", []):
-            for key in ("fixes", "cuts"):
+            for key in ("fixes", "cuts", "slices"):
                 if not entry[key]:
                     del entry[key]
         return data
