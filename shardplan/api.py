@@ -48,6 +48,7 @@ from .apply.localsizes import find_local_attributes
 from .apply.standins import OuterCodeError, check_outer_code, stood_blocks
 from .plan.model import MeshInfo, ModelInfo, Plan, PlanOptions, fingerprint, matches
 from .decide.regions import find_handovers, find_partial_blocks, find_regions, handover_regions
+from .decide.mixing import mixing_warnings
 from .decide.slices import inner_cuts
 from .decide.solve import PlanningError, SolveContext, solve
 from .decide.splits import MeshCandidate, MeshComparison, choose, dp_tp_splits, ep_splits
@@ -294,7 +295,9 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
     if graph.traced.front_end == "export":  # copies export could not fold: one rule per kind of block
         merged, decisions = assemble.merge_repeated(plan.rules, plan.decisions, model)
         plan = plan.model_copy(update={"rules": merged, "decisions": decisions})
-    return _with_experts(plan, graph, ctx, solution) if plan.mesh.ep_axis else uniform_routing(plan, graph, ctx, solution)
+    plan = _with_experts(plan, graph, ctx, solution) if plan.mesh.ep_axis else uniform_routing(plan, graph, ctx, solution)
+    mixing = mixing_warnings(graph, axes, tp_axis)  # routing that each data-parallel rank does on its own rows
+    return plan.model_copy(update={"warnings": list(plan.warnings) + mixing}) if mixing else plan
 
 
 def compare_meshes(model: nn.Module, world_size: int, *, example_inputs: tuple | None = None,

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..analyze.graph import EXPERT_CONTAINERS, OpGraph, router_like, rows_width
 
-__all__ = ["Bank", "bank_call", "routed_banks", "listed_banks", "expert_count", "inside"]
+__all__ = ["Bank", "bank_call", "routed_banks", "listed_banks", "expert_count", "inside", "routes"]
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def listed_banks(graph: OpGraph, *, unread: list[str] | None = None) -> list[Ban
         calls = [op for op in modules if op.target.startswith(f"{path}.")]
         parent = path.rpartition(".")[0]
         router = next((op for op in graph.ops if calls and op.index < calls[0].index and op.output is not None
-                       and _routes(op, graph, parent, len(experts))), None)
+                       and routes(op, graph, parent, len(experts))), None)
         if router is None:
             continue
         first, last = (graph.values[calls[0].inputs[0]].shape, graph.values[calls[-1].output].shape)
@@ -169,7 +169,7 @@ def _chained(graph: OpGraph, path: str, names: list[str]) -> bool:
     return False
 
 
-def _routes(op, graph: OpGraph, layer: str, experts: int) -> bool:
+def routes(op, graph: OpGraph, layer: str, experts: int) -> bool:
     """A router of ``experts`` outputs in ``layer``: a Linear module or a matmul in its code
     (``F.linear(x, self.weight)``) giving E scores per row, or a router module of its own
     (a ``weight`` [E, H] and a top-k in its class: DeepSeek's ``MoEGate``, returning the
@@ -219,7 +219,7 @@ def _every_token(graph: OpGraph, op, shapes: list[tuple], dtypes: list, experts:
     if experts < 2 or len(shapes) != 1 or len(shapes[0]) != 2 or not dtypes[0].is_floating_point:
         return False
     layer = op.target.rpartition(".")[0]
-    return any(_routes(r, graph, layer, experts) and experts * _router_rows(graph, r) == shapes[0][0]
+    return any(routes(r, graph, layer, experts) and experts * _router_rows(graph, r) == shapes[0][0]
                for r in graph.ops[:op.index] if r.output is not None)
 
 

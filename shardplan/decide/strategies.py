@@ -198,7 +198,8 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
     if under_partial_grad_owner(op.owner, graph, tp):
         strategies += partial_grad_twins(op, graph, tp, strategies, out_shape)
     strategies += slice_twins(op, graph, strategies)  # a whole bias cut where its module receives it
-    strategies += inner_cut_twins(op, graph, strategies)  # a whole bias its module makes, cut where it is read
+    if tp > 1:  # a whole bias its module makes, cut where it is read
+        strategies += inner_cut_twins(op, graph, strategies)
     if getattr(opts, "sequence_parallel", None) is not False:
         strategies += scatter_twins(op, graph, strategies)  # a partial sum reduce-scattered where its module returns
         strategies += cut_twins(op, graph, strategies)  # a whole value cut where its module returns
