@@ -39,7 +39,8 @@ from ..analyze.values import nonzero_at_upper_bound, scalars_on_meta_as_zero
 from ..plan.model import Plan, expand_pattern
 from .emit import shard
 from .localcheck import (
-    LocalShapeError, _at_or_under, _check_mesh, _local_args, _meta_copy, _said, _targets, _user_frame, renamed_plan,
+    LocalShapeError, _at_or_under, _check_mesh, _culprit, _local_args, _meta_copy, _said, _targets, _track_modules,
+    _user_frame, renamed_plan,
 )
 
 __all__ = ["check_outer_code", "OuterCodeError", "stood_blocks"]
@@ -181,9 +182,10 @@ def _check_on(graph: OpGraph, stood: list[str], plan: Plan, placements: dict[int
         raise
     except Exception as exc:  # noqa: BLE001 - judged by the same run unsharded
         if _runs_unsharded(graph, stood):
+            # in a module of its own (not the root's code): its local sizes are looked for, or it runs whole
             raise OuterCodeError(
                 f"{type(graph.model).__name__}: the code between its blocks fails on its shards at "
-                f"{_user_frame(exc)}: {_said(exc)}", None) from None
+                f"{_user_frame(exc)}: {_said(exc)}", getattr(exc, "shardplan_module", None)) from None
         first = exc
     # it fails on meta even unsharded: a value read only to decide a warning (``pad_token_id
     # in input_ids``) is the usual cause; read as 0, the shapes around it can still be checked
@@ -209,8 +211,14 @@ def _run(graph: OpGraph, stood: list[str], plan: Plan | None, placements: dict[i
     if plan is not None:
         shard(model, mesh, _outside(plan, stood))
     args, kwargs = _local_args(graph.traced.calls[""][0], placements, tp)
-    with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound():
-        out = model(*args, **kwargs)
+    running = _track_modules(model)
+    try:
+        with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound():
+            out = model(*args, **kwargs)
+    except Exception as exc:
+        # the module between the blocks whose code failed (an attention pool after them)
+        exc.shardplan_module = _culprit(model, running, "")
+        raise
     if plan is not None:
         _compare_outputs(graph, out, placements, tp)
 

@@ -256,7 +256,8 @@ def _reaches_a_shard(graph: OpGraph, solution: Solution, value: int, own: frozen
         for c in graph.consumers.get(v, []):
             s = solution.strategies[c]
             out = graph.ops[c].output
-            if s.output is not None and s.output != "R":
+            # a weight module's style sums its own input's gradient (a colwise to_q on Perceiver's latents)
+            if s.output is not None and s.output != "R" and graph.ops[c].kind != "module":
                 return True
             if out is not None and out in own and out not in seen:
                 seen.add(out)
