@@ -18,18 +18,65 @@ import math
 from ..analyze.graph import Op, OpGraph
 from .placements import narrow_index, slice_range, sliced_part, split_parts, split_widths, view_parts
 
-__all__ = ["packed_into", "unequal_parts", "slice_partition"]
+__all__ = ["packed_into", "unequal_parts", "slice_partition", "cut_value", "passes_through", "packed_chains"]
+
+# elementwise ops of one tensor that keep its shape, met between a fused projection and its
+# cut: OLMo's and DBRX's ``qkv.clamp_(min=-clip, max=clip)``, a scale, a cast, dropout
+_PASS_THROUGH = frozenset({"clamp", "clamp_", "clip", "clip_", "mul", "mul_", "truediv", "div", "div_", "neg",
+                           "to", "float", "half", "bfloat16", "contiguous", "dropout", "type"})
+
+
+def passes_through(op: Op, graph: OpGraph) -> bool:
+    """``op`` is elementwise on one tensor (scalars aside) and keeps its shape."""
+    return (op.kind == "function" and op.target in _PASS_THROUGH and len(op.inputs) == 1 and op.output is not None
+            and graph.values[op.output].shape == graph.values[op.inputs[0]].shape)
+
+
+def cut_value(graph: OpGraph, value: int) -> tuple[int, list[Op]]:
+    """The value the code cuts a projection's output through: ``value``, or what a chain of
+    elementwise ops (:func:`passes_through`) makes of it, with those ops. An in-place one
+    (``qkv.clamp_(...)``, the cut then reading ``qkv``) is passed over."""
+    chain: list[Op] = []
+    while True:
+        users = [graph.ops[c] for c in graph.consumers.get(value, [])]
+        in_place = [u for u in users if passes_through(u, graph) and u.target.endswith("_")
+                    and not graph.consumers.get(u.output)]
+        rest = [u for u in users if u not in in_place]
+        chain += in_place
+        if len(rest) != 1 or not passes_through(rest[0], graph) or len(chain) > 8:
+            return value, chain
+        chain.append(rest[0])
+        value = rest[0].output
 
 
 def packed_into(op: Op, graph: OpGraph) -> int | None:
     """k when every consumer cuts the output's last dim into the same k equal parts: a
     fused gate/up or q/k/v projection split by ``chunk``/``split``, sliced part by part, or
-    viewed as ``(k, heads, head_dim)``."""
-    shape = graph.values[op.output].shape
+    viewed as ``(k, heads, head_dim)``, elementwise ops before the cut passed through."""
+    value, chain = cut_value(graph, op.output)
+    shape = graph.values[value].shape
     last = len(shape) - 1
-    users = [graph.ops[c] for c in graph.consumers.get(op.output, [])]
+    users = [graph.ops[c] for c in graph.consumers.get(value, []) if graph.ops[c] not in chain]
     counts = {_parts_taken(u, graph, shape, last) for u in users}
     return counts.pop() if len(counts) == 1 and None not in counts else None
+
+
+def packed_chains(graph: OpGraph, tp: int) -> dict[int, int]:
+    """Op index -> part count, for the elementwise ops between a packed projection and its
+    cut (each runs on the packed layout as it is, block by block)."""
+    key = ("packed chains", tp)
+    if key not in graph.strategy_cache:
+        found: dict[int, int] = {}
+        for op in graph.ops:
+            if op.kind != "module" or op.module_kind not in ("linear", "conv1d") or op.output is None:
+                continue
+            _, chain = cut_value(graph, op.output)
+            if chain:
+                parts = packed_into(op, graph) or unequal_parts(op, graph, tp)
+                n = parts if isinstance(parts, int) else len(parts or [])
+                found.update((c.index, n) for c in chain if n > 1)
+        graph.strategy_cache[key] = found
+    return graph.strategy_cache[key]
 
 
 def slice_partition(graph: OpGraph, value: int) -> tuple[int, ...] | None:
@@ -40,6 +87,8 @@ def slice_partition(graph: OpGraph, value: int) -> tuple[int, ...] | None:
     ranges = set()
     for c in graph.consumers.get(value, []):
         user = graph.ops[c]
+        if passes_through(user, graph) and user.target.endswith("_") and not graph.consumers.get(user.output):
+            continue  # ``qkv.clamp_(...)`` before the slices
         index = user.node.args[1] if user.target == "getitem" and len(user.node.args) > 1 else (
             narrow_index(user.node.args, len(shape)) if user.target == "narrow" else None)
         found = slice_range(index, shape) if index is not None and shape else None
@@ -58,17 +107,20 @@ def unequal_parts(op: Op, graph: OpGraph, tp: int) -> list[int] | None:
     by the same ``split`` of sections (GQA: ``split([h * hd, kv * hd, kv * hd], -1)``), or
     slices it into ranges that tile it (:func:`slice_partition`), and tp divides each part;
     ``[4, 1, 1]`` for 8 query heads beside 2 kv heads."""
-    shape = graph.values[op.output].shape
+    value, chain = cut_value(graph, op.output)
+    shape = graph.values[value].shape
     last = len(shape) - 1
     found = set()
-    for c in graph.consumers.get(op.output, []):
+    for c in graph.consumers.get(value, []):
         user = graph.ops[c]
+        if user in chain:
+            continue
         args = user.node.args
         dim = user.node.kwargs.get("dim", args[2] if len(args) > 2 else 0)
         widths = split_widths(user, shape[last]) if isinstance(dim, int) and dim % (last + 1) == last else None
         found.add(widths)
     widths = found.pop() if len(found) == 1 else None
-    widths = widths or slice_partition(graph, op.output)
+    widths = widths or slice_partition(graph, value)
     if widths is None or len(set(widths)) == 1 or any(w % tp for w in widths):
         return None
     unit = math.gcd(*widths)

@@ -48,7 +48,7 @@ from .propagation import dtensor_strategies, in_place_strategies, metadata_only
 from .scatter import cut_twins, gather_twins, scatter_twins
 from .slices import inner_cut_twins, slice_twins
 from .tails import tail_strategies
-from .packing import slice_partition
+from .packing import packed_chains, slice_partition
 from .weights import module_strategies
 
 __all__ = ["Strategy", "op_strategies", "shard_dim", "placement_str", "packed", "chunk_count", "param_only_values"]
@@ -198,6 +198,10 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
     if under_partial_grad_owner(op.owner, graph, tp):
         strategies += partial_grad_twins(op, graph, tp, strategies, out_shape)
     strategies += slice_twins(op, graph, strategies)  # a whole bias cut where its module receives it
+    chained = packed_chains(graph, tp).get(op.index)
+    if chained:  # an elementwise op between a packed projection and its cut (OLMo's clamp_ of qkv)
+        last = len(out_shape) - 1
+        strategies.append(Strategy("", (packed(last, chained),), packed(last, chained)))
     if tp > 1:  # a whole bias its module makes, cut where it is read
         strategies += inner_cut_twins(op, graph, strategies)
     if getattr(opts, "sequence_parallel", None) is not False:
