@@ -293,3 +293,36 @@ def test_experts_of_raw_parameters_are_refused_over_ep_when_planning() -> None:
     with pytest.raises(shardplan.PlanningError, match=r"ParamExpert\) hold no Linear"):
         shardplan.plan_model(param_moe(), {"ep": 2}, example_inputs=(tokens,), explain=False)
 
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_deepseeks_reference_layer_plans_on_meta_and_keeps_the_block_split(device: str) -> None:
+    """DeepSeek-V3's reference layer (a gate module, ``bincount(...).tolist()``, idle experts
+    skipped): on meta the counts are taken at their upper bound (every expert receives every
+    token), so a model too big for the CPU plans (it stopped at "build the model on CPU"); on
+    the CPU the block's check stands the layer in and its attention stays split by heads
+    (the stand-in hid the gate its plan names, the check failed, and the whole block ran
+    gathered)."""
+    from tests.portability.listed_experts import counted_gate_moe
+
+    with torch.device(device):
+        model = counted_gate_moe()
+    tokens = torch.zeros(4, 16, dtype=torch.long, device=device)
+    for mesh in ({"tp": 2}, {"ep": 2}):
+        plan = shardplan.plan_model(model, mesh, example_inputs=(tokens,), explain=False)
+        styles = plan.module_styles()
+        assert not [w for w in plan.warnings if "whole activations" in w or "skipped" in w], plan.warnings
+        if mesh == {"tp": 2}:
+            assert [styles[f"layers.0.{n}"] for n in ("wq", "wk", "wv", "wo")] == ["colwise"] * 3 + ["rowwise"]
+        else:
+            assert {r.module: r.style for r in plan.rules}["layers.*.feed_forward.experts"] == "ep_experts"
+    if device == "meta":
+        assert any("bincount" in w and "every expert receives every token" in w for w in plan.warnings), plan.warnings
+
+
+def test_deepseeks_reference_layer_matches_one_process_on_gloo() -> None:
+    from shardplan.tools.verify import verify
+
+    result = verify("tests.portability.listed_experts:counted_gate_moe", nproc=2, mesh={"ep": 2}, seq_len=16,
+                    timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

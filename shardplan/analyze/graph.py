@@ -387,6 +387,10 @@ def _set_requires_grad(graph: OpGraph) -> None:
     """Inputs and constants need no gradient; anything computed from a trainable weight does,
     unless the op carries none (data-free, or a result that is not floating point)."""
     for op in graph.ops:
+        if _writes(op) and any(v in graph.requires_grad for v in op.inputs[1:]):
+            # ``out[:, t] = y`` with y needing one (RWKV's zeros_like filled step by step): the
+            # tensor written into needs a gradient from here on, for every reader after it
+            graph.requires_grad.add(op.inputs[0])
         if op.output is None:
             continue
         trainable = (op.kind in ("module", "folded") and any(
@@ -403,10 +407,14 @@ def _set_grad_reaches(graph: OpGraph) -> None:
     or, for an op that writes into its first input (``out[rows] = y``, ``index_add_``), when
     that input does after it."""
     for op in reversed(graph.ops):
-        writes = op.kind == "function" and (op.target == "setitem" or op.target.endswith("_")) and op.inputs
         if op.kind == "output" or (op.output is not None and op.output in graph.grad_reaches) or (
-                writes and op.inputs[0] in graph.grad_reaches):
+                _writes(op) and op.inputs[0] in graph.grad_reaches):
             graph.grad_reaches.update(v for v in op.inputs if _differentiable(graph.values[v].dtype))
+
+
+def _writes(op: Op) -> bool:
+    """``op`` writes into its first input (``out[rows] = y``, ``index_add_``, ``copy_``)."""
+    return op.kind == "function" and (op.target == "setitem" or op.target.endswith("_")) and bool(op.inputs)
 
 
 def _differentiable(dtype: torch.dtype) -> bool:

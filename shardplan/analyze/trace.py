@@ -283,8 +283,9 @@ class _ShardTracer(MetaTracer):
             value = self.examples.concrete(node)
         except NotConcrete as why:
             raise TraceError(f"{_meta_failure_message(node.op, node.target, node, exc)} ({why})") from exc
-        self.notes.append(f"{op_name(node)} {_where(node)}: computed from the example inputs' values "
-                          "(its result depends on them); the plan holds for inputs like them")
+        if node not in self.examples.bounded:  # an upper bound's own note says what it is
+            self.notes.append(f"{op_name(node)} {_where(node)}: computed from the example inputs' values "
+                              "(its result depends on them); the plan holds for inputs like them")
         return _to_meta(value)
 
     def _attribute(self, target: str) -> Any:

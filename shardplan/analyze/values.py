@@ -11,7 +11,8 @@ values that depend on real inputs and on non-meta tensors can be computed; one t
 on meta weights raises :class:`NotConcrete`, except ``nonzero`` (``torch.where(cond)``,
 ``argwhere``), which is taken at its upper bound, every element nonzero: torch's own meta
 kernel does the same under ``meta_nonzero_assume_all_nonzero``
-(:func:`nonzero_at_upper_bound`). Nothing here depends on the machine beyond the inputs'
+(:func:`nonzero_at_upper_bound`), and ``bincount(indices, minlength=E)`` of such a value,
+every bin counting every element. Nothing here depends on the machine beyond the inputs'
 values: no random numbers are drawn, and float results only decide branches.
 """
 
@@ -50,11 +51,14 @@ class ExampleValues:
         self.notes, self.assumed = notes, assumed
         self.inputs: dict[str, Any] = {}  # placeholder name -> the real example value given for it
         self.values: dict[torch.fx.Node, Any] = {}
+        self.bounded: set[torch.fx.Node] = set()  # taken at an upper bound, or computed from one
 
     def concrete(self, node: torch.fx.Node) -> Any:
         if node not in self.values:
             with torch.device("cpu"):  # a model built and planned under ``torch.device("meta")``
                 self.values[node] = self._evaluate(node)
+            if any(n in self.bounded for n in node.all_input_nodes):
+                self.bounded.add(node)
         return self.values[node]
 
     def _evaluate(self, node: torch.fx.Node) -> Any:
@@ -75,6 +79,8 @@ class ExampleValues:
         try:
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), self.concrete)
         except NotConcrete:
+            if _counts_bins(node):
+                return self._all_counted(node)
             if not _finds_nonzero(node):
                 raise
             return self._all_nonzero(node)
@@ -86,14 +92,30 @@ class ExampleValues:
             return self._run_module(self.root.get_submodule(str(node.target)), args, kwargs)
         raise NotConcrete(f"{node.op} {node.target} has no value")
 
-    def _all_nonzero(self, node: torch.fx.Node) -> Any:
-        """``nonzero`` of a value that depends on meta weights (which experts a router picked)
-        at its upper bound: the rows are then every index, in order, so a loop over them
-        (``for expert_idx in expert_hit``) visits every expert once."""
+    def _all_counted(self, node: torch.fx.Node) -> Any:
+        """``bincount(indices, minlength=E)`` of a router's choice that depends on meta weights
+        (DeepSeek-V3's ``counts = torch.bincount(indices.flatten(), minlength=E).tolist()``, then
+        ``if counts[i] == 0: continue``): at the same upper bound as ``nonzero``, every expert
+        receives every one of the ``indices``, so every expert's code is traced."""
+        self._assume(node)
+        self.bounded.add(node)
+        self.notes.append(f"{op_name(node)} {self._where(node)}: each of the {_minlength(node)} counts taken as every "
+                          "element of its input (its input depends on weights): the upper bound, every expert "
+                          "receives every token")
+        return torch.full((_minlength(node),), node.args[0].meta["val"].numel(), dtype=torch.long)
+
+    def _assume(self, node: torch.fx.Node) -> None:
         stack = node.meta.get("nn_module_stack") or {}
         module = _user_name(next(reversed(stack.values()))[0]) if stack else ""
         if module and module != "m" and module not in self.assumed:
             self.assumed.append(module)  # its code needs values meta tensors lack: the local check runs around it
+
+    def _all_nonzero(self, node: torch.fx.Node) -> Any:
+        """``nonzero`` of a value that depends on meta weights (which experts a router picked)
+        at its upper bound: the rows are then every index, in order, so a loop over them
+        (``for expert_idx in expert_hit``) visits every expert once."""
+        self._assume(node)
+        self.bounded.add(node)
         self.notes.append(f"{op_name(node)} {self._where(node)}: every element taken as nonzero (its input depends "
                           "on weights): the upper bound, every expert receives every token")
         rows = torch.ones(node.args[0].meta["val"].shape, dtype=torch.bool).nonzero()
@@ -148,6 +170,17 @@ def scalars_on_meta_as_zero() -> Iterator[None]:
 
 def op_name(node: torch.fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+
+
+def _minlength(node: torch.fx.Node) -> Any:
+    return node.kwargs.get("minlength", node.args[2] if len(node.args) > 2 else None)
+
+
+def _counts_bins(node: torch.fx.Node) -> bool:
+    """``bincount`` with a fixed number of bins (``minlength``, the experts) and no weights."""
+    minlength = _minlength(node)
+    return (op_name(node) == "bincount" and isinstance(minlength, int) and minlength > 0
+            and node.kwargs.get("weights") is None and len(node.args) < 2)
 
 
 def _finds_nonzero(node: torch.fx.Node) -> bool:

@@ -372,7 +372,10 @@ def local_during_forward(model: nn.Module, paths: list[str]) -> None:
 
     def swap(module, args):
         for path in paths:
-            owner, name = _owner(module, path)
+            try:
+                owner, name = _owner(module, path)
+            except AttributeError:  # a module above it stood in for by the local check
+                continue
             # not already swapped by its own style (or gone: the local check stood its module in)
             if isinstance(owner._parameters.get(name), DTensor):
                 state[path] = owner._parameters[name]

@@ -189,6 +189,32 @@ class DeepSeekMoE(nn.Module):
         return (y + z).view(shape)
 
 
+class CountedGateMoE(nn.Module):
+    """DeepSeek-V3's reference ``MoE`` (inference/model.py): its ``Gate`` module returns
+    weights and indices, the tokens per expert are counted with ``bincount(...).tolist()``
+    and idle experts skipped, a shared expert added."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.n_routed_experts = num_experts
+        self.gate = GroupedGate(dim, num_experts, top_k)
+        self.experts = nn.ModuleList([SwiGLU(dim, hidden) for _ in range(num_experts)])
+        self.shared_experts = SwiGLU(dim, 2 * hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.size()
+        x = x.view(-1, shape[-1])
+        indices, weights = self.gate(x)
+        y = torch.zeros_like(x)
+        counts = torch.bincount(indices.flatten(), minlength=self.n_routed_experts).tolist()
+        for i in range(self.n_routed_experts):
+            if counts[i] == 0:
+                continue
+            idx, top = torch.where(indices == i)
+            y[idx] += self.experts[i](x[idx]) * weights[idx, top, None]
+        return (y + self.shared_experts(x)).view(shape)
+
+
 class HitMoE(nn.Module):
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int = 1) -> None:
         super().__init__()
@@ -262,6 +288,11 @@ def gated_moe() -> TokenLM:
 def deepseek_moe() -> TokenLM:
     torch.manual_seed(0)
     return moe_transformer(DeepSeekMoE, num_experts=8, top_k=2)
+
+
+def counted_gate_moe() -> TokenLM:
+    torch.manual_seed(0)
+    return moe_transformer(CountedGateMoE, num_experts=8, top_k=3)
 
 
 def hit_moe() -> TokenLM:
