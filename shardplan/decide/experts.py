@@ -83,9 +83,10 @@ def _checked_banks(graph: OpGraph, plan: Plan, axis: str, ep: int, unread: list[
             "(Hugging Face's Mixtral, Qwen3-MoE, DeepSeek-V3, gpt-oss) or bank(num_tokens_per_expert [E], rows sorted "
             "by expert [N, H]) (torchtitan's); plan it on tp, where its experts are split inside")
     if not banks:
-        raise PlanningError(f"mesh has {axis}={ep}, but {type(graph.model).__name__} has no expert bank (3-D [E, ...] "
-                            f"weights called with the router's choice, or an nn.ModuleList of E alike experts after a "
-                            f"router Linear of E outputs); drop {axis!r}, or name those ranks 'dp'")
+        raise PlanningError(f"mesh has {axis}={ep}, but {type(graph.model).__name__} has no expert bank (a module of "
+                            f"3-D [E, ...] weights called with the router's choice, or an nn.ModuleList of E alike "
+                            f"experts after a router Linear of E outputs; 3-D parameters the layer's own code reads, "
+                            f"`self.w1[e]` or an einsum, are neither); drop {axis!r}, or name those ranks 'dp'")
     for b in banks:
         if b.experts % ep:
             divisors = [d for d in range(2, b.experts + 1) if b.experts % d == 0]

@@ -70,7 +70,54 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
     for fqn in unused_modules(graph):
         reader = _parameter_reader(graph, fqn)
         out.append(f"{fqn}: {reader}; replicated" if reader else f"{fqn}: owns parameters but is not called in forward; replicated")
-    return out + _unsplit_heads(graph, solution, tp, pmap)
+    return out + _whole_own_weights(graph, solution, pmap) + _unsplit_heads(graph, solution, tp, pmap)
+
+
+def _whole_own_weights(graph: OpGraph, solution: Solution, pmap: Any) -> list[str]:
+    """A container's own weight of two or more dims that its code reads as a tensor and the
+    plan keeps whole (a bank of experts ``[E, D, F]`` in ``einsum`` or ``bmm``, attention
+    weights in ``F.linear(x, self.wq)``): no style splits what is not a module's call, so it is
+    replicated; said with the op and line, so that by-default sharding is not silently missed."""
+    from ..analyze.trace import _user_line, is_weight_leaf
+
+    out = []
+    for op in graph.ops:
+        param = graph.model.get_parameter(op.target) if op.kind == "const" and _is_parameter(graph, op.target) else None
+        owner_module = graph.model.get_submodule(op.target.rpartition(".")[0]) if param is not None else None
+        if owner_module is not None and is_weight_leaf(owner_module):
+            continue  # a weight module's weight read elsewhere (a tied head) is said with the module
+        if param is None or param.dim() < 2 or (solution.strategies[op.index].output or "R") != "R" \
+                or not _as_weight(graph, op.output):
+            continue  # a position table or a class token added to activations is kept whole as any tool keeps it
+        user = next((graph.ops[c] for c in graph.consumers.get(op.output, [])), None)
+        owner, _, name = op.target.rpartition(".")
+        where = f" ({_user_line(user.node)})" if user is not None and _user_line(user.node) else ""
+        read = f"read as a tensor by `{user.target}`{where}" if user is not None else "read as a tensor"
+        out.append(f"{patterned(owner, graph, pmap)[0] if owner else type(graph.model).__name__}.{name}: weight "
+                   f"{list(param.shape)} not sharded: {read} in its module's own code, which no style splits; replicated")
+    return sorted(set(out))
+
+
+_MATMULS = frozenset({"linear", "matmul", "mm", "bmm", "einsum", "__matmul__", "matmul_", "baddbmm", "addmm"})
+_ON_THE_WAY = frozenset({"getitem", "t", "transpose", "permute", "to", "type_as", "contiguous", "view", "reshape"})
+
+
+def _as_weight(graph: OpGraph, value: int, depth: int = 2) -> bool:
+    """``value`` reaches a matrix product, itself or by an index or transpose of it (``self.w1[e]``)."""
+    for c in graph.consumers.get(value, []):
+        user = graph.ops[c]
+        if user.target in _MATMULS or (depth and user.target in _ON_THE_WAY and user.output is not None
+                                       and _as_weight(graph, user.output, depth - 1)):
+            return True
+    return False
+
+
+def _is_parameter(graph: OpGraph, target: str) -> bool:
+    try:
+        graph.model.get_parameter(target)
+    except AttributeError:
+        return False
+    return True
 
 
 def _unsplit_heads(graph: OpGraph, solution: Solution, tp: int, pmap: Any) -> list[str]:
