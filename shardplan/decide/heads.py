@@ -206,6 +206,8 @@ def partial_grad_owners(graph: OpGraph, tp: int) -> frozenset[str]:
                 found.add(op.owner)
             elif op.target == "mul" and _scales_by_broadcast(op, graph):
                 found.add(op.owner)
+            elif op.target in _MATMULS and _broadcast_operand(op, graph, tp):
+                found.add(op.owner)
         found |= tail_owners(graph, tp)  # one kv head cut off a fused projection, whole on every rank
         cached = graph.strategy_cache[key] = frozenset(found)
     return cached
@@ -232,6 +234,25 @@ BROADCASTS = ("expand", "expand_as", "repeat_interleave", "repeat")
 def under_partial_grad_owner(fqn: str, graph: OpGraph, tp: int) -> bool:
     """``fqn`` is such a module or inside one (its RoPE submodule)."""
     return any(fqn == o or fqn.startswith(o + ".") or not o for o in partial_grad_owners(graph, tp))
+
+
+_MATMULS = ("matmul", "__matmul__")
+
+
+def _broadcast_operand(op: Op, graph: OpGraph, tp: int) -> bool:
+    """A matmul broadcasting a gradient-needing operand along a batch dim the other has (and
+    tp divides): Falcon's one kv head, ``q @ k.transpose(-1, -2)`` with q ``[b, heads, s, d]``
+    and k ``[b, 1, s, d]``, the same key read by every head with no ``expand``."""
+    if len(op.inputs) != 2 or op.output is None:
+        return False
+    out = graph.values[op.output].shape
+    for v in op.inputs:
+        shape = graph.values[v].shape
+        lead = len(out) - len(shape)
+        if v in graph.requires_grad and any(
+                (d < lead or shape[d - lead] == 1) and out[d] % tp == 0 and out[d] >= tp for d in range(len(out) - 2)):
+            return True
+    return False
 
 
 def _expands_to_split(op: Op, graph: OpGraph, tp: int) -> bool:

@@ -54,3 +54,29 @@ def enable_gqa() -> TokenLM:
 def sixteen_heads() -> TokenLM:
     """16 query heads, 2 kv heads: kv heads on 4 ranks each at tp=8, on 8 at tp=16."""
     return FewKVModel(dim=256, heads=16, kv_heads=2)
+
+
+class BroadcastMQA(nn.Module):
+    """Falcon-7B's multi-query attention as research code writes it: k and v Linears one head
+    wide, viewed ``[b, 1, s, hd]`` and broadcast to every query head by the matmuls themselves
+    (no ``expand``, no ``repeat``)."""
+
+    def __init__(self, dim: int = 96, heads: int = 6) -> None:
+        super().__init__()
+        self.h, self.hd = heads, dim // heads
+        self.query = nn.Linear(dim, dim, bias=False)
+        self.key, self.value = nn.Linear(dim, self.hd, bias=False), nn.Linear(dim, self.hd, bias=False)
+        self.dense = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q = self.query(x).view(B, T, self.h, self.hd).transpose(1, 2)
+        k, v = self.key(x).view(B, 1, T, self.hd), self.value(x).view(B, 1, T, self.hd)
+        att = (q @ k.transpose(-1, -2)) * self.hd ** -0.5
+        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+        return self.dense((att.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C))
+
+
+def broadcast_mqa() -> TokenLM:
+    torch.manual_seed(0)
+    return TokenLM([PreNormBlock(BroadcastMQA(), 96) for _ in range(2)], dim=96, vocab=128)
