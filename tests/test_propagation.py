@@ -211,3 +211,31 @@ def test_param_layouts_round_trip_and_are_checked(tmp_path) -> None:
     rules = [r.model_copy(update={"param_layouts": {"sinkz": "Shard(0)"}}) if r.param_layouts else r for r in loaded.rules]
     findings = check_findings(loaded.model_copy(update={"rules": rules}), model)
     assert len(findings) == 1 and "'sinkz'" in findings[0] and "sinks" in findings[0], findings
+
+
+def test_attention_is_split_along_its_leading_dims_never_its_sequence() -> None:
+    """SDPA on ``[h, L, E]`` (mistral-inference's heads first, the batch flattened away) or
+    ``[b, L, E]``: dim 0 only; on ``[b, h, L, E]`` dims 0 and 1. A split of L would attend
+    within each rank's part of the sequence."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from shardplan.analyze.graph import build_graph
+    from shardplan.analyze.trace import trace_model
+    from shardplan.decide.strategies import op_strategies
+
+    class Attend(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = self.q(x)
+            return F.scaled_dot_product_attention(q, q, q) + F.scaled_dot_product_attention(
+                q.view(2, 8, 2, 8).transpose(1, 2), q.view(2, 8, 2, 8).transpose(1, 2), q.view(2, 8, 2, 8).transpose(1, 2)
+            ).transpose(1, 2).reshape(2, 8, 16)
+
+    graph = build_graph(trace_model(Attend(), (torch.zeros(2, 8, 16, device="meta"),)))
+    sdpa = [op for op in graph.ops if op.target == "scaled_dot_product_attention"]
+    outputs = [sorted({s.output for s in op_strategies(op, graph, tp=2)}) for op in sdpa]
+    assert outputs == [["R", "S0"], ["R", "S0", "S1"]]

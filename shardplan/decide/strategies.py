@@ -434,8 +434,10 @@ def _matmul(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
 
 
 def _sdpa(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
-    """Attention is independent per batch element and per head (dims 0 and 1)."""
-    return [Strategy("", _aligned(op, graph, out_shape, d), f"S{d}") for d in (0, 1) if out_shape[d] % tp == 0]
+    """Attention is independent along every dim before the last two (``[..., L, E]``): batch
+    and heads of ``[b, h, L, E]``, the heads of mistral-inference's ``[h, L, E]``; never L."""
+    return [Strategy("", _aligned(op, graph, out_shape, d), f"S{d}") for d in range(len(out_shape) - 2)
+            if out_shape[d] % tp == 0]
 
 
 def _aligned(op: Op, graph: OpGraph, out_shape, d: int) -> tuple[str, ...]:
