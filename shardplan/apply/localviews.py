@@ -9,10 +9,15 @@ by an ``always_call`` forward hook, so an exception leaves no mode behind): the 
 dim ``fixes[k].dim`` divided by ``parts``. A view that fits, or one with a ``-1``, runs as
 written. Every cut (``split``, ``narrow``, a slice with a number for a bound) is counted,
 and the ``call``-th one ``cuts`` names gets its numbers divided by ``parts``.
-``discover_fixes(module, expected, expected_cuts)`` is the planner's side: run under it,
-each failing view is matched to the next planned local shape in ``expected`` that it equals
-with one dim divided, each cut to the local numbers the plan expects of the trace's cut in
-the same place, and the fixes are recorded (the local check then proves the plan).
+A :class:`~shardplan.plan.model.SliceFix` names the ``call``-th call of a function (counted
+by name) whose whole tensor argument is cut to this rank's part: a value the module's own
+code makes and reads beside split ones (ALiBi slopes from ``self.n_heads``).
+``discover_fixes(module, expected, expected_cuts, expected_slices)`` is the planner's side:
+run under it, each failing view is matched to the next planned local shape in ``expected``
+that it equals with one dim divided, each cut to the local numbers the plan expects of the
+trace's cut in the same place, each call reading a whole value the plan cuts
+(:class:`WholeRead`) by its function and the value's whole shape, and the fixes are recorded
+(the local check then proves the plan).
 
 Why it is needed: nanoGPT's attention reads ``B, T, C = x.size()`` off its whole input and
 ends with ``y.transpose(1, 2).contiguous().view(B, T, C)``; a user's block cuts its fused

@@ -43,20 +43,14 @@ class SwitchMoE(nn.Module):
         return out.view(b, s, h)
 
 
-class ExpertChoiceMoE(nn.Module):
+class ExpertChoiceMoE(SwitchMoE):
     """Expert choice (Zhou et al. 2022): each expert takes its top ``capacity`` tokens, a
     ``topk`` over the tokens of the transposed scores."""
-
-    def __init__(self, dim: int = 64, experts: int = 4, capacity_factor: float = 1.0) -> None:
-        super().__init__()
-        self.num_experts, self.capacity_factor = experts, capacity_factor
-        self.gate = nn.Linear(dim, experts, bias=False)
-        self.experts = nn.ModuleList(Expert(dim, 2 * dim) for _ in range(experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         x = x.reshape(-1, h)
-        scores = self.gate(x).softmax(dim=-1)
+        scores = self.router(x).softmax(dim=-1)
         capacity = int(self.capacity_factor * b * s / self.num_experts)
         weights, rows = torch.topk(scores.t(), capacity, dim=-1)
         out = torch.zeros_like(x)
