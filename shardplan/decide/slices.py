@@ -19,7 +19,7 @@ has no backward; a value with a gradient would need its gradient all-gathered ba
 makes (ALiBi slopes computed in the attention's forward from ``self.n_heads``, or read from
 a buffer, then ``slopes[:, None, None] * rel`` added to the scores): no module receives it,
 so it is cut where the op that reads it beside the split values is called, with the entry
-``R~S{d}``. ``inner_cuts(graph, solution)`` lists those cuts by the module whose code makes
+``R~S{d}``. ``inner_cuts(graph, solution.strategies)`` lists those cuts by the module whose code makes
 the call; the local check finds each call in that module's forward and records it
 (:class:`~shardplan.plan.model.SliceFix`), run by the same mode as local views.
 """
