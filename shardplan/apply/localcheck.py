@@ -528,11 +528,22 @@ def _view_ops(graph: OpGraph, placements: dict[int, str], target: str, tp: int) 
     repeat altogether: HF's repeat_kv returns at n_rep == 1), and those inside a module the
     check stands in for (they never run)."""
     stood = graph.strategy_cache.get("check stands in", ())
+    end = _first_call_end(graph, target)
     return [op for op in graph.ops if op.kind == "function" and op.target in _SIZED_OPS
+            and (end is None or op.index <= end)
             and (not target or op.owner == target or op.owner.startswith(target + "."))
             and not any(op.owner == s or op.owner.startswith(s + ".") for s in stood)
             and (not op.inputs or (groups_of(placements.get(op.inputs[0], "R")) or ("",))[0] != "e")
             and not _after_one_head_repeat(graph, placements, op, tp)]
+
+
+def _first_call_end(graph: OpGraph, target: str) -> int | None:
+    """The last op of ``target``'s first call when the forward calls it more than once (ALBERT's
+    one layer, shared by every position): the check runs that call only, so only its views
+    are expected. None when it is called once."""
+    calls = graph.traced.calls.get(target, []) if target else []
+    ends = [n.meta["shardplan_op"] for n in (calls[0].outputs if len(calls) > 1 else []) if "shardplan_op" in n.meta]
+    return max(ends) if ends else None
 
 
 def _after_one_head_repeat(graph: OpGraph, placements: dict[int, str], op, tp: int) -> bool:
