@@ -26,6 +26,7 @@ from __future__ import annotations
 from ..analyze.graph import Op, OpGraph
 from .banks import inside, listed_banks, routed_banks, routes
 from .placements import VIEW_OPS, permutation, view_groups
+from .slices import place
 
 __all__ = ["batch_mixing", "mixing_warnings"]
 
@@ -84,10 +85,6 @@ def _first_mixer(graph: OpGraph, layer: str, experts: int) -> Op | None:
         if dims:
             tokens[op.output] = dims
     return None
-
-
-def place(op: Op) -> str:
-    return op.target if op.kind == "module" else op.owner
 
 
 def _dim(graph: OpGraph, op: Op) -> int:

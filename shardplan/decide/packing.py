@@ -32,6 +32,12 @@ def passes_through(op: Op, graph: OpGraph) -> bool:
             and graph.values[op.output].shape == graph.values[op.inputs[0]].shape)
 
 
+def _in_place_through(op: Op, graph: OpGraph) -> bool:
+    """An in-place elementwise op whose result nothing reads (``qkv.clamp_(...)``): the code
+    goes on reading the tensor it wrote."""
+    return passes_through(op, graph) and op.target.endswith("_") and not graph.consumers.get(op.output)
+
+
 def cut_value(graph: OpGraph, value: int) -> tuple[int, list[Op]]:
     """The value the code cuts a projection's output through: ``value``, or what a chain of
     elementwise ops (:func:`passes_through`) makes of it, with those ops. An in-place one
@@ -39,8 +45,7 @@ def cut_value(graph: OpGraph, value: int) -> tuple[int, list[Op]]:
     chain: list[Op] = []
     while True:
         users = [graph.ops[c] for c in graph.consumers.get(value, [])]
-        in_place = [u for u in users if passes_through(u, graph) and u.target.endswith("_")
-                    and not graph.consumers.get(u.output)]
+        in_place = [u for u in users if _in_place_through(u, graph)]
         rest = [u for u in users if u not in in_place]
         chain += in_place
         if len(rest) != 1 or not passes_through(rest[0], graph) or len(chain) > 8:
@@ -87,7 +92,7 @@ def slice_partition(graph: OpGraph, value: int) -> tuple[int, ...] | None:
     ranges = set()
     for c in graph.consumers.get(value, []):
         user = graph.ops[c]
-        if passes_through(user, graph) and user.target.endswith("_") and not graph.consumers.get(user.output):
+        if _in_place_through(user, graph):
             continue  # ``qkv.clamp_(...)`` before the slices
         index = user.node.args[1] if user.target == "getitem" and len(user.node.args) > 1 else (
             narrow_index(user.node.args, len(shape)) if user.target == "narrow" else None)
