@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "shardplan"
 LAYERS = {"models": 0, "analyze": 1, "plan": 2, "decide": 3, "apply": 4, "api": 5, "interop": 6, "tools": 7,
           "cli": 8, "__main__": 9, "__init__": 9}
 TP_STYLE_MODULES = {"shardplan.apply.emit", "shardplan.apply.styles", "shardplan.apply.head_styles",
-                    "shardplan.apply.attention_style", "shardplan.apply.experts_ep", "shardplan.apply.packed_colwise"}
+                    "shardplan.apply.attention_style", "shardplan.apply.experts_ep", "shardplan.apply.packed_colwise",
+                    "shardplan.apply.dtensor_style"}
 
 
 def _module_name(path: Path) -> str:

@@ -37,6 +37,7 @@ from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern, set_
 from .agree import agree
 from .experts_ep import ExpertParallel, WholeExperts
 from .experts_listed import shard_listed_experts
+from .dtensor_style import DTensorWeights
 from .attention_style import MultiheadAttentionParallel
 from .gradsync import install_gradient_sync
 from .localviews import install_local_views
@@ -102,6 +103,9 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False, scala
         return WholeExperts(reduce_output=not isinstance(out, Partial))
     if rule.style == "attention_heads":
         return MultiheadAttentionParallel(input_layouts=inp, output_layouts=out)
+    if rule.style == "dtensor_weights":
+        return DTensorWeights(placements={n: placement(p) for n, p in rule.param_layouts.items()},
+                              input_layouts=inp, output_layouts=out)
     if rule.style == "replicate":
         return ReplicateParallel(output_layouts=out, local=rule.read_outside)
     raise ValueError(f"style {rule.style!r} of {rule.module!r} has no emitter; expected one of colwise, rowwise, ...")

@@ -98,6 +98,7 @@ def rules(
                 packed=s.layouts.get("packed"), whole_parts=s.layouts.get("whole_parts"), groups=s.layouts.get("groups"),
                 output_grad_partial=s.layouts.get("output_grad") == "P", input_grad_partial=s.layouts.get("input_grad") == "P",
                 read_outside=op.target in read_elsewhere(graph),
+                param_layouts={n: _layout(p) for n, p in s.layouts.get("params", {}).items()},
                 why=_why(why.get(patterned(op.target, graph, pmap)[0])),
             ))
     rules += [

@@ -42,7 +42,7 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
         style = solution.strategies[op.index].name
         module = graph.model.get_submodule(op.target)
         name = patterned(op.target, graph, pmap)[0]
-        if op.module_kind == "other" and not router_like(module):
+        if op.module_kind == "other" and style == "replicate" and not router_like(module):
             out.append(f"{name}: {type(module).__name__} has no tensor-parallel style; replicated")
         elif op.module_kind == "attention" and style == "replicate":
             out.append(f"{name}: {_whole_attention(graph, op, module, tp)}")

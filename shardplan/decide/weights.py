@@ -68,6 +68,7 @@ from .packing import packed_into, unequal_parts
 from .folded import folded_module_twins, folded_values
 from .tails import tailed_colwise
 from .elementwise import scalar_elementwise_dims
+from .functional import functional_strategies
 from .banks import bank_call
 from .placements import Strategy, group_counts, grouped, packed
 
@@ -86,6 +87,7 @@ STYLE_NAMES = (
     "replicated_with_grad_allreduce",
     "moe_tp_experts",
     "attention_heads",
+    "dtensor_weights",
     "replicate",
 )
 
@@ -129,6 +131,9 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
         found = _experts(op, graph, module, tp, sp)
     elif kind == "attention":
         found = _attention(op, graph, module, tp, sp)
+    elif kind == "other" and (functional := functional_strategies(op, graph, module, tp, sp))[1]:
+        # its own code reads its weights in products (F.linear(x, self.wq)): run on DTensors
+        found = [_replicate(op, graph, module, functional[1])] + functional[0]
     elif dims := scalar_elementwise_dims(op, graph, tp):
         found = [_replicate(op, graph, module)] + [_on_shards(op, graph, module, d, tp) for d in dims]
     else:
@@ -144,6 +149,8 @@ def _held(full: int, s: Strategy, tp: int) -> float:
     """Weight bytes a device holds under ``s``: whole, 1/tp, or 1/groups with kv heads
     replicated in groups. The default plan holds the fewest (a user who asks for tp=8 wants
     the model split 8 ways): replicating kv heads for speed is chosen within a memory budget."""
+    if "held" in s.layouts:  # dtensor_weights: its split and whole parameters counted one by one
+        return s.layouts["held"]
     if s.layouts.get("weight", "R") == "R":
         return full
     return full / (s.layouts["groups"] if s.name == "colwise_kv_replicated" else tp)

@@ -193,6 +193,7 @@ _KINDS = {
     "rowwise_split_input": {"linear", "conv1d"}, "embedding_rowwise": {"embedding"}, "moe_tp_experts": {"experts"},
     "ep_experts": {"experts"}, "moe_whole_experts": {"experts"},
     "attention_heads": {"attention"},
+    "dtensor_weights": {"other"},
 }
 
 

@@ -1,0 +1,343 @@
+"""Functional weights: a module whose own code reads its weights as tensors, run on DTensors.
+
+Contract
+--------
+``functional_strategies(op, graph, module, tp, sp)`` gives a weight module of no known kind
+(it owns its parameters, no child does, and it is no Linear, norm, embedding or expert bank)
+whose forward reads its own 2-D+ parameters in matrix products (``F.linear(x, self.wq)``,
+``x @ self.w1``, a DenseGeneral's ``einsum("btd,dhk->bthk", x, self.kernel)``) its
+``dtensor_weights`` strategies, or none. Nothing here needs a process group; the module is
+run on the meta device under :func:`~shardplan.analyze.snapshot.preserved`, so the user's
+module is left as it was.
+
+The matrix math is Megatron's, read off the code, never off names:
+
+* a product whose activation comes from the module's inputs through ops that are no such
+  product is *first*: its weight is split on a dim the product keeps (``F.linear``'s output
+  rows, ``x @ W``'s columns, a kernel's heads), so each rank computes its own columns (or
+  heads) with no collective, and the rest of the code (views by heads, RoPE, attention)
+  runs on them;
+* a product reading what a first product made is *second*: its weight is split on a dim
+  the product contracts, so each rank's result is a partial sum;
+* a bias added by ``F.linear`` goes with a first weight's rows, and is whole for a second.
+
+DTensor's sharding propagation then runs the module's code with those placements, on meta
+tensors and a mesh with no process group behind it: the code sizes its views by the global
+shapes it was written for, so no head count needs making local. A module it runs with no
+redistribution inside is offered. Its output is ``Partial`` (summed where the module
+returns: an all-reduce, or a reduce-scatter onto sequence shards), ``Shard(d)`` (a
+DenseGeneral's heads, handed on split) or ``Replicate``. The inputs are read whole, so each
+one's gradient is a partial sum, all-reduced (or, gathered from sequence shards on entry,
+reduce-scattered) in backward. A module whose code would need a collective inside (an MLP
+after the attention in one forward) is not offered: it stays whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
+
+from ..analyze.graph import Op, OpGraph
+from ..analyze.snapshot import preserved
+from .placements import Strategy
+
+__all__ = ["functional_strategies", "functional_placements", "ReplicateBeside"]
+
+_PRODUCTS = frozenset({"linear", "matmul", "mm", "bmm", "__matmul__", "__rmatmul__", "einsum"})
+_PERMUTES = frozenset({"t", "transpose", "permute", "swapaxes", "swapdims", "movedim"})
+
+
+@dataclass
+class _Reads(TorchFunctionMode):
+    """Follows the module's forward on meta tensors: which product reads which parameter (by
+    ``self.w``, ``self.w.t()`` or ``self.w.T``), on which side, and whether the activation it
+    multiplies comes from a first product (its *level* is 1) or not (0)."""
+
+    names: dict[int, str]  # id(parameter) -> name
+    tp: int
+    level: dict[int, int] = field(default_factory=dict)  # id(activation) -> 1 after a first product
+    perm: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # a parameter's transposed view
+    chosen: dict[str, str] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
+    alive: list[Any] = field(default_factory=list)  # ids stay unique while the run lasts
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # a property: ``w.T``, ``w.mT``
+            name = {torch.Tensor.T.__get__: "t", torch.Tensor.mT.__get__: "t"}.get(func, name)
+        flat = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        operands = args[1:] if name == "einsum" else args[:2]  # F.linear's bias is no operand
+        weights = [a for a in (operands if name in _PRODUCTS else flat)
+                   if isinstance(a, torch.Tensor) and self._param(a) is not None]
+        if name in _PERMUTES and weights and isinstance(out, torch.Tensor):
+            self._transposed(name, args, out)
+        elif name in _PRODUCTS and weights:
+            self._product(name, args, kwargs, out, weights)
+        else:
+            level = max((self.level.get(id(a), 0) for a in flat), default=0)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.level[id(t)] = level
+                    self.alive.append(t)
+        return out
+
+    def _param(self, t: torch.Tensor) -> tuple[str, tuple[int, ...]] | None:
+        if id(t) in self.names:
+            return self.names[id(t)], tuple(range(t.dim()))
+        return self.perm.get(id(t))
+
+    def _transposed(self, name: str, args: tuple, out: torch.Tensor) -> None:
+        source, dims = self._param(args[0])
+        order = list(range(out.dim()))
+        if name == "t" and out.dim() == 2 or name in ("transpose", "swapaxes", "swapdims"):
+            a, b = (0, 1) if name == "t" else (args[1] % out.dim(), args[2] % out.dim())
+            order[a], order[b] = order[b], order[a]
+        elif name == "permute":
+            order = [d % out.dim() for d in (args[1] if isinstance(args[1], (list, tuple)) else args[1:])]
+        else:
+            self.failed.append(f"{source} read through {name}")
+            return
+        self.perm[id(out)] = (source, tuple(dims[o] for o in order))
+        self.alive.append(out)
+
+    def _product(self, name: str, args: tuple, kwargs: dict, out: Any, weights: list) -> None:
+        operands = list(args[1:]) if name == "einsum" else list(args[:2])
+        acts = [a for a in operands if isinstance(a, torch.Tensor) and self._param(a) is None]
+        if len(weights) != 1 or len(acts) != 1:
+            self.failed.append(f"{name} of {len(weights)} weights and {len(acts)} activations")
+            return
+        weight, act = weights[0], acts[0]
+        second = self.level.get(id(act), 0) >= 1
+        dim = _split_dim(name, args, weight, act, second=second, tp=self.tp)
+        source, dims = self._param(weight)
+        if dim is None:
+            self.failed.append(f"{source}: no dim of {list(weight.shape)} that tp={self.tp} divides")
+            return
+        self._choose(source, f"S{dims[dim]}")
+        bias = args[2] if name == "linear" and len(args) > 2 else kwargs.get("bias")
+        if isinstance(bias, torch.Tensor) and self._param(bias) is not None:
+            self._choose(self._param(bias)[0], "R" if second else "S0")
+        if isinstance(out, torch.Tensor):
+            self.level[id(out)] = 0 if second else 1
+            self.alive.append(out)
+
+    def _choose(self, param: str, p: str) -> None:
+        if self.chosen.setdefault(param, p) != p:
+            self.failed.append(f"{param} read as {self.chosen[param]} and as {p}")
+
+
+def _split_dim(name: str, args: tuple, weight: torch.Tensor, act: torch.Tensor, *, second: bool, tp: int) -> int | None:
+    """The dim of ``weight`` (as the product reads it) to split: one it keeps when first, one
+    it contracts when second."""
+    if name == "einsum":
+        return _einsum_dim(args, weight, second=second, tp=tp)
+    if name == "linear":  # y = x W^T: W [out, in]
+        dim = 1 if second else 0
+    elif name == "__rmatmul__" or (len(args) > 1 and args[1] is weight):  # x @ W: W [.., in, out]
+        dim = weight.dim() - (2 if second else 1)
+    else:  # W @ x
+        dim = weight.dim() - (1 if second else 2)
+    return dim if weight.dim() >= 2 and weight.shape[dim] % tp == 0 and weight.shape[dim] >= tp else None
+
+
+def _einsum_dim(args: tuple, weight: torch.Tensor, *, second: bool, tp: int) -> int | None:
+    spec, operands = args[0], list(args[1:])
+    if not isinstance(spec, str) or "->" not in spec or "." in spec:
+        return None
+    ins, out = spec.replace(" ", "").split("->")
+    letters = ins.split(",")
+    mine = letters[next(i for i, t in enumerate(operands) if t is weight)]
+    others = "".join(t for i, t in enumerate(letters) if operands[i] is not weight)
+    for d, c in enumerate(mine):
+        contracted = c not in out
+        wanted = (contracted and c in others) if second else (not contracted and c not in others)
+        if wanted and weight.shape[d] % tp == 0 and weight.shape[d] >= tp:
+            return d
+    return None
+
+
+class ReplicateBeside(TorchFunctionMode):
+    """How ``dtensor_weights`` code runs, here on meta and on the ranks alike: a plain tensor
+    read beside a DTensor (a mask made in forward, a RoPE buffer) is a Replicate DTensor for
+    that call, so that backward, which reads what forward saved, meets DTensors only; and
+    attention on q, k and v split alike on a leading dim (heads, batch) runs on each rank's
+    shards, heads never mixing (DTensor has no rule for the CPU's attention kernel)."""
+
+    def __init__(self, mesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        kwargs = kwargs or {}
+        if not any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs))[0]):
+            return func(*args, **kwargs)
+        whole = lambda t: t if isinstance(t, DTensor) else DTensor.from_local(t, self.mesh, (Replicate(),), run_check=False)  # noqa: E731
+        args, kwargs = tree_map_only(torch.Tensor, whole, (args, kwargs))
+        if func is torch.nn.functional.scaled_dot_product_attention and (local := _on_shards(args, kwargs)) is not None:
+            return local
+        return func(*args, **kwargs)
+
+
+def _on_shards(args: tuple, kwargs: dict) -> Any:
+    """``scaled_dot_product_attention`` of q, k, v split on the same leading dim, run on each
+    rank's shards, or None. A mask must be whole and 1 along that dim (it broadcasts)."""
+    from torch.distributed.tensor import DTensor
+
+    qkv, rest = list(args[:3]), dict(kwargs)
+    qkv += [rest.pop(n) for n in ("query", "key", "value")[len(qkv):] if n in rest]
+    mask = args[3] if len(args) > 3 else rest.get("attn_mask")
+    dims = {p.dim if p.is_shard() else None for t in qkv for p in t.placements}
+    d = next(iter(dims)) if len(dims) == 1 and len(qkv) == 3 else None
+    if d is None or d < 0 or d >= qkv[0].dim() - 2:
+        return None
+    if mask is not None and (not mask.placements[0].is_replicate() or (mask.dim() > qkv[0].dim() - 1 - d and
+                                                                       mask.shape[d - qkv[0].dim()] != 1)):
+        return None
+    if mask is not None:
+        rest["attn_mask"] = mask.to_local()
+    out = torch.nn.functional.scaled_dot_product_attention(*(t.to_local() for t in qkv), *(
+        () if len(args) <= 3 else [rest.pop("attn_mask", None)] + list(args[4:])), **rest)
+    return DTensor.from_local(out, qkv[0].device_mesh, qkv[0].placements, run_check=False)
+
+
+def _meta_args(op: Op) -> tuple[tuple, dict]:
+    def meta(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            val = a.meta.get("val")
+            return torch.empty(val.shape, dtype=val.dtype, device="meta") if isinstance(val, torch.Tensor) else val
+        return a
+
+    return tree_map(meta, tuple(op.node.args)), tree_map(meta, dict(op.node.kwargs))
+
+
+def functional_placements(op: Op, module: nn.Module, tp: int, split: int | None = None) -> tuple[dict[str, str], float] | None:
+    """Each own parameter's placement (``S{d}`` or ``R``) when the module's code reads a 2-D+
+    one in a product and every such read fits the first/second rule, and the module's whole
+    FLOPs (forward and backward); else None. ``split``: the first input arrives split on that
+    dim (a previous module's heads), so what reads it is second."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    params = dict(module.named_parameters(recurse=False))
+    if tp < 2 or not any(p.dim() >= 2 for p in params.values()):
+        return None
+    args, kwargs = _meta_args(op)
+    with preserved(module), torch.no_grad():
+        for n, p in params.items():
+            module._parameters[n] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for n, b in module._buffers.items():
+            if b is not None:
+                module._buffers[n] = b.to("meta")
+        reads = _Reads({id(module._parameters[n]): n for n in params}, tp)
+        if split is not None:
+            reads.level[id(args[0])] = 1
+        try:
+            with FlopCounterMode(display=False) as flops, reads:
+                module(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - code that cannot run on meta is planned whole, as before
+            return None
+    if reads.failed or not any(p != "R" for p in reads.chosen.values()):
+        return None
+    return {n: reads.chosen.get(n, "R") for n in params}, 3.0 * flops.get_total_flops()
+
+
+def _dtensor_output(op: Op, module: nn.Module, placements: dict[str, str], tp: int, split: int | None = None) -> str | None:
+    """The placement of the module's output when its code runs on DTensors placed so, read
+    whole: ``P``, ``S{d}`` or ``R``; None when the code needs a redistribution (with no
+    process group behind the mesh, any collective fails) or returns more than one tensor."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    from .propagation import _mesh, _tensor
+
+    args, kwargs = _meta_args(op)
+    mesh = _mesh(tp)
+    whole = lambda a: a if not isinstance(a, torch.Tensor) or isinstance(a, DTensor) else DTensor.from_local(  # noqa: E731
+        a, mesh, (Replicate(),), run_check=False)
+    if split is not None:
+        x = args[0]
+        args = (DTensor.from_local(torch.empty(_halved(x.shape, split, tp), dtype=x.dtype, device="meta"), mesh,
+                                   (Shard(split),), run_check=False, shape=x.shape, stride=x.stride()),) + tuple(args[1:])
+    with preserved(module), torch.no_grad():
+        for n, p in list(module._parameters.items()):
+            module._parameters[n] = nn.Parameter(_tensor(p, placements[n], tp, distributed=True), requires_grad=False)
+        for n, b in module._buffers.items():
+            if b is not None:
+                module._buffers[n] = b.to("meta")
+        try:
+            with implicit_replication(), ReplicateBeside(mesh):
+                out = module(*tree_map(whole, args), **tree_map(whole, kwargs))
+        except Exception:  # noqa: BLE001 - a redistribution, or an op DTensor has no rule for
+            return None
+    if not isinstance(out, DTensor) or len(out.placements) != 1:
+        return None
+    p = out.placements[0]
+    if p.is_partial():
+        return "P" if p.reduce_op == "sum" else None
+    return f"S{p.dim}" if p.is_shard() else "R"
+
+
+def _halved(shape: torch.Size, dim: int, tp: int) -> list[int]:
+    out = list(shape)
+    out[dim] //= tp
+    return out
+
+
+def functional_strategies(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> tuple[list[Strategy], float]:
+    """``dtensor_weights`` for each input and output layout, or [] when the module's code does
+    not fit (module docstring); and the module's FLOPs run whole (0 when not found). The first
+    input is read whole (or gathered from sequence shards, ``Shard(1)``), or arrives split on a
+    later dim (``Shard(d)``, d >= 2: the heads a previous module made) and is contracted there."""
+    from ..analyze.graph import router_like
+
+    if graph.traced.front_end == "export" or op.output is None or not op.inputs or not graph.values[op.output].shape \
+            or router_like(module):  # routers are kept whole, as every MoE trainer keeps them
+        return [], 0.0
+    found, flops = [], 0.0
+    x = graph.values[op.inputs[0]].shape
+    for split in [None] + [d for d in range(2, len(x)) if x[d] % tp == 0 and x[d] >= tp]:
+        placed = functional_placements(op, module, tp, split)
+        out = _dtensor_output(op, module, placed[0], tp, split) if placed else None
+        flops = placed[1] if placed else flops
+        if out is not None:
+            found += _layouts(op, graph, module, tp, sp, placed, out, split)
+    return found, flops if found else 0.0
+
+
+def _layouts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool, placed: tuple[dict[str, str], float],
+             out: str, split: int | None) -> list[Strategy]:
+    """One strategy per input and output layout; the collectives each pays."""
+    placements, flops = placed
+    y, x = graph.values[op.output], graph.values[op.inputs[0]]
+    seq = ["S1"] if sp and len(y.shape) >= 3 and y.shape[1] % tp == 0 and y.shape[1] >= tp else []
+    share = {n: p.numel() * p.element_size() / (tp if placements[n] != "R" else 1)
+             for n, p in module.named_parameters(recurse=False)}
+    pbytes, held = sum(share.values()), sum(b for n, b in share.items() if module.get_parameter(n).dim() >= 2)
+    grads = [graph.values[v].nbytes for i, v in enumerate(dict.fromkeys(op.inputs))
+             if v in graph.requires_grad and not (i == 0 and split is not None)]
+    ins = [f"S{split}"] if split is not None else ["R"] + (seq if out == "P" and len(op.inputs) == 1 and len(x.shape) >= 3 else [])
+    found = []
+    for p_in in ins:
+        for p_out in (["R"] + seq if out == "P" else [out]):
+            gathered = p_in == "S1"
+            fwd = [("all_gather", x.nbytes)] if gathered else []
+            fwd += [("all_reduce" if p_out == "R" else "reduce_scatter", y.nbytes)] if out == "P" else []
+            bwd = [("all_gather", y.nbytes)] if out == "P" and p_out != "R" else []
+            bwd += [("reduce_scatter" if gathered and i == 0 else "all_reduce", b) for i, b in enumerate(grads)]
+            found.append(Strategy(
+                "dtensor_weights", (p_in,) + ("R",) * (len(op.inputs) - 1), p_out, fwd=tuple(fwd), bwd=tuple(bwd),
+                param_bytes=pbytes, flops=flops / tp, act_bytes=y.nbytes / (1 if p_out == "R" else tp),
+                layouts={"params": placements, "held": held, **({"input": p_in} if p_in != "R" else {}),
+                         **({"output": p_out} if p_out != "R" else {})}))
+    return found
