@@ -21,6 +21,9 @@ _HEADS_SPLIT = {
     "matmul_params": {"layers.*.attn": {"wq": "Shard(1)", "wk": "Shard(1)", "wv": "Shard(1)", "wo": "Shard(0)"}},
     "dense_general": {**{f"layers.*.attn.{n}": {"kernel": "Shard(1)"} for n in ("query", "key", "value")},
                       "layers.*.attn.out": {"kernel": "Shard(0)"}},
+    "raw_llama": {"layers.*.attn": {"wq": "Shard(0)", "wk": "Shard(0)", "wv": "Shard(0)", "wo": "Shard(1)",
+                                    "q_norm": "Replicate", "k_norm": "Replicate"},
+                  "layers.*.mlp": {"w1": "Shard(0)", "w3": "Shard(0)", "w2": "Shard(1)"}},
 }
 
 
@@ -72,10 +75,14 @@ def test_counted_collectives_equal_the_prediction(builder: str, tmp_path) -> Non
     assert counted.matches, f"counted {dict(counted.counted)} != predicted {counted.predicted}"
 
 
-def test_sequence_parallel_counts_what_it_predicts() -> None:
-    model = raw_weights.linear_params()
+@pytest.mark.parametrize("builder", sorted(_HEADS_SPLIT))
+def test_sequence_parallel_counts_what_it_predicts(builder: str) -> None:
+    """Norms on sequence shards; the attention's input gathered once (DenseGeneral's q, k and v
+    share one gather, a region's), its partial output reduce-scattered back."""
+    model = getattr(raw_weights, builder)()
     plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(_TOKENS,), explain=False, sequence_parallel=True)
-    assert plan.rule_for("layers.0.attn").input_layouts == "Shard(1)"
+    assert plan.module_styles()["layers.0.norm1"] == "sequence_parallel"
+    assert {r.module: r.param_layouts for r in plan.rules if r.style == "dtensor_weights"} == _HEADS_SPLIT[builder]
     counted = simulate(model, plan, (_TOKENS,))
     assert counted.matches, f"counted {dict(counted.counted)} != predicted {counted.predicted}"
 
@@ -86,8 +93,9 @@ def test_raw_weights_match_one_process_on_gloo(builder: str) -> None:
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
 
 
-def test_sequence_parallel_matches_one_process_on_gloo() -> None:
-    result = verify("tests.portability.raw_weights:matmul_params", nproc=2, timeout_s=300, sequence_parallel=True)
+@pytest.mark.parametrize("builder", ["matmul_params", "dense_general"])
+def test_sequence_parallel_matches_one_process_on_gloo(builder: str) -> None:
+    result = verify(f"tests.portability.raw_weights:{builder}", nproc=2, timeout_s=300, sequence_parallel=True)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
 
 
@@ -111,3 +119,14 @@ def test_two_adamw_steps_then_dcp_save_at_tp2_load_at_tp4(tmp_path) -> None:
     whole.load_state_dict(saved["sharded"])
     with torch.no_grad():
         torch.testing.assert_close(loaded["logits"], whole(w.TOKENS), atol=1e-5, rtol=1e-5)
+
+
+def test_with_fsdp_over_a_data_axis_counts_what_it_predicts() -> None:
+    """dp=2 x tp=2 with ``fully_shard``: FSDP gathers the tp shards of the raw weights and
+    reduce-scatters their gradients; the whole per-head norm weights' Partial gradients go
+    through FSDP's reduction too."""
+    tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    model = raw_weights.raw_llama()
+    plan = shardplan.plan_model(model, {"dp": 2, "tp": 2}, example_inputs=(tokens,), explain=False)
+    counted = simulate(model, plan, (tokens,), fsdp=True)
+    assert counted.matches, f"counted {dict(counted.counted)} != predicted {counted.predicted}"

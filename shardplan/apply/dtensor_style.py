@@ -23,6 +23,9 @@ DTensor's sharding propagation carries the split through views, RoPE and attenti
   buffer) is taken as Replicate where it is read, and attention on heads split alike runs on
   each rank's heads (:class:`~shardplan.decide.functional.ReplicateBeside`, the same rules
   the planner ran the code by);
+* a whole parameter whose gradient backward leaves Partial (the rule's ``partial_grads``: a
+  per-head norm's weight beside split heads) is summed with the other Partial gradients in
+  one all-reduce when backward ends (:mod:`.gradsync`);
 * the output leaves as the plan says: a Partial sum (second products ``y_r W_r``) is
   all-reduced, or reduce-scattered onto sequence shards; a Shard(d) output (a DenseGeneral's
   heads) is handed on as the rank's local shard.

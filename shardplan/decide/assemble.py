@@ -99,6 +99,7 @@ def rules(
                 output_grad_partial=s.layouts.get("output_grad") == "P", input_grad_partial=s.layouts.get("input_grad") == "P",
                 read_outside=op.target in read_elsewhere(graph),
                 param_layouts={n: _layout(p) for n, p in s.layouts.get("params", {}).items()},
+                partial_grads=list(s.layouts.get("partial_grads", ())),
                 why=_why(why.get(patterned(op.target, graph, pmap)[0])),
             ))
     rules += [

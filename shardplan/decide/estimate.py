@@ -58,11 +58,17 @@ def collective_list(
             events[("forward", kind, n, 0)] += op.multiplicity
         for phase, kind, n, group in s.group_comms:
             events[(phase, kind, n, group)] += op.multiplicity
-        for kind, n in s.bwd if op.output is None or op.output in graph.grad_reaches else ():
+        reached = op.output is None or op.output in graph.grad_reaches
+        for kind, n in s.bwd if reached else ():
             if bucket and s.name in PARTIAL_GRAD_STYLES:
                 bucketed += n * op.multiplicity
             else:
                 events[("backward", kind, n, 0)] += op.multiplicity
+        for n in s.layouts.get("partial_bytes", ()) if reached else ():  # dtensor_weights' whole parameters
+            if bucket:
+                bucketed += n * op.multiplicity
+            else:
+                events[("backward", "all_reduce", n, 0)] += op.multiplicity
     for op in _partial_param_ops(graph, solution):  # a container's whole parameter with a Partial gradient
         n = graph.values[op.output].nbytes
         if bucket:

@@ -252,10 +252,13 @@ def functional_placements(op: Op, module: nn.Module, tp: int, split: int | None 
     return {n: reads.chosen.get(n, "R") for n in params}, 3.0 * flops.get_total_flops()
 
 
-def _dtensor_output(op: Op, module: nn.Module, placements: dict[str, str], tp: int, split: int | None = None) -> str | None:
+def _dtensor_output(op: Op, module: nn.Module, placements: dict[str, str], tp: int,
+                    split: int | None = None) -> tuple[str, list[str]] | None:
     """The placement of the module's output when its code runs on DTensors placed so, read
-    whole: ``P``, ``S{d}`` or ``R``; None when the code needs a redistribution (with no
-    process group behind the mesh, any collective fails) or returns more than one tensor."""
+    whole (``P``, ``S{d}`` or ``R``), and the whole parameters whose gradient backward leaves
+    Partial (a per-head norm's weight, read beside split heads); None when forward or backward
+    needs a redistribution (with no process group behind the mesh, any collective fails) or
+    the module returns more than one tensor."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.experimental import implicit_replication
 
@@ -269,23 +272,27 @@ def _dtensor_output(op: Op, module: nn.Module, placements: dict[str, str], tp: i
         x = args[0]
         args = (DTensor.from_local(torch.empty(_halved(x.shape, split, tp), dtype=x.dtype, device="meta"), mesh,
                                    (Shard(split),), run_check=False, shape=x.shape, stride=x.stride()),) + tuple(args[1:])
-    with preserved(module), torch.no_grad():
+    with preserved(module), torch.enable_grad():
         for n, p in list(module._parameters.items()):
-            module._parameters[n] = nn.Parameter(_tensor(p, placements[n], tp, distributed=True), requires_grad=False)
+            module._parameters[n] = nn.Parameter(_tensor(p, placements[n], tp, distributed=True), requires_grad=p.requires_grad)
         for n, b in module._buffers.items():
             if b is not None:
                 module._buffers[n] = b.to("meta")
         try:
             with implicit_replication(), ReplicateBeside(mesh):
                 out = module(*tree_map(whole, args), **tree_map(whole, kwargs))
+                if isinstance(out, DTensor) and out.requires_grad:
+                    out.to_local().sum().backward()
         except Exception:  # noqa: BLE001 - a redistribution, or an op DTensor has no rule for
             return None
+        partial = [n for n, p in module._parameters.items() if placements[n] == "R" and isinstance(p.grad, DTensor)
+                   and p.grad.placements[0].is_partial()]
     if not isinstance(out, DTensor) or len(out.placements) != 1:
         return None
     p = out.placements[0]
     if p.is_partial():
-        return "P" if p.reduce_op == "sum" else None
-    return f"S{p.dim}" if p.is_shard() else "R"
+        return ("P", partial) if p.reduce_op == "sum" else None
+    return (f"S{p.dim}" if p.is_shard() else "R"), partial
 
 
 def _halved(shape: torch.Size, dim: int, tp: int) -> list[int]:
@@ -308,36 +315,40 @@ def functional_strategies(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp
     x = graph.values[op.inputs[0]].shape
     for split in [None] + [d for d in range(2, len(x)) if x[d] % tp == 0 and x[d] >= tp]:
         placed = functional_placements(op, module, tp, split)
-        out = _dtensor_output(op, module, placed[0], tp, split) if placed else None
+        ran = _dtensor_output(op, module, placed[0], tp, split) if placed else None
         flops = placed[1] if placed else flops
-        if out is not None:
-            found += _layouts(op, graph, module, tp, sp, placed, out, split)
+        if ran is not None:
+            found += _layouts(op, graph, module, tp, sp, placed, ran, split)
     return found, flops if found else 0.0
 
 
 def _layouts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool, placed: tuple[dict[str, str], float],
-             out: str, split: int | None) -> list[Strategy]:
-    """One strategy per input and output layout; the collectives each pays."""
-    placements, flops = placed
+             ran: tuple[str, list[str]], split: int | None) -> list[Strategy]:
+    """One strategy per input and output layout. A whole first input is a region's *entry*
+    (``R``, or ``S1`` gathered), as for a colwise Linear: the solver pays its collective once
+    per value however many modules read it (q, k and v as three DenseGenerals); a split one
+    (``S{d}``) is contracted where it is. Other tensor inputs' gradients are all-reduced; the
+    Partial gradients of whole parameters (``partial_bytes``) join the bucket reduced when
+    backward ends."""
+    (placements, flops), (out, partial) = placed, ran
     y, x = graph.values[op.output], graph.values[op.inputs[0]]
     seq = ["S1"] if sp and len(y.shape) >= 3 and y.shape[1] % tp == 0 and y.shape[1] >= tp else []
     share = {n: p.numel() * p.element_size() / (tp if placements[n] != "R" else 1)
              for n, p in module.named_parameters(recurse=False)}
     pbytes, held = sum(share.values()), sum(b for n, b in share.items() if module.get_parameter(n).dim() >= 2)
-    grads = [graph.values[v].nbytes for i, v in enumerate(dict.fromkeys(op.inputs))
-             if v in graph.requires_grad and not (i == 0 and split is not None)]
-    ins = [f"S{split}"] if split is not None else ["R"] + (seq if out == "P" and len(op.inputs) == 1 and len(x.shape) >= 3 else [])
+    grads = tuple(("all_reduce", graph.values[v].nbytes) for v in dict.fromkeys(op.inputs[1:])
+                  if v in graph.requires_grad and v != op.inputs[0])
+    gathered = seq if len(x.shape) >= 3 and x.shape[1] % tp == 0 and x.shape[1] >= tp else []
+    ins = [f"S{split}"] if split is not None else ["R"] + gathered
     found = []
     for p_in in ins:
         for p_out in (["R"] + seq if out == "P" else [out]):
-            gathered = p_in == "S1"
-            fwd = [("all_gather", x.nbytes)] if gathered else []
-            fwd += [("all_reduce" if p_out == "R" else "reduce_scatter", y.nbytes)] if out == "P" else []
-            bwd = [("all_gather", y.nbytes)] if out == "P" and p_out != "R" else []
-            bwd += [("reduce_scatter" if gathered and i == 0 else "all_reduce", b) for i, b in enumerate(grads)]
+            fwd = (("all_reduce" if p_out == "R" else "reduce_scatter", y.nbytes),) if out == "P" else ()
+            bwd = (("all_gather", y.nbytes),) if out == "P" and p_out != "R" else ()
             found.append(Strategy(
-                "dtensor_weights", (p_in,) + ("R",) * (len(op.inputs) - 1), p_out, fwd=tuple(fwd), bwd=tuple(bwd),
-                param_bytes=pbytes, flops=flops / tp, act_bytes=y.nbytes / (1 if p_out == "R" else tp),
-                layouts={"params": placements, "held": held, **({"input": p_in} if p_in != "R" else {}),
+                "dtensor_weights", (p_in,) + ("R",) * (len(op.inputs) - 1), p_out, fwd=fwd, bwd=bwd + grads,
+                entry=(p_in,) if split is None else (), param_bytes=pbytes, flops=flops / tp,
+                act_bytes=y.nbytes / (1 if p_out == "R" else tp),
+                layouts={"params": placements, "held": held, "partial_grads": partial, "partial_bytes": tuple(share[n] for n in partial), **({"input": p_in} if p_in != "R" else {}),
                          **({"output": p_out} if p_out != "R" else {})}))
     return found

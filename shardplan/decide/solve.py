@@ -134,6 +134,7 @@ def comm_time(s: Strategy, ctx: SolveContext) -> float:
     return (sum(_collective(k, n, ctx.tp, ctx) for k, n in s.fwd)
             + sum(_collective(k, n, ctx.tp, ctx, latency=not own_bucket) for k, n in s.bwd)
             + sum(_collective("all_reduce", n, g, ctx, latency=not bucketed) for n, g in s.group_grads)
+            + sum(_collective("all_reduce", n, ctx.tp, ctx, latency=not bucketed) for n in s.layouts.get("partial_bytes", ()))
             + sum(_collective(k, n, g, ctx) for _, k, n, g in s.group_comms))
 
 
@@ -296,7 +297,7 @@ def _buckets(s: Strategy, ctx: SolveContext) -> set[int]:
     if not _bucketing(ctx):
         return set()
     found = {g for _, g in s.group_grads}
-    if s.name in BUCKETED_GRAD_STYLES and s.bwd:
+    if (s.name in BUCKETED_GRAD_STYLES and s.bwd) or s.layouts.get("partial_bytes"):
         found.add(ctx.tp)
     return found
 

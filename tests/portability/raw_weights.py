@@ -1,8 +1,9 @@
 """Attention whose weights are raw ``nn.Parameter``s its own code multiplies, the ways
 research code and JAX ports write it: ``F.linear(x, self.wq)`` ([out, in], biases),
 ``x @ self.wq`` ([in, out]) with a hand-written causal softmax over a mask buffer and RoPE
-made in forward, and Flax's ``DenseGeneral`` as its own module (a kernel ``[D, H, hd]`` in an
-``einsum``, the output kernel ``[H, hd, D]``)."""
+made in forward, Flax's ``DenseGeneral`` as its own module (a kernel ``[D, H, hd]`` in an
+``einsum``, the output kernel ``[H, hd, D]``), and GQA with complex RoPE, a per-head q/k norm
+as raw weights, and a SwiGLU MLP on raw weights (``x @ self.w1.T``)."""
 
 import math
 
@@ -87,6 +88,65 @@ class DenseGeneralAttention(nn.Module):
         q, k, v = (m(x).transpose(1, 2) for m in (self.query, self.key, self.value))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2))
+
+
+class GQAComplexRope(nn.Module):
+    """Fewer kv heads repeated by ``repeat_interleave``, complex RoPE from a buffer, ``x @ W.T``,
+    and an RMS q/k norm per head written out with raw 1-D weights (whole: their gradients sum
+    over the ranks' heads)."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int = 4, max_len: int = 64) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = heads, kv_heads, dim // heads
+        self.wq, self.wo = _param(dim, dim), _param(dim, dim)
+        self.wk, self.wv = _param(kv_heads * self.head_dim, dim), _param(kv_heads * self.head_dim, dim)
+        self.q_norm, self.k_norm = nn.Parameter(torch.ones(self.head_dim)), nn.Parameter(torch.ones(self.head_dim))
+        inv = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+        angles = torch.outer(torch.arange(max_len).float(), inv)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def _rope(self, t: torch.Tensor) -> torch.Tensor:
+        z = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+        return torch.view_as_real(z * self.freqs_cis[: t.shape[1]].view(1, t.shape[1], 1, -1)).flatten(3).type_as(t)
+
+    @staticmethod
+    def _rms(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q = self._rms((x @ self.wq.T).view(B, T, self.n_heads, self.head_dim), self.q_norm)
+        k = self._rms((x @ self.wk.T).view(B, T, self.n_kv, self.head_dim), self.k_norm)
+        v = (x @ self.wv.T).view(B, T, self.n_kv, self.head_dim)
+        q, k = self._rope(q).transpose(1, 2), self._rope(k).transpose(1, 2)
+        rep = self.n_heads // self.n_kv
+        k, v = k.repeat_interleave(rep, dim=1), v.transpose(1, 2).repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).reshape(B, T, C) @ self.wo.T
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1, self.w3, self.w2 = _param(hidden, dim), _param(hidden, dim), _param(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.silu(x @ self.w1.T) * (x @ self.w3.T)) @ self.w2.T
+
+
+class RawBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.attn, self.mlp = GQAComplexRope(dim, heads), SwiGLU(dim, 4 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def raw_llama(*, dim: int = 96, heads: int = 12, layers: int = 2, vocab: int = 128) -> TokenLM:
+    return TokenLM([RawBlock(dim, heads) for _ in range(layers)], dim=dim, vocab=vocab)
 
 
 def _lm(attn, *, dim: int, heads: int, layers: int, vocab: int) -> TokenLM:
