@@ -21,6 +21,8 @@ _HEADS_SPLIT = {
     "matmul_params": {"layers.*.attn": {"wq": "Shard(1)", "wk": "Shard(1)", "wv": "Shard(1)", "wo": "Shard(0)"}},
     "dense_general": {**{f"layers.*.attn.{n}": {"kernel": "Shard(1)"} for n in ("query", "key", "value")},
                       "layers.*.attn.out": {"kernel": "Shard(0)"}},
+    "qk_norm_modules": {"layers.*.attn": {"wq": "Shard(0)", "wk": "Shard(0)", "wv": "Shard(0)", "wo": "Shard(1)",
+                                          "q_norm.weight": "Replicate", "k_norm.weight": "Replicate"}},
     "raw_llama": {"layers.*.attn": {"wq": "Shard(0)", "wk": "Shard(0)", "wv": "Shard(0)", "wo": "Shard(1)",
                                     "q_norm": "Replicate", "k_norm": "Replicate"},
                   "layers.*.mlp": {"w1": "Shard(0)", "w3": "Shard(0)", "w2": "Shard(1)"}},

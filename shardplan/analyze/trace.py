@@ -90,12 +90,23 @@ def owns_params(module: nn.Module) -> bool:
 
 def is_weight_leaf(module: nn.Module) -> bool:
     """Owns parameters and no descendant does: one op in the graph (Linear, norm, experts).
-    A container that also owns a parameter (BERT's prediction head bias) is traced through.
+    A container that also owns a parameter (BERT's prediction head bias) is traced through,
+    unless its own are raw weights beside norm children (:func:`_raw_weights_with_norms`).
     torch's ``nn.MultiheadAttention`` is one op too: its call reads its child ``out_proj``'s
     parameters itself (``F.multi_head_attention_forward``), never calling it."""
     if isinstance(module, nn.MultiheadAttention):
         return True
-    return owns_params(module) and not any(owns_params(m) for _, m in module.named_modules() if m is not module)
+    return owns_params(module) and (
+        not any(owns_params(m) for _, m in module.named_modules() if m is not module) or _raw_weights_with_norms(module))
+
+
+def _raw_weights_with_norms(module: nn.Module) -> bool:
+    """Owns two or more weights of 2+ dims itself, and its descendants own only 1-D
+    parameters (an attention on raw ``self.wq ... self.wo`` with ``q_norm``/``k_norm``
+    modules): one op too, its code run whole on DTensors (``dtensor_weights``), its norms
+    with it."""
+    own = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
+    return len(own) >= 2 and all(p.dim() <= 1 for n, p in module.named_parameters() if "." in n)
 
 
 def module_signature(module: nn.Module) -> str:

@@ -59,11 +59,13 @@ class DTensorWeights(ParallelStyle):
         self.output_layouts = output_layouts or Replicate()
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        for name, p in list(module.named_parameters(recurse=False)):
+        for name, p in list(module.named_parameters()):  # its norm children's too: they run inside its code
             if not isinstance(p, DTensor):
                 dist = distribute_tensor(p.detach(), device_mesh, [self.placements.get(name, Replicate())],
                                          src_data_rank=self.src_data_rank)
-                module.register_parameter(name, nn.Parameter(dist, requires_grad=p.requires_grad))
+                prefix, _, leaf = name.rpartition(".")
+                (module.get_submodule(prefix) if prefix else module).register_parameter(
+                    leaf, nn.Parameter(dist, requires_grad=p.requires_grad))
         modes: list[tuple[ReplicateBeside, bool]] = []
 
         def enter(_module, args, kwargs):

@@ -222,24 +222,34 @@ def _meta_args(op: Op) -> tuple[tuple, dict]:
     return tree_map(meta, tuple(op.node.args)), tree_map(meta, dict(op.node.kwargs))
 
 
+def _on_meta(module: nn.Module, make: Any) -> dict[str, nn.Parameter]:
+    """Every parameter of ``module`` (its norm children's too) replaced by ``make(name, p)``,
+    every buffer by a meta copy; the caller holds :func:`preserved`, which puts them back."""
+    made = {}
+    for name, p in list(module.named_parameters()):
+        prefix, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(prefix) if prefix else module
+        made[name] = owner._parameters[leaf] = make(name, p)
+    for name, b in list(module.named_buffers()):
+        prefix, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(prefix) if prefix else module
+        owner._buffers[leaf] = b.to("meta")
+    return made
+
+
 def functional_placements(op: Op, module: nn.Module, tp: int, split: int | None = None) -> tuple[dict[str, str], float] | None:
-    """Each own parameter's placement (``S{d}`` or ``R``) when the module's code reads a 2-D+
-    one in a product and every such read fits the first/second rule, and the module's whole
-    FLOPs (forward and backward); else None. ``split``: the first input arrives split on that
-    dim (a previous module's heads), so what reads it is second."""
+    """Each parameter's placement (``S{d}`` or ``R``) when the module's code reads a 2-D+ one
+    in a product and every such read fits the first/second rule, and the module's whole FLOPs
+    (forward and backward); else None. ``split``: the first input arrives split on that dim
+    (a previous module's heads), so what reads it is second."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    params = dict(module.named_parameters(recurse=False))
-    if tp < 2 or not any(p.dim() >= 2 for p in params.values()):
+    if tp < 2 or not any(p.dim() >= 2 for p in module.parameters()):
         return None
     args, kwargs = _meta_args(op)
     with preserved(module), torch.no_grad():
-        for n, p in params.items():
-            module._parameters[n] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-        for n, b in module._buffers.items():
-            if b is not None:
-                module._buffers[n] = b.to("meta")
-        reads = _Reads({id(module._parameters[n]): n for n in params}, tp)
+        made = _on_meta(module, lambda _, p: nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
+        reads = _Reads({id(p): n for n, p in made.items()}, tp)
         if split is not None:
             reads.level[id(args[0])] = 1
         try:
@@ -249,7 +259,7 @@ def functional_placements(op: Op, module: nn.Module, tp: int, split: int | None 
             return None
     if reads.failed or not any(p != "R" for p in reads.chosen.values()):
         return None
-    return {n: reads.chosen.get(n, "R") for n in params}, 3.0 * flops.get_total_flops()
+    return {n: reads.chosen.get(n, "R") for n in made}, 3.0 * flops.get_total_flops()
 
 
 def _dtensor_output(op: Op, module: nn.Module, placements: dict[str, str], tp: int,
@@ -273,11 +283,8 @@ def _dtensor_output(op: Op, module: nn.Module, placements: dict[str, str], tp: i
         args = (DTensor.from_local(torch.empty(_halved(x.shape, split, tp), dtype=x.dtype, device="meta"), mesh,
                                    (Shard(split),), run_check=False, shape=x.shape, stride=x.stride()),) + tuple(args[1:])
     with preserved(module), torch.enable_grad():
-        for n, p in list(module._parameters.items()):
-            module._parameters[n] = nn.Parameter(_tensor(p, placements[n], tp, distributed=True), requires_grad=p.requires_grad)
-        for n, b in module._buffers.items():
-            if b is not None:
-                module._buffers[n] = b.to("meta")
+        made = _on_meta(module, lambda n, p: nn.Parameter(_tensor(p, placements[n], tp, distributed=True),
+                                                          requires_grad=p.requires_grad))
         try:
             with implicit_replication(), ReplicateBeside(mesh):
                 out = module(*tree_map(whole, args), **tree_map(whole, kwargs))
@@ -285,7 +292,7 @@ def _dtensor_output(op: Op, module: nn.Module, placements: dict[str, str], tp: i
                     out.to_local().sum().backward()
         except Exception:  # noqa: BLE001 - a redistribution, or an op DTensor has no rule for
             return None
-        partial = [n for n, p in module._parameters.items() if placements[n] == "R" and isinstance(p.grad, DTensor)
+        partial = [n for n, p in made.items() if placements[n] == "R" and isinstance(p.grad, DTensor)
                    and p.grad.placements[0].is_partial()]
     if not isinstance(out, DTensor) or len(out.placements) != 1:
         return None
@@ -334,7 +341,7 @@ def _layouts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool, place
     y, x = graph.values[op.output], graph.values[op.inputs[0]]
     seq = ["S1"] if sp and len(y.shape) >= 3 and y.shape[1] % tp == 0 and y.shape[1] >= tp else []
     share = {n: p.numel() * p.element_size() / (tp if placements[n] != "R" else 1)
-             for n, p in module.named_parameters(recurse=False)}
+             for n, p in module.named_parameters()}
     pbytes, held = sum(share.values()), sum(b for n, b in share.items() if module.get_parameter(n).dim() >= 2)
     grads = tuple(("all_reduce", graph.values[v].nbytes) for v in dict.fromkeys(op.inputs[1:])
                   if v in graph.requires_grad and v != op.inputs[0])

@@ -125,6 +125,25 @@ class GQAComplexRope(nn.Module):
         return y.transpose(1, 2).reshape(B, T, C) @ self.wo.T
 
 
+class QKNormModules(nn.Module):
+    """Raw weights beside ``nn.RMSNorm`` children over each head (Qwen3's and OLMo's q/k norm
+    as modules): the module is one op, its norms run inside its DTensor code."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = heads, dim // heads
+        self.wq, self.wk, self.wv, self.wo = (_param(dim, dim) for _ in range(4))
+        self.q_norm, self.k_norm = nn.RMSNorm(self.head_dim), nn.RMSNorm(self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q = self.q_norm(F.linear(x, self.wq).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(F.linear(x, self.wk).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
+        v = F.linear(x, self.wv).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.linear(y.transpose(1, 2).reshape(B, T, C), self.wo)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
@@ -159,6 +178,10 @@ def linear_params(*, dim: int = 96, heads: int = 12, layers: int = 2, vocab: int
 
 def matmul_params(*, dim: int = 96, heads: int = 12, layers: int = 2, vocab: int = 128) -> TokenLM:
     return _lm(MatmulParams, dim=dim, heads=heads, layers=layers, vocab=vocab)
+
+
+def qk_norm_modules(*, dim: int = 96, heads: int = 12, layers: int = 2, vocab: int = 128) -> TokenLM:
+    return _lm(QKNormModules, dim=dim, heads=heads, layers=layers, vocab=vocab)
 
 
 def dense_general(*, dim: int = 96, heads: int = 12, layers: int = 2, vocab: int = 128) -> TokenLM:
