@@ -26,6 +26,9 @@ _HEADS_SPLIT = {
     "raw_llama": {"layers.*.attn": {"wq": "Shard(0)", "wk": "Shard(0)", "wv": "Shard(0)", "wo": "Shard(1)",
                                     "q_norm": "Replicate", "k_norm": "Replicate"},
                   "layers.*.mlp": {"w1": "Shard(0)", "w3": "Shard(0)", "w2": "Shard(1)"}},
+    "raw_mqa": {"layers.*.attn": {"wq": "Shard(0)", "wk": "Replicate", "wv": "Replicate", "wo": "Shard(1)",
+                                  "q_norm": "Replicate", "k_norm": "Replicate"},
+                "layers.*.mlp": {"w1": "Shard(0)", "w3": "Shard(0)", "w2": "Shard(1)"}},
 }
 
 

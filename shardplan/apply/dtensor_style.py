@@ -59,6 +59,11 @@ class DTensorWeights(ParallelStyle):
         self.output_layouts = output_layouts or Replicate()
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        self._distribute(module, device_mesh)
+        self._hooks(module, device_mesh)
+        return module
+
+    def _distribute(self, module: nn.Module, device_mesh) -> None:
         for name, p in list(module.named_parameters()):  # its norm children's too: they run inside its code
             if not isinstance(p, DTensor):
                 dist = distribute_tensor(p.detach(), device_mesh, [self.placements.get(name, Replicate())],
@@ -66,6 +71,8 @@ class DTensorWeights(ParallelStyle):
                 prefix, _, leaf = name.rpartition(".")
                 (module.get_submodule(prefix) if prefix else module).register_parameter(
                     leaf, nn.Parameter(dist, requires_grad=p.requires_grad))
+
+    def _hooks(self, module: nn.Module, device_mesh) -> None:
         modes: list[tuple[ReplicateBeside, bool]] = []
 
         def enter(_module, args, kwargs):
@@ -95,7 +102,6 @@ class DTensorWeights(ParallelStyle):
 
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(leave, with_kwargs=True, always_call=True)
-        return module
 
     def _local(self, out: Any) -> Any:
         if not isinstance(out, DTensor):

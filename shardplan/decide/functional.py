@@ -63,6 +63,7 @@ class _Reads(TorchFunctionMode):
     level: dict[int, int] = field(default_factory=dict)  # id(activation) -> 1 after a first product
     perm: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # a parameter's transposed view
     chosen: dict[str, str] = field(default_factory=dict)
+    first: dict[str, tuple[int, str | None]] = field(default_factory=dict)  # width split, bias
     failed: list[str] = field(default_factory=list)
     alive: list[Any] = field(default_factory=list)  # ids stay unique while the run lasts
 
@@ -125,8 +126,11 @@ class _Reads(TorchFunctionMode):
             return
         self._choose(source, f"S{dims[dim]}")
         bias = args[2] if name == "linear" and len(args) > 2 else kwargs.get("bias")
-        if isinstance(bias, torch.Tensor) and self._param(bias) is not None:
-            self._choose(self._param(bias)[0], "R" if second else "S0")
+        bias = self._param(bias)[0] if isinstance(bias, torch.Tensor) and self._param(bias) is not None else None
+        if bias is not None:
+            self._choose(bias, "R" if second else "S0")
+        if not second:
+            self.first[source] = (weight.shape[dim], bias)
         if isinstance(out, torch.Tensor):
             self.level[id(out)] = 0 if second else 1
             self.alive.append(out)
@@ -191,25 +195,54 @@ class ReplicateBeside(TorchFunctionMode):
 
 
 def _on_shards(args: tuple, kwargs: dict) -> Any:
-    """``scaled_dot_product_attention`` of q, k, v split on the same leading dim, run on each
-    rank's shards, or None. A mask must be whole and 1 along that dim (it broadcasts)."""
+    """``scaled_dot_product_attention`` with the query split on a leading dim (heads, batch),
+    run on each rank's shards, or None. A key or value split alike is read as its shard; a
+    whole one (k and v kept whole beside fewer kv heads than tp, or one) is cut to the heads
+    the rank's query heads read, and its gradient, each rank's share, is left Partial. A mask
+    must be whole and 1 along that dim (it broadcasts)."""
     from torch.distributed.tensor import DTensor
 
     qkv, rest = list(args[:3]), dict(kwargs)
     qkv += [rest.pop(n) for n in ("query", "key", "value")[len(qkv):] if n in rest]
     mask = args[3] if len(args) > 3 else rest.get("attn_mask")
-    dims = {p.dim if p.is_shard() else None for t in qkv for p in t.placements}
-    d = next(iter(dims)) if len(dims) == 1 and len(qkv) == 3 else None
+    d = qkv[0].placements[0].dim if len(qkv) == 3 and qkv[0].placements[0].is_shard() else None
     if d is None or d < 0 or d >= qkv[0].dim() - 2:
         return None
     if mask is not None and (not mask.placements[0].is_replicate() or (mask.dim() > qkv[0].dim() - 1 - d and
                                                                        mask.shape[d - qkv[0].dim()] != 1)):
         return None
+    local = [qkv[0].to_local()] + [_rank_heads(t, d, qkv[0].shape[d]) for t in qkv[1:]]
+    if any(t is None for t in local):
+        return None
     if mask is not None:
         rest["attn_mask"] = mask.to_local()
-    out = torch.nn.functional.scaled_dot_product_attention(*(t.to_local() for t in qkv), *(
+    out = torch.nn.functional.scaled_dot_product_attention(*local, *(
         () if len(args) <= 3 else [rest.pop("attn_mask", None)] + list(args[4:])), **rest)
     return DTensor.from_local(out, qkv[0].device_mesh, qkv[0].placements, run_check=False)
+
+
+def _rank_heads(t: Any, d: int, n: int) -> torch.Tensor | None:
+    """The local key or value for the rank's ``n / tp`` query heads on dim ``d``: its shard
+    when split alike; cut from a whole one (``m`` heads, each read by ``n / m`` query heads)."""
+    from torch.distributed.tensor import Partial
+
+    p = t.placements[0]
+    if p.is_shard(d) and t.shape[d] == n:
+        return t.to_local()
+    if not p.is_replicate():
+        return None
+    mesh, m = t.device_mesh, t.shape[d]
+    tp, rank = mesh.size(), mesh.get_coordinate()[0]
+    mine, per = n // tp, n // m if m and n % m == 0 else 0
+    if not per or n % tp:
+        return None
+    if mine % per == 0:  # whole kv heads per rank
+        start, count = rank * mine // per, mine // per
+    elif per % mine == 0:  # the rank's query heads all read one kv head
+        start, count = rank * mine // per, 1
+    else:
+        return None
+    return t.to_local(grad_placements=(Partial(),)).narrow(d, start, count)
 
 
 def _meta_args(op: Op) -> tuple[tuple, dict]:
@@ -237,10 +270,12 @@ def _on_meta(module: nn.Module, make: Any) -> dict[str, nn.Parameter]:
     return made
 
 
-def functional_placements(op: Op, module: nn.Module, tp: int, split: int | None = None) -> tuple[dict[str, str], float] | None:
+def functional_placements(op: Op, module: nn.Module, tp: int,
+                          split: int | None = None) -> tuple[dict[str, str], float, dict[str, str]] | None:
     """Each parameter's placement (``S{d}`` or ``R``) when the module's code reads a 2-D+ one
-    in a product and every such read fits the first/second rule, and the module's whole FLOPs
-    (forward and backward); else None. ``split``: the first input arrives split on that dim
+    in a product and every such read fits the first/second rule, the module's whole FLOPs
+    (forward and backward), and the fallback for narrower first products (k and v beside a
+    wider q: ``R``); else None. ``split``: the first input arrives split on that dim
     (a previous module's heads), so what reads it is second."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -259,7 +294,12 @@ def functional_placements(op: Op, module: nn.Module, tp: int, split: int | None 
             return None
     if reads.failed or not any(p != "R" for p in reads.chosen.values()):
         return None
-    return {n: reads.chosen.get(n, "R") for n in made}, 3.0 * flops.get_total_flops()
+    placements = {n: reads.chosen.get(n, "R") for n in made}
+    widest = max((w for w, _ in reads.first.values()), default=0)
+    # fewer kv heads than tp, or one (MQA): the narrower first products (k, v) kept whole, as
+    # Megatron and vLLM keep them, where their heads cannot be split
+    narrow = {m: "R" for n, (w, b) in reads.first.items() if w < widest for m in (n, b) if m is not None}
+    return placements, 3.0 * flops.get_total_flops(), narrow
 
 
 def _dtensor_output(op: Op, module: nn.Module, placements: dict[str, str], tp: int,
@@ -269,25 +309,19 @@ def _dtensor_output(op: Op, module: nn.Module, placements: dict[str, str], tp: i
     Partial (a per-head norm's weight, read beside split heads); None when forward or backward
     needs a redistribution (with no process group behind the mesh, any collective fails) or
     the module returns more than one tensor."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental import implicit_replication
 
     from .propagation import _mesh, _tensor
 
-    args, kwargs = _meta_args(op)
     mesh = _mesh(tp)
-    whole = lambda a: a if not isinstance(a, torch.Tensor) or isinstance(a, DTensor) else DTensor.from_local(  # noqa: E731
-        a, mesh, (Replicate(),), run_check=False)
-    if split is not None:
-        x = args[0]
-        args = (DTensor.from_local(torch.empty(_halved(x.shape, split, tp), dtype=x.dtype, device="meta"), mesh,
-                                   (Shard(split),), run_check=False, shape=x.shape, stride=x.stride()),) + tuple(args[1:])
+    args, kwargs = _dtensor_args(op, mesh, split)
     with preserved(module), torch.enable_grad():
         made = _on_meta(module, lambda n, p: nn.Parameter(_tensor(p, placements[n], tp, distributed=True),
                                                           requires_grad=p.requires_grad))
         try:
             with implicit_replication(), ReplicateBeside(mesh):
-                out = module(*tree_map(whole, args), **tree_map(whole, kwargs))
+                out = module(*args, **kwargs)
                 if isinstance(out, DTensor) and out.requires_grad:
                     out.to_local().sum().backward()
         except Exception:  # noqa: BLE001 - a redistribution, or an op DTensor has no rule for
@@ -302,10 +336,20 @@ def _dtensor_output(op: Op, module: nn.Module, placements: dict[str, str], tp: i
     return (f"S{p.dim}" if p.is_shard() else "R"), partial
 
 
-def _halved(shape: torch.Size, dim: int, tp: int) -> list[int]:
-    out = list(shape)
-    out[dim] //= tp
-    return out
+def _dtensor_args(op: Op, mesh: Any, split: int | None) -> tuple[tuple, dict]:
+    """The call's tensors as DTensors on ``mesh``: Replicate, the first ``Shard(split)``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    args, kwargs = _meta_args(op)
+    whole = lambda a: DTensor.from_local(a, mesh, (Replicate(),), run_check=False)  # noqa: E731
+    args, kwargs = tree_map_only(torch.Tensor, whole, (args, kwargs))
+    if split is not None:
+        x = args[0]
+        shape = list(x.shape)
+        shape[split] //= mesh.size()
+        args = (DTensor.from_local(torch.empty(shape, dtype=x.dtype, device="meta"), mesh, (Shard(split),),
+                                   run_check=False, shape=x.shape, stride=x.stride()),) + tuple(args[1:])
+    return args, kwargs
 
 
 def functional_strategies(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> tuple[list[Strategy], float]:
@@ -323,13 +367,16 @@ def functional_strategies(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp
     for split in [None] + [d for d in range(2, len(x)) if x[d] % tp == 0 and x[d] >= tp]:
         placed = functional_placements(op, module, tp, split)
         ran = _dtensor_output(op, module, placed[0], tp, split) if placed else None
+        if ran is None and placed and placed[2]:  # k and v whole: fewer kv heads than tp
+            placed = ({**placed[0], **placed[2]}, placed[1], {})
+            ran = _dtensor_output(op, module, placed[0], tp, split)
         flops = placed[1] if placed else flops
         if ran is not None:
             found += _layouts(op, graph, module, tp, sp, placed, ran, split)
     return found, flops if found else 0.0
 
 
-def _layouts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool, placed: tuple[dict[str, str], float],
+def _layouts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool, placed: tuple[dict[str, str], float, Any],
              ran: tuple[str, list[str]], split: int | None) -> list[Strategy]:
     """One strategy per input and output layout. A whole first input is a region's *entry*
     (``R``, or ``S1`` gathered), as for a colwise Linear: the solver pays its collective once
@@ -337,7 +384,7 @@ def _layouts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool, place
     (``S{d}``) is contracted where it is. Other tensor inputs' gradients are all-reduced; the
     Partial gradients of whole parameters (``partial_bytes``) join the bucket reduced when
     backward ends."""
-    (placements, flops), (out, partial) = placed, ran
+    (placements, flops, _), (out, partial) = placed, ran
     y, x = graph.values[op.output], graph.values[op.inputs[0]]
     seq = ["S1"] if sp and len(y.shape) >= 3 and y.shape[1] % tp == 0 and y.shape[1] >= tp else []
     share = {n: p.numel() * p.element_size() / (tp if placements[n] != "R" else 1)

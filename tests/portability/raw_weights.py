@@ -154,10 +154,10 @@ class SwiGLU(nn.Module):
 
 
 class RawBlock(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, kv_heads: int = 4) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
-        self.attn, self.mlp = GQAComplexRope(dim, heads), SwiGLU(dim, 4 * dim)
+        self.attn, self.mlp = GQAComplexRope(dim, heads, kv_heads), SwiGLU(dim, 4 * dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -166,6 +166,11 @@ class RawBlock(nn.Module):
 
 def raw_llama(*, dim: int = 96, heads: int = 12, layers: int = 2, vocab: int = 128) -> TokenLM:
     return TokenLM([RawBlock(dim, heads) for _ in range(layers)], dim=dim, vocab=vocab)
+
+
+def raw_mqa(*, dim: int = 96, heads: int = 12, layers: int = 2, vocab: int = 128) -> TokenLM:
+    """One kv head: k and v whole on every rank, each rank's query heads reading it."""
+    return TokenLM([RawBlock(dim, heads, kv_heads=1) for _ in range(layers)], dim=dim, vocab=vocab)
 
 
 def _lm(attn, *, dim: int, heads: int, layers: int, vocab: int) -> TokenLM:
