@@ -18,6 +18,8 @@ _TOKENS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed
 _HEADS_SPLIT = {
     "linear_params": {"layers.*.attn": {"wq": "Shard(0)", "wk": "Shard(0)", "wv": "Shard(0)", "wo": "Shard(1)",
                                         "bq": "Shard(0)", "bv": "Shard(0)"}},
+    "linear_params_gqa": {"layers.*.attn": {"wq": "Shard(0)", "wk": "Shard(0)", "wv": "Shard(0)", "wo": "Shard(1)",
+                                            "bq": "Shard(0)", "bv": "Shard(0)"}},
     "matmul_params": {"layers.*.attn": {"wq": "Shard(1)", "wk": "Shard(1)", "wv": "Shard(1)", "wo": "Shard(0)"}},
     "dense_general": {**{f"layers.*.attn.{n}": {"kernel": "Shard(1)"} for n in ("query", "key", "value")},
                       "layers.*.attn.out": {"kernel": "Shard(0)"}},

@@ -62,7 +62,7 @@ class _Reads(TorchFunctionMode):
     tp: int
     level: dict[int, int] = field(default_factory=dict)  # id(activation) -> 1 after a first product
     perm: dict[int, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # a parameter's transposed view
-    chosen: dict[str, str] = field(default_factory=dict)
+    options: dict[str, list[int]] = field(default_factory=dict)  # the dims each weight may be split on
     first: dict[str, tuple[int, str | None]] = field(default_factory=dict)  # width split, bias
     failed: list[str] = field(default_factory=list)
     alive: list[Any] = field(default_factory=list)  # ids stay unique while the run lasts
@@ -119,55 +119,63 @@ class _Reads(TorchFunctionMode):
             return
         weight, act = weights[0], acts[0]
         second = self.level.get(id(act), 0) >= 1
-        dim = _split_dim(name, args, weight, act, second=second, tp=self.tp)
         source, dims = self._param(weight)
-        if dim is None:
-            self.failed.append(f"{source}: no dim of {list(weight.shape)} that tp={self.tp} divides")
+        found = [dims[d] for d in _split_dims(name, args, weight, second=second)
+                 if weight.shape[d] % self.tp == 0 and weight.shape[d] >= self.tp]
+        if not found or self.options.setdefault(source, found) != found:
+            self.failed.append(f"{source}: no dim of {list(weight.shape)} that tp={self.tp} divides, or read two ways")
             return
-        self._choose(source, f"S{dims[dim]}")
         bias = args[2] if name == "linear" and len(args) > 2 else kwargs.get("bias")
         bias = self._param(bias)[0] if isinstance(bias, torch.Tensor) and self._param(bias) is not None else None
         if bias is not None:
-            self._choose(bias, "R" if second else "S0")
+            self.options[bias] = [] if second else [0]  # with a first product's rows; whole after a second
         if not second:
-            self.first[source] = (weight.shape[dim], bias)
+            self.first[source] = (weight.shape[dims.index(found[0])], bias)
         if isinstance(out, torch.Tensor):
             self.level[id(out)] = 0 if second else 1
             self.alive.append(out)
 
-    def _choose(self, param: str, p: str) -> None:
-        if self.chosen.setdefault(param, p) != p:
-            self.failed.append(f"{param} read as {self.chosen[param]} and as {p}")
+    def candidates(self) -> list[dict[str, str]]:
+        """The i-th choice of every weight (its last where it has fewer), for each i: one plan
+        per way the products can be split (a bank ``[E, D, F]`` by whole experts, or inside
+        each expert on F); DTensor's run tells which hold."""
+        most = max((len(o) for o in self.options.values()), default=0)
+        out = []
+        for i in range(most):
+            plan = {n: f"S{o[min(i, len(o) - 1)]}" if o else "R" for n, o in self.options.items()}
+            if plan not in out:
+                out.append(plan)
+        return out
 
 
-def _split_dim(name: str, args: tuple, weight: torch.Tensor, act: torch.Tensor, *, second: bool, tp: int) -> int | None:
-    """The dim of ``weight`` (as the product reads it) to split: one it keeps when first, one
-    it contracts when second."""
+def _split_dims(name: str, args: tuple, weight: torch.Tensor, *, second: bool) -> list[int]:
+    """The dims of ``weight`` (as the product reads it) a split may take, best first: those
+    it keeps when first, those it contracts when second; then dims it shares with the
+    activation as a batch (a bank's experts)."""
     if name == "einsum":
-        return _einsum_dim(args, weight, second=second, tp=tp)
+        return _einsum_dims(args, weight, second=second)
+    if weight.dim() < 2:
+        return []
     if name == "linear":  # y = x W^T: W [out, in]
-        dim = 1 if second else 0
-    elif name == "__rmatmul__" or (len(args) > 1 and args[1] is weight):  # x @ W: W [.., in, out]
-        dim = weight.dim() - (2 if second else 1)
-    else:  # W @ x
-        dim = weight.dim() - (1 if second else 2)
-    return dim if weight.dim() >= 2 and weight.shape[dim] % tp == 0 and weight.shape[dim] >= tp else None
+        return [1 if second else 0]
+    batch = list(range(weight.dim() - 2))
+    if name == "__rmatmul__" or (len(args) > 1 and args[1] is weight):  # x @ W: W [.., in, out]
+        return [weight.dim() - (2 if second else 1)] + batch
+    return [weight.dim() - (1 if second else 2)] + batch  # W @ x
 
 
-def _einsum_dim(args: tuple, weight: torch.Tensor, *, second: bool, tp: int) -> int | None:
+def _einsum_dims(args: tuple, weight: torch.Tensor, *, second: bool) -> list[int]:
     spec, operands = args[0], list(args[1:])
     if not isinstance(spec, str) or "->" not in spec or "." in spec:
-        return None
+        return []
     ins, out = spec.replace(" ", "").split("->")
     letters = ins.split(",")
     mine = letters[next(i for i, t in enumerate(operands) if t is weight)]
     others = "".join(t for i, t in enumerate(letters) if operands[i] is not weight)
-    for d, c in enumerate(mine):
-        contracted = c not in out
-        wanted = (contracted and c in others) if second else (not contracted and c not in others)
-        if wanted and weight.shape[d] % tp == 0 and weight.shape[d] >= tp:
-            return d
-    return None
+    contracted = [d for d, c in enumerate(mine) if c not in out and c in others]
+    kept = [d for d, c in enumerate(mine) if c in out and c not in others]
+    batch = [d for d, c in enumerate(mine) if c in out and c in others]  # a bank's experts
+    return (contracted if second else kept) + batch
 
 
 class ReplicateBeside(TorchFunctionMode):
@@ -189,9 +197,26 @@ class ReplicateBeside(TorchFunctionMode):
             return func(*args, **kwargs)
         whole = lambda t: t if isinstance(t, DTensor) else DTensor.from_local(t, self.mesh, (Replicate(),), run_check=False)  # noqa: E731
         args, kwargs = tree_map_only(torch.Tensor, whole, (args, kwargs))
-        if func is torch.nn.functional.scaled_dot_product_attention and (local := _on_shards(args, kwargs)) is not None:
-            return local
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return _attention(args, kwargs)
         return func(*args, **kwargs)
+
+
+def _attention(args: tuple, kwargs: dict) -> Any:
+    """Attention on DTensors: on each rank's heads (:func:`_on_shards`), or on whole q, k and v
+    as each rank holds them. Nothing else: DTensor's own rule for it (none on the CPU, another
+    on meta) would make the plan depend on the device."""
+    from torch.distributed.tensor import DTensor
+
+    local = _on_shards(args, kwargs)
+    if local is not None:
+        return local
+    flat = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)]
+    if any(not p.is_replicate() for a in flat for p in a.placements):
+        raise NotImplementedError("scaled_dot_product_attention on DTensors split otherwise than by heads alike")
+    args, kwargs = tree_map_only(DTensor, lambda t: t.to_local(), (args, kwargs))
+    out = torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+    return DTensor.from_local(out, flat[0].device_mesh, flat[0].placements, run_check=False)
 
 
 def _on_shards(args: tuple, kwargs: dict) -> Any:
@@ -227,7 +252,7 @@ def _rank_heads(t: Any, d: int, n: int) -> torch.Tensor | None:
     from torch.distributed.tensor import Partial
 
     p = t.placements[0]
-    if p.is_shard(d) and t.shape[d] == n:
+    if p.is_shard(d) and n % t.shape[d] == 0:  # split alike: the rank's kv heads are its query heads' own
         return t.to_local()
     if not p.is_replicate():
         return None
@@ -271,9 +296,10 @@ def _on_meta(module: nn.Module, make: Any) -> dict[str, nn.Parameter]:
 
 
 def functional_placements(op: Op, module: nn.Module, tp: int,
-                          split: int | None = None) -> tuple[dict[str, str], float, dict[str, str]] | None:
-    """Each parameter's placement (``S{d}`` or ``R``) when the module's code reads a 2-D+ one
-    in a product and every such read fits the first/second rule, the module's whole FLOPs
+                          split: int | None = None) -> tuple[list[dict[str, str]], float, dict[str, str]] | None:
+    """The candidate placements of the parameters (``S{d}`` or ``R`` each) when the module's
+    code reads a 2-D+ one in a product and every such read fits the first/second rule
+    (:meth:`_Reads.candidates`), the module's whole FLOPs
     (forward and backward), and the fallback for narrower first products (k and v beside a
     wider q: ``R``); else None. ``split``: the first input arrives split on that dim
     (a previous module's heads), so what reads it is second."""
@@ -292,14 +318,14 @@ def functional_placements(op: Op, module: nn.Module, tp: int,
                 module(*args, **kwargs)
         except Exception:  # noqa: BLE001 - code that cannot run on meta is planned whole, as before
             return None
-    if reads.failed or not any(p != "R" for p in reads.chosen.values()):
+    if reads.failed or not reads.candidates():
         return None
-    placements = {n: reads.chosen.get(n, "R") for n in made}
+    plans = [{n: plan.get(n, "R") for n in made} for plan in reads.candidates()]
     widest = max((w for w, _ in reads.first.values()), default=0)
     # fewer kv heads than tp, or one (MQA): the narrower first products (k, v) kept whole, as
     # Megatron and vLLM keep them, where their heads cannot be split
     narrow = {m: "R" for n, (w, b) in reads.first.items() if w < widest for m in (n, b) if m is not None}
-    return placements, 3.0 * flops.get_total_flops(), narrow
+    return plans, 3.0 * flops.get_total_flops(), narrow
 
 
 def _dtensor_output(op: Op, module: nn.Module, placements: dict[str, str], tp: int,
@@ -366,17 +392,19 @@ def functional_strategies(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp
     x = graph.values[op.inputs[0]].shape
     for split in [None] + [d for d in range(2, len(x)) if x[d] % tp == 0 and x[d] >= tp]:
         placed = functional_placements(op, module, tp, split)
-        ran = _dtensor_output(op, module, placed[0], tp, split) if placed else None
-        if ran is None and placed and placed[2]:  # k and v whole: fewer kv heads than tp
-            placed = ({**placed[0], **placed[2]}, placed[1], {})
-            ran = _dtensor_output(op, module, placed[0], tp, split)
-        flops = placed[1] if placed else flops
-        if ran is not None:
-            found += _layouts(op, graph, module, tp, sp, placed, ran, split)
+        if placed is None:
+            continue
+        plans, flops, narrow = placed
+        valid = [(plan, ran) for plan in plans if (ran := _dtensor_output(op, module, plan, tp, split)) is not None]
+        if not valid and narrow:  # k and v whole: one kv head
+            plan = {**plans[0], **narrow}
+            valid = [(plan, ran)] if (ran := _dtensor_output(op, module, plan, tp, split)) is not None else []
+        for plan, ran in valid:
+            found += _layouts(op, graph, module, tp, sp, (plan, flops), ran, split)
     return found, flops if found else 0.0
 
 
-def _layouts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool, placed: tuple[dict[str, str], float, Any],
+def _layouts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool, placed: tuple[dict[str, str], float],
              ran: tuple[str, list[str]], split: int | None) -> list[Strategy]:
     """One strategy per input and output layout. A whole first input is a region's *entry*
     (``R``, or ``S1`` gathered), as for a colwise Linear: the solver pays its collective once
@@ -384,7 +412,7 @@ def _layouts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool, place
     (``S{d}``) is contracted where it is. Other tensor inputs' gradients are all-reduced; the
     Partial gradients of whole parameters (``partial_bytes``) join the bucket reduced when
     backward ends."""
-    (placements, flops, _), (out, partial) = placed, ran
+    (placements, flops), (out, partial) = placed, ran
     y, x = graph.values[op.output], graph.values[op.inputs[0]]
     seq = ["S1"] if sp and len(y.shape) >= 3 and y.shape[1] % tp == 0 and y.shape[1] >= tp else []
     share = {n: p.numel() * p.element_size() / (tp if placements[n] != "R" else 1)

@@ -20,20 +20,22 @@ def _param(*shape: int) -> nn.Parameter:
 
 class LinearParams(nn.Module):
     """``F.linear`` on raw [out, in] weights, q and v with biases (a key bias has no gradient:
-    softmax ignores what it adds to every key); views sized by the input."""
+    softmax ignores what it adds to every key); views sized by the input. With ``kv_heads``,
+    fewer k/v heads read by ``scaled_dot_product_attention(..., enable_gqa=True)``."""
 
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, kv_heads: int | None = None) -> None:
         super().__init__()
-        self.n_heads = heads
-        self.wq, self.wk, self.wv, self.wo = (_param(dim, dim) for _ in range(4))
-        self.bq, self.bv = (nn.Parameter(torch.zeros(dim).uniform_(-0.1, 0.1)) for _ in range(2))
+        self.n_heads, self.n_kv = heads, kv_heads or heads
+        kv_dim = self.n_kv * (dim // heads)
+        self.wq, self.wk, self.wv, self.wo = _param(dim, dim), _param(kv_dim, dim), _param(kv_dim, dim), _param(dim, dim)
+        self.bq, self.bv = nn.Parameter(torch.zeros(dim).uniform_(-0.1, 0.1)), nn.Parameter(torch.zeros(kv_dim).uniform_(-0.1, 0.1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q = F.linear(x, self.wq, self.bq).view(B, T, self.n_heads, -1).transpose(1, 2)
-        k = F.linear(x, self.wk).view(B, T, self.n_heads, -1).transpose(1, 2)
-        v = F.linear(x, self.wv, self.bv).view(B, T, self.n_heads, -1).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        k = F.linear(x, self.wk).view(B, T, self.n_kv, -1).transpose(1, 2)
+        v = F.linear(x, self.wv, self.bv).view(B, T, self.n_kv, -1).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         return F.linear(y.transpose(1, 2).reshape(B, T, C), self.wo)
 
 
@@ -179,6 +181,10 @@ def _lm(attn, *, dim: int, heads: int, layers: int, vocab: int) -> TokenLM:
 
 def linear_params(*, dim: int = 96, heads: int = 12, layers: int = 2, vocab: int = 128) -> TokenLM:
     return _lm(LinearParams, dim=dim, heads=heads, layers=layers, vocab=vocab)
+
+
+def linear_params_gqa(*, dim: int = 96, heads: int = 12, layers: int = 2, vocab: int = 128) -> TokenLM:
+    return _lm(lambda d, h: LinearParams(d, h, kv_heads=4), dim=dim, heads=heads, layers=layers, vocab=vocab)
 
 
 def matmul_params(*, dim: int = 96, heads: int = 12, layers: int = 2, vocab: int = 128) -> TokenLM:
