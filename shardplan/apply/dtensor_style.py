@@ -21,7 +21,7 @@ DTensor's sharding propagation carries the split through views, RoPE and attenti
   (reduce-scattered for a gathered input) once, when it leaves ``from_local``;
 * any plain tensor the code meets beside a DTensor (a causal mask made in forward, a RoPE
   buffer) is taken as Replicate where it is read, and attention on heads split alike runs on
-  each rank's heads (:class:`~shardplan.decide.functional.ReplicateBeside`, the same rules
+  each rank's heads (:class:`~shardplan.decide.dtensor_run.ReplicateBeside`, the same rules
   the planner ran the code by);
 * a whole parameter whose gradient backward leaves Partial (the rule's ``partial_grads``: a
   per-head norm's weight beside split heads) is summed with the other Partial gradients in
@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.utils._pytree import tree_map, tree_map_only
 
-from ..decide.functional import ReplicateBeside
+from ..decide.dtensor_run import ReplicateBeside
 
 __all__ = ["DTensorWeights"]
 

@@ -314,7 +314,7 @@ def merge_repeated(plan_rules: list[Rule], decisions: list, model: nn.Module) ->
     renamed: dict[str, str] = {}
     merged: list[Rule] = []
     for key, members in _repeat_groups(plan_rules, containers).items():
-        if len(key) == 1:
+        if len(key) == 1 or len(members) == 1:
             merged.append(members[0][1])
             continue
         prefix, suffix = key[0], key[1]

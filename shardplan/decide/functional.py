@@ -44,9 +44,11 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
 
 from ..analyze.graph import Op, OpGraph
 from ..analyze.snapshot import preserved
+from ..analyze.trace import module_signature
+from .dtensor_run import ReplicateBeside, Recorded, probe_mesh
 from .placements import Strategy
 
-__all__ = ["functional_strategies", "functional_placements", "ReplicateBeside"]
+__all__ = ["functional_strategies", "functional_placements"]
 
 _PRODUCTS = frozenset({"linear", "matmul", "mm", "bmm", "__matmul__", "__rmatmul__", "einsum"})
 _PERMUTES = frozenset({"t", "transpose", "permute", "swapaxes", "swapdims", "movedim"})
@@ -178,98 +180,6 @@ def _einsum_dims(args: tuple, weight: torch.Tensor, *, second: bool) -> list[int
     return (contracted if second else kept) + batch
 
 
-class ReplicateBeside(TorchFunctionMode):
-    """How ``dtensor_weights`` code runs, here on meta and on the ranks alike: a plain tensor
-    read beside a DTensor (a mask made in forward, a RoPE buffer) is a Replicate DTensor for
-    that call, so that backward, which reads what forward saved, meets DTensors only; and
-    attention on q, k and v split alike on a leading dim (heads, batch) runs on each rank's
-    shards, heads never mixing (DTensor has no rule for the CPU's attention kernel)."""
-
-    def __init__(self, mesh) -> None:
-        super().__init__()
-        self.mesh = mesh
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor, Replicate
-
-        kwargs = kwargs or {}
-        if not any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs))[0]):
-            return func(*args, **kwargs)
-        whole = lambda t: t if isinstance(t, DTensor) else DTensor.from_local(t, self.mesh, (Replicate(),), run_check=False)  # noqa: E731
-        args, kwargs = tree_map_only(torch.Tensor, whole, (args, kwargs))
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            return _attention(args, kwargs)
-        return func(*args, **kwargs)
-
-
-def _attention(args: tuple, kwargs: dict) -> Any:
-    """Attention on DTensors: on each rank's heads (:func:`_on_shards`), or on whole q, k and v
-    as each rank holds them. Nothing else: DTensor's own rule for it (none on the CPU, another
-    on meta) would make the plan depend on the device."""
-    from torch.distributed.tensor import DTensor
-
-    local = _on_shards(args, kwargs)
-    if local is not None:
-        return local
-    flat = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)]
-    if any(not p.is_replicate() for a in flat for p in a.placements):
-        raise NotImplementedError("scaled_dot_product_attention on DTensors split otherwise than by heads alike")
-    args, kwargs = tree_map_only(DTensor, lambda t: t.to_local(), (args, kwargs))
-    out = torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
-    return DTensor.from_local(out, flat[0].device_mesh, flat[0].placements, run_check=False)
-
-
-def _on_shards(args: tuple, kwargs: dict) -> Any:
-    """``scaled_dot_product_attention`` with the query split on a leading dim (heads, batch),
-    run on each rank's shards, or None. A key or value split alike is read as its shard; a
-    whole one (k and v kept whole beside fewer kv heads than tp, or one) is cut to the heads
-    the rank's query heads read, and its gradient, each rank's share, is left Partial. A mask
-    must be whole and 1 along that dim (it broadcasts)."""
-    from torch.distributed.tensor import DTensor
-
-    qkv, rest = list(args[:3]), dict(kwargs)
-    qkv += [rest.pop(n) for n in ("query", "key", "value")[len(qkv):] if n in rest]
-    mask = args[3] if len(args) > 3 else rest.get("attn_mask")
-    d = qkv[0].placements[0].dim if len(qkv) == 3 and qkv[0].placements[0].is_shard() else None
-    if d is None or d < 0 or d >= qkv[0].dim() - 2:
-        return None
-    if mask is not None and (not mask.placements[0].is_replicate() or (mask.dim() > qkv[0].dim() - 1 - d and
-                                                                       mask.shape[d - qkv[0].dim()] != 1)):
-        return None
-    local = [qkv[0].to_local()] + [_rank_heads(t, d, qkv[0].shape[d]) for t in qkv[1:]]
-    if any(t is None for t in local):
-        return None
-    if mask is not None:
-        rest["attn_mask"] = mask.to_local()
-    out = torch.nn.functional.scaled_dot_product_attention(*local, *(
-        () if len(args) <= 3 else [rest.pop("attn_mask", None)] + list(args[4:])), **rest)
-    return DTensor.from_local(out, qkv[0].device_mesh, qkv[0].placements, run_check=False)
-
-
-def _rank_heads(t: Any, d: int, n: int) -> torch.Tensor | None:
-    """The local key or value for the rank's ``n / tp`` query heads on dim ``d``: its shard
-    when split alike; cut from a whole one (``m`` heads, each read by ``n / m`` query heads)."""
-    from torch.distributed.tensor import Partial
-
-    p = t.placements[0]
-    if p.is_shard(d) and n % t.shape[d] == 0:  # split alike: the rank's kv heads are its query heads' own
-        return t.to_local()
-    if not p.is_replicate():
-        return None
-    mesh, m = t.device_mesh, t.shape[d]
-    tp, rank = mesh.size(), mesh.get_coordinate()[0]
-    mine, per = n // tp, n // m if m and n % m == 0 else 0
-    if not per or n % tp:
-        return None
-    if mine % per == 0:  # whole kv heads per rank
-        start, count = rank * mine // per, mine // per
-    elif per % mine == 0:  # the rank's query heads all read one kv head
-        start, count = rank * mine // per, 1
-    else:
-        return None
-    return t.to_local(grad_placements=(Partial(),)).narrow(d, start, count)
-
-
 def _meta_args(op: Op) -> tuple[tuple, dict]:
     def meta(a: Any) -> Any:
         if isinstance(a, torch.fx.Node):
@@ -328,54 +238,84 @@ def functional_placements(op: Op, module: nn.Module, tp: int,
     return plans, 3.0 * flops.get_total_flops(), narrow
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What the module's code did on DTensors: its output's placement, the whole parameters
+    whose gradient came back Partial, and the collectives inside, forward and backward."""
+
+    out: str
+    partial: list[str]
+    fwd: tuple[tuple[str, float], ...]
+    bwd: tuple[tuple[str, float], ...]
+    summed: tuple[bool, ...]  # per tensor input: its gradient comes back Partial, to be summed on entry
+
+
 def _dtensor_output(op: Op, module: nn.Module, placements: dict[str, str], tp: int,
-                    split: int | None = None) -> tuple[str, list[str]] | None:
-    """The placement of the module's output when its code runs on DTensors placed so, read
-    whole (``P``, ``S{d}`` or ``R``), and the whole parameters whose gradient backward leaves
-    Partial (a per-head norm's weight, read beside split heads); None when forward or backward
-    needs a redistribution (with no process group behind the mesh, any collective fails) or
-    the module returns more than one tensor."""
-    from torch.distributed.tensor import DTensor
+                    split: int | None = None) -> _Run | None:
+    """Run the module's code on DTensors placed so, forward and backward, on meta tensors and
+    :func:`.dtensor_run.probe_mesh`; None when an op has no DTensor rule, the forward gathers
+    a split value whole (attention would then run whole), or the module returns more than one
+    tensor. The output is read whole: ``P``, ``S{d}`` or ``R``."""
+    from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.experimental import implicit_replication
 
-    from .propagation import _mesh, _tensor
-
-    mesh = _mesh(tp)
+    mesh = probe_mesh(tp)
     args, kwargs = _dtensor_args(op, mesh, split)
+    fwd, bwd = Recorded(tp), Recorded(tp)
     with preserved(module), torch.enable_grad():
-        made = _on_meta(module, lambda n, p: nn.Parameter(_tensor(p, placements[n], tp, distributed=True),
-                                                          requires_grad=p.requires_grad))
+        made = _on_meta(module, lambda n, p: nn.Parameter(_placed(p, placements[n], mesh), requires_grad=p.requires_grad))
         try:
             with implicit_replication(), ReplicateBeside(mesh):
-                out = module(*args, **kwargs)
+                with fwd:
+                    out = module(*args, **kwargs)
                 if isinstance(out, DTensor) and out.requires_grad:
-                    out.to_local().sum().backward()
-        except Exception:  # noqa: BLE001 - a redistribution, or an op DTensor has no rule for
+                    # backward starts as on the ranks: from the output summed on exit
+                    whole = out.redistribute(mesh, (Replicate(),)) if out.placements[0].is_partial() else out
+                    with bwd:
+                        whole.to_local().sum().backward()
+        except Exception:  # noqa: BLE001 - an op DTensor has no rule for
             return None
         partial = [n for n, p in made.items() if placements[n] == "R" and isinstance(p.grad, DTensor)
                    and p.grad.placements[0].is_partial()]
-    if not isinstance(out, DTensor) or len(out.placements) != 1:
+        summed = tuple(isinstance(t.grad, DTensor) and t.grad.placements[0].is_partial()
+                       for t in tree_flatten((args, kwargs))[0] if isinstance(t, DTensor))
+    if not isinstance(out, DTensor) or len(out.placements) != 1 or any(k != "all_reduce" for k, _ in fwd.comms):
         return None
     p = out.placements[0]
-    if p.is_partial():
-        return ("P", partial) if p.reduce_op == "sum" else None
-    return (f"S{p.dim}" if p.is_shard() else "R"), partial
+    if p.is_partial() and p.reduce_op != "sum":
+        return None
+    where = "P" if p.is_partial() else f"S{p.dim}" if p.is_shard() else "R"
+    return _Run(where, partial, tuple(fwd.comms), tuple(bwd.comms), summed)
+
+
+def _placed(p: torch.Tensor, placement: str, mesh: Any) -> torch.Tensor:
+    """A meta DTensor of ``p``'s global shape on ``mesh``: ``S{d}`` or ``R``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    shape = list(p.shape)
+    where = Shard(int(placement[1:])) if placement.startswith("S") else Replicate()
+    if where.is_shard():
+        shape[where.dim] //= mesh.size()
+    return DTensor.from_local(torch.empty(shape, dtype=p.dtype, device="meta"), mesh, (where,), run_check=False,
+                              shape=p.shape, stride=p.stride())
 
 
 def _dtensor_args(op: Op, mesh: Any, split: int | None) -> tuple[tuple, dict]:
     """The call's tensors as DTensors on ``mesh``: Replicate, the first ``Shard(split)``."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    def leaf(a: torch.Tensor, where: Any = Replicate()) -> torch.Tensor:  # its gradient kept, to be read
+        shape = list(a.shape)
+        if where.is_shard():
+            shape[where.dim] //= mesh.size()
+        d = DTensor.from_local(torch.empty(shape, dtype=a.dtype, device="meta"), mesh, (where,), run_check=False,
+                               shape=a.shape, stride=a.stride()).detach()
+        return d.requires_grad_() if a.is_floating_point() else d
+
     args, kwargs = _meta_args(op)
-    whole = lambda a: DTensor.from_local(a, mesh, (Replicate(),), run_check=False)  # noqa: E731
-    args, kwargs = tree_map_only(torch.Tensor, whole, (args, kwargs))
-    if split is not None:
-        x = args[0]
-        shape = list(x.shape)
-        shape[split] //= mesh.size()
-        args = (DTensor.from_local(torch.empty(shape, dtype=x.dtype, device="meta"), mesh, (Shard(split),),
-                                   run_check=False, shape=x.shape, stride=x.stride()),) + tuple(args[1:])
-    return args, kwargs
+    first = leaf(args[0], Shard(split) if split is not None else Replicate())
+    args, kwargs = tree_map_only(torch.Tensor, leaf, (args[1:], kwargs))
+    return (first,) + tuple(args), kwargs
 
 
 def functional_strategies(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> tuple[list[Strategy], float]:
@@ -391,35 +331,57 @@ def functional_strategies(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp
     found, flops = [], 0.0
     x = graph.values[op.inputs[0]].shape
     for split in [None] + [d for d in range(2, len(x)) if x[d] % tp == 0 and x[d] >= tp]:
-        placed = functional_placements(op, module, tp, split)
-        if placed is None:
-            continue
-        plans, flops, narrow = placed
-        valid = [(plan, ran) for plan in plans if (ran := _dtensor_output(op, module, plan, tp, split)) is not None]
-        if not valid and narrow:  # k and v whole: one kv head
-            plan = {**plans[0], **narrow}
-            valid = [(plan, ran)] if (ran := _dtensor_output(op, module, plan, tp, split)) is not None else []
+        key = ("functional", module_signature(module), _call_signature(op), tp, split)
+        if key not in graph.strategy_cache:  # alike blocks a ModuleList holds as leaves run once
+            graph.strategy_cache[key] = _runs(op, module, tp, split)
+        valid, flops = graph.strategy_cache[key] or ([], flops)
         for plan, ran in valid:
             found += _layouts(op, graph, module, tp, sp, (plan, flops), ran, split)
     return found, flops if found else 0.0
 
 
+def _runs(op: Op, module: nn.Module, tp: int, split: int | None) -> tuple[list[tuple[dict[str, str], _Run]], float] | None:
+    """The candidate placements DTensor runs the code with, each with its run, and the FLOPs."""
+    placed = functional_placements(op, module, tp, split)
+    if placed is None:
+        return None
+    plans, flops, narrow = placed
+    valid = [(plan, ran) for plan in plans if (ran := _dtensor_output(op, module, plan, tp, split)) is not None]
+    if not valid and narrow:  # k and v whole: one kv head
+        plan = {**plans[0], **narrow}
+        valid = [(plan, ran)] if (ran := _dtensor_output(op, module, plan, tp, split)) is not None else []
+    return valid, flops
+
+
+def _call_signature(op: Op) -> str:
+    """The call's arguments by shape, dtype and constant value: equal, the same run."""
+    def one(a: Any) -> Any:
+        val = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+        return (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else repr(val)
+
+    return repr(tree_map(one, (tuple(op.node.args), dict(op.node.kwargs))))
+
+
 def _layouts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool, placed: tuple[dict[str, str], float],
-             ran: tuple[str, list[str]], split: int | None) -> list[Strategy]:
+             ran: _Run, split: int | None) -> list[Strategy]:
     """One strategy per input and output layout. A whole first input is a region's *entry*
     (``R``, or ``S1`` gathered), as for a colwise Linear: the solver pays its collective once
     per value however many modules read it (q, k and v as three DenseGenerals); a split one
     (``S{d}``) is contracted where it is. Other tensor inputs' gradients are all-reduced; the
     Partial gradients of whole parameters (``partial_bytes``) join the bucket reduced when
     backward ends."""
-    (placements, flops), (out, partial) = placed, ran
+    (placements, flops), out, partial = placed, ran.out, ran.partial
     y, x = graph.values[op.output], graph.values[op.inputs[0]]
     seq = ["S1"] if sp and len(y.shape) >= 3 and y.shape[1] % tp == 0 and y.shape[1] >= tp else []
     share = {n: p.numel() * p.element_size() / (tp if placements[n] != "R" else 1)
              for n, p in module.named_parameters()}
     pbytes, held = sum(share.values()), sum(b for n, b in share.items() if module.get_parameter(n).dim() >= 2)
-    grads = tuple(("all_reduce", graph.values[v].nbytes) for v in dict.fromkeys(op.inputs[1:])
-                  if v in graph.requires_grad and v != op.inputs[0])
+    # other tensor inputs' gradients, where the code leaves them Partial (``_Run.summed``)
+    grads = tuple(("all_reduce", graph.values[v].nbytes) for v, summed in zip(op.inputs[1:], ran.summed[1:])
+                  if summed and v in graph.requires_grad and v != op.inputs[0])
+    # a first input whose gradient the code already sums inside needs no entry all-reduce; from
+    # sequence shards it is gathered, its whole gradient sliced back (``S1>R``)
+    entry = (lambda p: (p,)) if not ran.summed or ran.summed[0] else (lambda p: (f"{p}>R",) if p != "R" else ())
     gathered = seq if len(x.shape) >= 3 and x.shape[1] % tp == 0 and x.shape[1] >= tp else []
     ins = [f"S{split}"] if split is not None else ["R"] + gathered
     found = []
@@ -428,8 +390,9 @@ def _layouts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool, place
             fwd = (("all_reduce" if p_out == "R" else "reduce_scatter", y.nbytes),) if out == "P" else ()
             bwd = (("all_gather", y.nbytes),) if out == "P" and p_out != "R" else ()
             found.append(Strategy(
-                "dtensor_weights", (p_in,) + ("R",) * (len(op.inputs) - 1), p_out, fwd=fwd, bwd=bwd + grads,
-                entry=(p_in,) if split is None else (), param_bytes=pbytes, flops=flops / tp,
+                "dtensor_weights", (p_in,) + ("R",) * (len(op.inputs) - 1), p_out, fwd=ran.fwd + fwd,
+                bwd=ran.bwd + bwd + grads,
+                entry=entry(p_in) if split is None else (), param_bytes=pbytes, flops=flops / tp,
                 act_bytes=y.nbytes / (1 if p_out == "R" else tp),
                 layouts={"params": placements, "held": held, "partial_grads": partial, "partial_bytes": tuple(share[n] for n in partial), **({"input": p_in} if p_in != "R" else {}),
                          **({"output": p_out} if p_out != "R" else {})}))

@@ -175,6 +175,30 @@ def raw_mqa(*, dim: int = 96, heads: int = 12, layers: int = 2, vocab: int = 128
     return TokenLM([RawBlock(dim, heads, kv_heads=1) for _ in range(layers)], dim=dim, vocab=vocab)
 
 
+class InlineRawBlock(nn.Module):
+    """A whole pre-norm block in one forward on raw weights: layer norms written out with raw
+    weights, attention, then an MLP whose first product reads the attention's summed output.
+    Its code needs one all-reduce inside (before the residual and the second norm)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.n_heads = heads
+        self.ln1, self.ln2 = nn.Parameter(torch.ones(dim)), nn.Parameter(torch.ones(dim))
+        self.w_qkv_q, self.w_k, self.w_v, self.w_o = (_param(dim, dim) for _ in range(4))
+        self.w_up, self.w_down = _param(4 * dim, dim), _param(dim, 4 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        h = F.layer_norm(x, (C,), self.ln1)
+        q, k, v = (F.linear(h, w).view(B, T, self.n_heads, -1).transpose(1, 2) for w in (self.w_qkv_q, self.w_k, self.w_v))
+        x = x + F.linear(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C), self.w_o)
+        return x + F.linear(F.gelu(F.linear(F.layer_norm(x, (C,), self.ln2), self.w_up)), self.w_down)
+
+
+def raw_blocks(*, dim: int = 96, heads: int = 12, layers: int = 2, vocab: int = 128) -> TokenLM:
+    return TokenLM([InlineRawBlock(dim, heads) for _ in range(layers)], dim=dim, vocab=vocab)
+
+
 def _lm(attn, *, dim: int, heads: int, layers: int, vocab: int) -> TokenLM:
     return TokenLM([PreNormBlock(attn(dim, heads), dim) for _ in range(layers)], dim=dim, vocab=vocab)
 
