@@ -3,12 +3,12 @@
 Contract
 --------
 ``functional_strategies(op, graph, module, tp, sp)`` gives a weight module of no known kind
-(it owns its parameters, no child does, and it is no Linear, norm, embedding or expert bank)
-whose forward reads its own 2-D+ parameters in matrix products (``F.linear(x, self.wq)``,
-``x @ self.w1``, a DenseGeneral's ``einsum("btd,dhk->bthk", x, self.kernel)``) its
-``dtensor_weights`` strategies, or none. Nothing here needs a process group; the module is
-run on the meta device under :func:`~shardplan.analyze.snapshot.preserved`, so the user's
-module is left as it was.
+(it owns its parameters and no child does, or only norms do; it is no Linear, norm,
+embedding or expert bank) whose forward reads its own 2-D+ parameters in matrix products
+(``F.linear(x, self.wq)``, ``x @ self.w1``, a DenseGeneral's ``einsum("btd,dhk->bthk", x,
+self.kernel)``) its ``dtensor_weights`` strategies, or none. Nothing here needs or reads a
+process group (:func:`.dtensor_run.probe_mesh`); the module runs on the meta device under
+:func:`~shardplan.analyze.snapshot.preserved`, so the user's module is left as it was.
 
 The matrix math is Megatron's, read off the code, never off names:
 
@@ -18,18 +18,22 @@ The matrix math is Megatron's, read off the code, never off names:
   heads) with no collective, and the rest of the code (views by heads, RoPE, attention)
   runs on them;
 * a product reading what a first product made is *second*: its weight is split on a dim
-  the product contracts, so each rank's result is a partial sum;
-* a bias added by ``F.linear`` goes with a first weight's rows, and is whole for a second.
+  the product contracts, so each rank's result is a partial sum; a product after it is
+  first again (an MLP after the attention in one forward);
+* a bias added by ``F.linear`` goes with a first weight's rows, and is whole for a second;
+* where a weight may be split more than one way (a bank ``[E, D, F]`` by experts or on F),
+  each way is a candidate; where the even split fails and the first products differ in
+  width (one kv head), the narrower ones are kept whole.
 
-DTensor's sharding propagation then runs the module's code with those placements, on meta
-tensors and a mesh with no process group behind it: the code sizes its views by the global
-shapes it was written for, so no head count needs making local. A module it runs with no
-redistribution inside is offered. Its output is ``Partial`` (summed where the module
-returns: an all-reduce, or a reduce-scatter onto sequence shards), ``Shard(d)`` (a
-DenseGeneral's heads, handed on split) or ``Replicate``. The inputs are read whole, so each
-one's gradient is a partial sum, all-reduced (or, gathered from sequence shards on entry,
-reduce-scattered) in backward. A module whose code would need a collective inside (an MLP
-after the attention in one forward) is not offered: it stays whole.
+DTensor's sharding propagation then runs the module's code, forward and backward, with each
+candidate's placements: the code sizes its views by the global shapes it was written for,
+so no head count needs making local. A candidate it runs is offered unless its forward
+gathers a split value (attention would then run whole); the collectives DTensor issued
+inside (an all-reduce before a residual, a kv gradient summed) are its price. Its output is
+``Partial`` (summed where the module returns: an all-reduce, or a reduce-scatter onto
+sequence shards), ``Shard(d)`` (a DenseGeneral's heads, handed on split) or ``Replicate``.
+An input whose gradient comes back Partial is a region's entry, summed once however many
+modules read it; one the code already sums needs nothing more.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from ..analyze.snapshot import preserved
 from ..analyze.trace import module_signature
 from .dtensor_run import ReplicateBeside, Recorded, probe_mesh
 from .placements import Strategy
+from .propagation import quiet_probes
 
 __all__ = ["functional_strategies", "functional_placements"]
 
@@ -333,7 +338,8 @@ def functional_strategies(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp
     for split in [None] + [d for d in range(2, len(x)) if x[d] % tp == 0 and x[d] >= tp]:
         key = ("functional", module_signature(module), _call_signature(op), tp, split)
         if key not in graph.strategy_cache:  # alike blocks a ModuleList holds as leaves run once
-            graph.strategy_cache[key] = _runs(op, module, tp, split)
+            with quiet_probes():
+                graph.strategy_cache[key] = _runs(op, module, tp, split)
         valid, flops = graph.strategy_cache[key] or ([], flops)
         for plan, ran in valid:
             found += _layouts(op, graph, module, tp, sp, (plan, flops), ran, split)

@@ -26,6 +26,8 @@ markup, so ``[...]`` in a pattern prints as written.
 
 from __future__ import annotations
 
+import re
+
 import os
 import sys
 from typing import Any
@@ -65,6 +67,8 @@ def _shapes(plan: Plan, rule: Any, modules: list[tuple[str, Any]]) -> tuple[str,
     if rule.style == "ep_experts" and mod is not None and weight_of(mod) is None and hasattr(mod, "__len__"):
         # a list of expert modules, whole over ep
         return f"{len(mod)} experts", f"{len(mod) // plan.ep} experts"
+    if rule.style == "dtensor_weights" and mod is not None:
+        return _dtensor_weights_shapes(plan, rule, mod)
     weight = None if mod is None else weight_of(mod)
     if weight is None:
         return "-", "-"
@@ -81,6 +85,22 @@ def _shapes(plan: Plan, rule: Any, modules: list[tuple[str, Any]]) -> tuple[str,
         local[inner] = -(-shape[inner] // plan.tp)
     mark = "" if shape[dim] % parts == 0 else " (uneven)"
     return _shape_str(shape), _shape_str(tuple(local)) + mark
+
+
+def _dtensor_weights_shapes(plan: Plan, rule: Any, mod: Any) -> tuple[str, str]:
+    """Its 2-D+ weights, each whole and as a rank holds it (``param_layouts``)."""
+    whole, local = [], []
+    for name, p in mod.named_parameters():
+        if p.dim() < 2:
+            continue
+        shape = [int(n) for n in p.shape]
+        mine = list(shape)
+        m = re.fullmatch(r"Shard\((-?\d+)\)", rule.param_layouts.get(name, "Replicate"))
+        if m:
+            mine[int(m.group(1))] = -(-shape[int(m.group(1))] // plan.tp)
+        whole.append(f"{name} {_shape_str(tuple(shape))}")
+        local.append(_shape_str(tuple(mine)))
+    return ", ".join(whole) or "-", ", ".join(local) or "-"
 
 
 def plan_table(plan: Plan, *, model: Any = None, show_why: bool = False) -> Table:
