@@ -292,10 +292,11 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
             graph, solution, ctx, modules=_explained(plan, model, graph, extra.get("explain", True)))
         plan = plan.model_copy(update={"decisions": decisions, "rules": assemble.rules(
             graph, solution, decisions, entries, blocks)})
-    # copies export could not fold, and blocks a ModuleList holds as leaves (a raw-weight block
-    # run whole on DTensors): one rule per kind of block
-    merged, decisions = assemble.merge_repeated(plan.rules, plan.decisions, model)
-    plan = plan.model_copy(update={"rules": merged, "decisions": decisions})
+    # copies export could not fold, and raw-weight blocks a ModuleList holds as leaves (each
+    # one op, run whole on DTensors): one rule per kind of block
+    if graph.traced.front_end == "export" or any(r.style == "dtensor_weights" for r in plan.rules):
+        merged, decisions = assemble.merge_repeated(plan.rules, plan.decisions, model)
+        plan = plan.model_copy(update={"rules": merged, "decisions": decisions})
     plan = _with_experts(plan, graph, ctx, solution) if plan.mesh.ep_axis else uniform_routing(plan, graph, ctx, solution)
     mixing = mixing_warnings(graph, axes, tp_axis)  # routing that each data-parallel rank does on its own rows
     return plan.model_copy(update={"warnings": list(plan.warnings) + mixing}) if mixing else plan

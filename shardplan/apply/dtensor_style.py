@@ -16,9 +16,11 @@ DTensor's sharding propagation carries the split through views, RoPE and attenti
 * the tensor inputs enter as Replicate DTensors (sequence shards, ``Shard(1)``, are
   all-gathered first; a first input split on a later dim, the heads a previous module made,
   enters as that Shard and is contracted there):
-  rank r's first products ``x W_r`` give its own heads with no collective; in backward each
-  input's gradient arrives Partial (each rank back-propagated its heads) and is all-reduced
-  (reduce-scattered for a gathered input) once, when it leaves ``from_local``;
+  rank r's first products ``x W_r`` give its own heads with no collective; in backward an
+  input's gradient that arrives Partial (each rank back-propagated its heads) is all-reduced
+  (reduce-scattered for a gathered input) once, when it leaves ``from_local``, or by the
+  region that handed it in as a DTensor; any other collective the code needs (an all-reduce
+  before a residual) is DTensor's own, as the planner counted it;
 * any plain tensor the code meets beside a DTensor (a causal mask made in forward, a RoPE
   buffer) is taken as Replicate where it is read, and attention on heads split alike runs on
   each rank's heads (:class:`~shardplan.decide.dtensor_run.ReplicateBeside`, the same rules

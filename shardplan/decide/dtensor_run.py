@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 __all__ = ["ReplicateBeside", "Recorded", "probe_mesh", "attention"]
 
+
 class ReplicateBeside(TorchFunctionMode):
     """How ``dtensor_weights`` code runs, here on meta and on the ranks alike: a plain tensor
     read beside a DTensor (a mask made in forward, a RoPE buffer) is a Replicate DTensor for
