@@ -121,20 +121,26 @@ def probe_mesh(tp: int) -> Any:
     """A 1-D mesh of ``tp`` ranks, this process rank 0, backed by a fake group registered under
     its own name (``shardplan_probe_{tp}``): DTensor's redistributions run on meta tensors and
     communicate nothing; the default process group, if any, is never touched."""
-    from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup, _register_process_group
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if tp not in _PROBES:
-        backend = FakeProcessGroup._create_internal(0, tp)
-        group = ProcessGroup(FakeStore(), 0, tp)
-        for device in ("cpu", "meta"):
-            group._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM, backend)
-        group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
-        name = f"shardplan_probe_{tp}"
-        _register_process_group(name, group)
-        mesh = DeviceMesh("cpu", torch.arange(tp), _init_backend=False, _rank=0)
-        mesh._dim_group_names = [name]
+        # its own axis name: DTensor caches decisions by mesh value, and no user's mesh may be
+        # handed this one (a redistribution through the fake group would communicate nothing)
+        mesh = DeviceMesh("cpu", torch.arange(tp), mesh_dim_names=("shardplan_probe",), _init_backend=False, _rank=0)
+        try:  # torch's private group API (2.13): without it no collective runs, so code that needs one is not offered
+            from torch._C._distributed_c10d import FakeProcessGroup, ProcessGroup, _register_process_group
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+
+            backend = FakeProcessGroup._create_internal(0, tp)
+            group = ProcessGroup(FakeStore(), 0, tp)
+            for device in ("cpu", "meta"):
+                group._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM, backend)
+            group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+            name = f"shardplan_probe_{tp}"
+            _register_process_group(name, group)
+            mesh._dim_group_names = [name]
+        except (ImportError, AttributeError, RuntimeError, TypeError):
+            group = None
         _PROBES[tp] = (mesh, group)  # the group is held: the registry does not keep it alive
     return _PROBES[tp][0]
 

@@ -240,19 +240,20 @@ def check_findings(plan: Any, model: Any, *, where: Any = None) -> list[str]:
         if not any(matches(entry.module, fqn) for fqn in modules):
             findings.append(f"{at(('local_views', i, 'module'))}local_views {entry.module}: matches no module of the model")
     covered = {fqn for rule in {r.module for r in plan.rules} for fqn in modules if matches(rule, fqn)}
-    covered |= _read_by_their_parent(covered, modules)
+    whole = {fqn for r in plan.rules if r.style == "dtensor_weights" for fqn in modules if matches(r.module, fqn)}
+    covered |= _read_by_their_parent(covered, modules, whole)
     for fqn, mod in modules.items():
         if _owns_params(mod) and fqn not in covered:
             findings.append(f"{fqn or '<root>'} ({type(mod).__name__}): owns parameters but no rule covers it")
     return findings
 
 
-def _read_by_their_parent(covered: set[str], modules: dict[str, Any]) -> set[str]:
+def _read_by_their_parent(covered: set[str], modules: dict[str, Any], dtensor_weights: set[str]) -> set[str]:
     """Children whose parameters their parent's call reads itself (``nn.MultiheadAttention``'s
-    ``out_proj``): the parent's rule covers them."""
+    ``out_proj``; the norms inside a ``dtensor_weights`` module): the parent's rule covers them."""
     from ..analyze.graph import module_kind
 
-    parents = [fqn for fqn in covered if module_kind(modules[fqn]) == "attention"]
+    parents = [fqn for fqn in covered if module_kind(modules[fqn]) == "attention" or fqn in dtensor_weights]
     return {f"{p}.{name}" for p in parents for name, _ in modules[p].named_modules() if name}
 
 
@@ -290,15 +291,17 @@ def _judge(rule: Any, modules: dict[str, Any], tp: int) -> list[tuple[str, str]]
 
 
 def _param_layout_findings(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) -> list[str]:
-    """``param_layouts`` names the module's own parameters, each Shard(d) on a dim tp divides."""
+    """``param_layouts`` names the module's own parameters (``dtensor_weights``: its norm
+    children's too, ``q_norm.weight``), each Shard(d) on a dim tp divides."""
     out = []
     for name, layout in rule.param_layouts.items():
         for fqn in hits:
-            p = modules[fqn]._parameters.get(name)
+            owned = dict(modules[fqn].named_parameters(recurse=rule.style == "dtensor_weights"))
+            p = owned.get(name)
             dim = int(layout[6:-1]) if layout.startswith("Shard(") else None
             if p is None:
                 out.append(f"rule {rule.module}: param_layouts names {name!r}, which {fqn or '<root>'} does not own; "
-                           f"use one of {sorted(modules[fqn]._parameters)}")
+                           f"use one of {sorted(owned)}")
             elif dim is not None and (not -p.dim() <= dim < p.dim() or p.shape[dim] % tp):
                 out.append(f"rule {rule.module}: {name} {layout} needs a dim of its shape {list(p.shape)} that tp={tp} divides")
             else:
