@@ -307,18 +307,12 @@ def _placed(p: torch.Tensor, placement: str, mesh: Any) -> torch.Tensor:
 
 def _dtensor_args(op: Op, mesh: Any, split: int | None) -> tuple[tuple, dict]:
     """The call's tensors as DTensors on ``mesh``: Replicate, the first ``Shard(split)``."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    def leaf(a: torch.Tensor, where: Any = Replicate()) -> torch.Tensor:  # its gradient kept, to be read
-        shape = list(a.shape)
-        if where.is_shard():
-            shape[where.dim] //= mesh.size()
-        d = DTensor.from_local(torch.empty(shape, dtype=a.dtype, device="meta"), mesh, (where,), run_check=False,
-                               shape=a.shape, stride=a.stride()).detach()
+    def leaf(a: torch.Tensor, placement: str = "R") -> torch.Tensor:  # its gradient kept, to be read
+        d = _placed(a, placement, mesh).detach()
         return d.requires_grad_() if a.is_floating_point() else d
 
     args, kwargs = _meta_args(op)
-    first = leaf(args[0], Shard(split) if split is not None else Replicate())
+    first = leaf(args[0], f"S{split}" if split is not None else "R")
     args, kwargs = tree_map_only(torch.Tensor, leaf, (args[1:], kwargs))
     return (first,) + tuple(args), kwargs
 
