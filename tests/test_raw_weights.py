@@ -127,7 +127,7 @@ def test_two_adamw_steps_then_dcp_save_at_tp2_load_at_tp4(tmp_path) -> None:
     """After two AdamW steps every weight equals one process's; the tp=2 checkpoint loads at
     tp=4 exactly, and its logits equal the unsharded model's with those weights."""
     from shardplan.tools.launch import run_on_gloo
-    from tests import _raw_weights_workers as w
+    from tests import _train_save_workers as w
 
     builder, folder = "linear_params", str(tmp_path / "ckpt")
     plans = {tp: _plan(builder, tp).to_yaml() for tp in (2, 4)}

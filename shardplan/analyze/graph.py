@@ -27,7 +27,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from .trace import Traced, is_weight_leaf
+from .trace import Traced, is_weight_leaf, listed_heads
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -92,6 +92,8 @@ def module_kind(module: nn.Module) -> str:
     weight = params.get("weight")
     if isinstance(module, nn.MultiheadAttention):
         return "attention"
+    if listed_heads(module) is not None:
+        return "listed_heads"
     if isinstance(module, nn.Linear) and weight is not None and weight.dim() == 2:
         return "linear"
     if linear_like(module):

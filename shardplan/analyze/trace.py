@@ -94,7 +94,7 @@ def is_weight_leaf(module: nn.Module) -> bool:
     unless its own are raw weights beside norm children (:func:`_raw_weights_with_norms`).
     torch's ``nn.MultiheadAttention`` is one op too: its call reads its child ``out_proj``'s
     parameters itself (``F.multi_head_attention_forward``), never calling it."""
-    if isinstance(module, nn.MultiheadAttention):
+    if isinstance(module, nn.MultiheadAttention) or listed_heads(module) is not None:
         return True
     return owns_params(module) and (
         not any(owns_params(m) for _, m in module.named_modules() if m is not module) or _raw_weights_with_norms(module))
@@ -107,6 +107,32 @@ def _raw_weights_with_norms(module: nn.Module) -> bool:
     with it."""
     own = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
     return len(own) >= 2 and all(p.dim() <= 1 for n, p in module.named_parameters() if "." in n)
+
+
+def listed_heads(module: nn.Module) -> tuple[str, str] | None:
+    """``(list, proj)``: the children of a module written as a list of alike heads and one
+    projection of their outputs side by side (Karpathy's ``MultiHeadAttention``:
+    ``proj(cat([h(x) for h in self.heads], -1))``), else None. Such a module is one op
+    too (``listed_heads``: the list split whole over tp). Recognized by structure alone: it
+    owns no parameter itself; its children that hold parameters are one ``nn.ModuleList`` of
+    two or more alike modules, each made of two or more Linears ``[w, d]`` (query, key,
+    value), and one Linear ``[d, n w]``. :mod:`shardplan.decide.listed` checks the calls."""
+    if owns_params(module):
+        return None
+    weighted = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+    lists = [(n, c) for n, c in weighted if isinstance(c, nn.ModuleList)]
+    projs = [(n, c) for n, c in weighted if type(c) is nn.Linear]
+    if len(lists) != 1 or len(projs) != 1 or len(weighted) != 2 or len(lists[0][1]) < 2:
+        return None
+    (name, heads), (proj_name, proj) = lists[0], projs[0]
+    n = len(heads)
+    inner = [m for m in heads[0].modules() if owns_params(m)]
+    if len(inner) < 2 or any(type(m) is not nn.Linear for m in inner) or proj.in_features % n:
+        return None
+    if {(m.in_features, m.out_features) for m in inner} != {(proj.out_features, proj.in_features // n)}:
+        return None
+    first = module_signature(heads[0])
+    return (name, proj_name) if all(module_signature(h) == first for h in heads) else None
 
 
 def module_signature(module: nn.Module) -> str:

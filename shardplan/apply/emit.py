@@ -38,6 +38,7 @@ from .agree import agree
 from .experts_ep import ExpertParallel, WholeExperts
 from .experts_listed import shard_listed_experts
 from .dtensor_style import DTensorWeights
+from .listed_style import ListedHeadsParallel
 from .attention_style import MultiheadAttentionParallel
 from .gradsync import install_gradient_sync
 from .localviews import install_local_views
@@ -103,6 +104,8 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False, scala
         return WholeExperts(reduce_output=not isinstance(out, Partial))
     if rule.style == "attention_heads":
         return MultiheadAttentionParallel(input_layouts=inp, output_layouts=out)
+    if rule.style == "listed_heads":
+        return ListedHeadsParallel(input_layouts=inp, output_layouts=out)
     if rule.style == "dtensor_weights":
         return DTensorWeights(placements={n: placement(p) for n, p in rule.param_layouts.items()},
                               input_layouts=inp, output_layouts=out)

@@ -52,7 +52,7 @@ from torch import nn
 from ..analyze.graph import EXPERT_CONTAINERS, rows_width
 from .dispatch import ScaleGrad, by_expert, exchange, send
 
-__all__ = ["RemoteExpert", "shard_listed_experts", "held_elsewhere", "held_here", "gather_listed_state"]
+__all__ = ["Owners", "held_whole", "RemoteExpert", "shard_listed_experts", "held_elsewhere", "held_here", "gather_listed_state"]
 
 
 class RemoteExpert(nn.Module):
@@ -71,6 +71,15 @@ class RemoteExpert(nn.Module):
 
     def extra_repr(self) -> str:
         return f"owner=ep rank {self.owner}"
+
+
+@dataclass(frozen=True)
+class Owners:
+    """A module list split whole over one mesh axis (experts over ep, heads over tp): the
+    axis's process group, and how many consecutive modules each rank holds."""
+
+    group: Any
+    local: int
 
 
 @dataclass
@@ -175,6 +184,13 @@ def held_elsewhere(model: nn.Module) -> dict[str, int]:
     return out
 
 
+def held_whole(model: nn.Module) -> set[str]:
+    """Parameter names of the modules this rank holds whole in lists split over an axis
+    (experts over ep, heads over tp): plain tensors, no other rank has them."""
+    return {f"{fqn}.{name}" for fqn, module in model.named_modules() if _owners(module) is not None
+            for name, _ in module.named_parameters()}
+
+
 def held_here(model: nn.Module) -> set[str]:
     """Parameter names of the listed experts this rank holds (their gradients are already the
     mean over ep: no data-parallel average over ep for them)."""
@@ -188,22 +204,36 @@ def gather_listed_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dic
     is broadcast from here over ep, one it does not is received from its owner. Collective."""
     import torch.distributed as dist
 
-    lists = {fqn: m for fqn, m in model.named_modules() if isinstance(m, _Dispatched)}
+    lists = {fqn: m for fqn, m in model.named_modules() if _owners(m) is not None}
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         prefix = next((f for f in lists if key.startswith(f"{f}.")), None)
         if prefix is None:
             out[key] = value
         elif not any(k.startswith(f"{prefix}.") for k in out):
-            d = lists[prefix]._shardplan_dispatch
-            device = _param_kind(d)["device"]  # the group's device (NCCL sends no CPU tensor)
+            owners = _owners(lists[prefix])
+            device = _held_device(lists[prefix])  # the group's device (NCCL sends no CPU tensor)
             for position, (name, expert) in enumerate(lists[prefix]._modules.items()):
                 for k, shape, dtype in _state_of(expert):
                     full = f"{prefix}.{name}.{k}"
                     t = state[full].to(device) if full in state else torch.empty(shape, dtype=dtype, device=device)
-                    dist.broadcast(t, group=d.group, group_src=position // d.local)
+                    dist.broadcast(t, group=owners.group, group_src=position // owners.local)
                     out[full] = t.to(value.device)
     return out
+
+
+def _owners(module: nn.Module) -> Owners | None:
+    """How a list split whole over an axis is held (None for any other module)."""
+    if isinstance(module, _Dispatched):
+        return Owners(module._shardplan_dispatch.group, module._shardplan_dispatch.local)
+    owners = module.__dict__.get("_shardplan_owners")
+    return owners if isinstance(owners, Owners) else None
+
+
+def _held_device(modules: nn.Module) -> torch.device:
+    """The device of the first parameter this rank holds in the list."""
+    p = next(m for m in modules._modules.values() if not isinstance(m, RemoteExpert)).parameters().__next__()
+    return (p.to_local() if hasattr(p, "to_local") else p).device
 
 
 def _state_of(expert: nn.Module) -> list[tuple[str, tuple, torch.dtype]]:

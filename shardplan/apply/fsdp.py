@@ -32,6 +32,7 @@ from ..analyze.graph import EXPERT_CONTAINERS
 from ..decide import fsdp as units_of
 from ..plan.model import Plan, expand_pattern
 from .emit import check_fingerprint
+from .experts_listed import held_whole
 
 __all__ = ["FSDPOptions", "fully_shard_plan", "fsdp_units", "data_mesh"]
 
@@ -151,8 +152,9 @@ def _check_model(model: nn.Module, plan: Plan) -> None:
         raise ValueError(f"{type(model).__name__} already has fully_shard applied; call fully_shard_plan once, "
                          "after apply_plan, on a model FSDP has not wrapped")
     check_fingerprint(model, plan)
+    held = held_whole(model)  # heads a tp rank holds whole (listed_heads): plain tensors, its own
     params = [(n, p) for n, p in model.named_parameters()  # expert banks sit on the ep axis (and tp)
-              if not (isinstance(p, DTensor) and plan.mesh.ep_axis in (p.device_mesh.mesh_dim_names or ()))]
+              if not (isinstance(p, DTensor) and plan.mesh.ep_axis in (p.device_mesh.mesh_dim_names or ())) and n not in held]
     plain = next((n for n, p in params if not isinstance(p, DTensor)), None)
     if plain is not None and not (plan.tp == 1 and plan.mesh.ep_axis):  # an ep plan without a tp axis leaves them plain
         raise ValueError(f"{type(model).__name__} is not sharded on the tp axis yet ({plain!r} is a plain tensor, "

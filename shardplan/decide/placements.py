@@ -52,7 +52,7 @@ from typing import Any
 
 from ..analyze.graph import Op
 
-__all__ = ["Comm", "Strategy", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "split_widths", "slice_range", "index_items", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts", "whole_tail", "tail_of", "permutation", "rank_order",
+__all__ = ["Comm", "Strategy", "seq_dims", "shard_dim", "placement_str", "packed", "chunk_count", "split_parts", "split_widths", "slice_range", "index_items", "one_slice", "sliced_part", "narrow_index", "view_parts", "grouped", "groups_of", "group_counts", "whole_tail", "tail_of", "permutation", "rank_order",
            "view_groups", "VIEW_OPS",
            "local_shape", "ANY"]
 
@@ -123,6 +123,11 @@ def expanded_dims(src: tuple[int, ...], out_shape: tuple[int, ...]) -> list[int]
     of size 1 before), larger than 1."""
     lead = len(out_shape) - len(src)
     return [o for o, n in enumerate(out_shape) if n > 1 and (o < lead or src[o - lead] == 1)]
+
+
+def seq_dims(shape: tuple[int, ...], tp: int) -> list[int]:
+    """Dims an activation may be sharded on besides features (sequence parallel)."""
+    return [d for d in range(len(shape) - 1) if shape[d] % tp == 0 and shape[d] >= tp and d >= 1]
 
 
 def shard_dim(p: str) -> int | None:

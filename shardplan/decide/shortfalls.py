@@ -21,6 +21,7 @@ from .assemble import pattern_map, patterned, unused_modules
 from .placements import ANY, one_slice, shard_dim
 from .scatter import is_gather
 from .solve import Solution
+from .listed import listed_whole
 from .weights import read_elsewhere
 
 __all__ = ["plan_warnings"]
@@ -44,6 +45,8 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
         name = patterned(op.target, graph, pmap)[0]
         if op.module_kind == "other" and style == "replicate" and not router_like(module):
             out.append(f"{name}: {type(module).__name__} has no tensor-parallel style; replicated")
+        elif op.module_kind == "listed_heads" and style == "replicate":
+            out.append(f"{name}: {listed_whole(op, graph, module, tp)}")
         elif op.module_kind == "attention" and style == "replicate":
             out.append(f"{name}: {_whole_attention(graph, op, module, tp)}")
         elif op.module_kind == "attention" and (unread := _unread_weights(graph, op)):

@@ -69,8 +69,9 @@ from .folded import folded_module_twins, folded_values
 from .tails import tailed_colwise
 from .elementwise import scalar_elementwise_dims
 from .functional import functional_strategies
+from .listed import listed_strategies
 from .banks import bank_call
-from .placements import Strategy, group_counts, grouped, packed
+from .placements import Strategy, group_counts, grouped, packed, seq_dims
 
 __all__ = ["module_strategies", "STYLE_NAMES"]
 
@@ -88,23 +89,19 @@ STYLE_NAMES = (
     "moe_tp_experts",
     "attention_heads",
     "dtensor_weights",
+    "listed_heads",
     "replicate",
 )
 
 
-# a weight module's parameters, its children's included: only nn.MultiheadAttention has
-# children among weight modules (``out_proj``, read by its own call)
+# a weight module's parameters, its children's included: nn.MultiheadAttention's ``out_proj``
+# (read by its own call), a listed-heads module's heads and projection
 def _param_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def _weight_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters() if p.dim() >= 2)
-
-
-def _seq_dims(shape: tuple[int, ...], tp: int) -> list[int]:
-    """Dims an activation may be sharded on besides features (sequence parallel)."""
-    return [d for d in range(len(shape) - 1) if shape[d] % tp == 0 and shape[d] >= tp and d >= 1]
 
 
 def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[Strategy]:
@@ -131,6 +128,9 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
         found = _experts(op, graph, module, tp, sp)
     elif kind == "attention":
         found = _attention(op, graph, module, tp, sp)
+    elif kind == "listed_heads":
+        listed, flops = listed_strategies(op, graph, module, tp, sp)
+        found = [_replicate(op, graph, module, flops)] + listed
     elif kind == "other" and (functional := functional_strategies(op, graph, module, tp, sp))[1]:
         # its own code reads its weights in products (F.linear(x, self.wq)): run on DTensors
         found = [_replicate(op, graph, module, functional[1])] + functional[0]
@@ -230,14 +230,14 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
             "colwise_gather_output", ("R",), "R", fwd=(("all_gather", y.nbytes),), entry=("R",),
             layouts={"weight": col_w, "output": "R"}, **col,
         ))
-    for d in _seq_dims(x.shape, tp) if sp and n_out >= tp else []:
+    for d in seq_dims(x.shape, tp) if sp and n_out >= tp else []:
         out.append(Strategy(
             "colwise_gather_output", (f"S{d}",), "R", fwd=(("all_gather", y.nbytes),), entry=(f"S{d}",),
             layouts={"weight": col_w, "input": f"S{d}", "output": "R"}, **col,
         ))
     if n_out % tp == 0:
         out.append(Strategy("colwise", ("R",), f"S{last}", entry=("R",), layouts={"weight": col_w}, **col))
-        for d in _seq_dims(x.shape, tp) if sp else []:
+        for d in seq_dims(x.shape, tp) if sp else []:
             out.append(Strategy(
                 "colwise", (f"S{d}",), f"S{last}", entry=(f"S{d}",), layouts={"weight": col_w, "input": f"S{d}"}, **col,
             ))
@@ -253,23 +253,23 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
         out.append(Strategy(
             "packed_colwise", ("R",), packed(last, n), entry=("R",), layouts={"weight": w, "packed": parts}, **col,
         ))
-        for d in _seq_dims(x.shape, tp) if sp else []:  # a sequence-sharded input is all-gathered on entry
+        for d in seq_dims(x.shape, tp) if sp else []:  # a sequence-sharded input is all-gathered on entry
             out.append(Strategy(
                 "packed_colwise", (f"S{d}",), packed(last, n), entry=(f"S{d}",),
                 layouts={"weight": w, "packed": parts, "input": f"S{d}"}, **col,
             ))
     # k and v of fewer heads than ranks fused after the query heads: gathered where read
-    seq_in = [f"S{d}" for d in _seq_dims(x.shape, tp)] if sp else []
+    seq_in = [f"S{d}" for d in seq_dims(x.shape, tp)] if sp else []
     out += tailed_colwise(op, graph, tp, weight=col_w, inputs=["R", *seq_in], common=col)
     if n_in % tp == 0:
         out += _rowwise(x, y, module, pbytes, flops, tp, sp, row_w)
     if module_kind_of(module) == "linear":
-        seq = _seq_dims(x.shape, tp) if sp else []
+        seq = seq_dims(x.shape, tp) if sp else []
         out += kv_replicated_strategies(y, module, pbytes, flops, tp, heads=viewed_heads(op, graph, tp), seq_dims=seq)
     if under_partial_grad_owner(op.target.rpartition(".")[0], graph, tp) and module_kind_of(module) == "linear":
         out += partial_grad_linear_strategies(y, tp, col_w, col, n_out=n_out, pbytes=pbytes, flops=flops,
                                               grad_allreduces=_param_grad_allreduces(module),
-                                              seq=_seq_dims(x.shape, tp) if sp else [])
+                                              seq=seq_dims(x.shape, tp) if sp else [])
     return out
 
 
@@ -294,7 +294,7 @@ def _rowwise(x, y, module: nn.Module, pbytes: int, flops: float, tp: int, sp: bo
         # partial sums (a MoE block's routed experts) and reduce-scattered once where the
         # block returns (:mod:`.scatter`); backward, each rank receives the whole gradient
         out.append(Strategy("rowwise", (in_shard,), "P", act_bytes=y.nbytes, layouts={"weight": row_w, "output": "P"}, **row))
-    for d in _seq_dims(y.shape, tp) if sp else []:
+    for d in seq_dims(y.shape, tp) if sp else []:
         out.append(Strategy(
             "rowwise", (in_shard,), f"S{d}", fwd=(("reduce_scatter", y.nbytes),), bwd=(("all_gather", y.nbytes),),
             act_bytes=y.nbytes / tp, layouts={"weight": row_w, "output": f"S{d}"}, **row,
@@ -324,7 +324,7 @@ def _embedding(op: Op, graph: OpGraph, module: nn.Embedding, tp: int, sp: bool) 
             param_bytes=vocab_shard, act_bytes=y.nbytes, layouts={"weight": "S0"},
         ))
     if module.num_embeddings >= tp:  # the reduce-scatter cuts the sequence: an uneven vocabulary splits too
-        for d in _seq_dims(y.shape, tp) if sp else []:
+        for d in seq_dims(y.shape, tp) if sp else []:
             out.append(Strategy(
                 "embedding_rowwise", ins, f"S{d}", fwd=(("reduce_scatter", y.nbytes),), bwd=(("all_gather", y.nbytes),),
                 param_bytes=vocab_shard, act_bytes=y.nbytes / tp, layouts={"weight": "S0", "output": f"S{d}"},
@@ -346,7 +346,7 @@ def _sliced_replicate(op: Op, graph: OpGraph, module: nn.Module, tp: int) -> lis
     y = graph.values[op.output]
     base = _replicate(op, graph, module)
     # [s, h] (positions without a batch) slices dim 0; [b, s, h] the sequence dims, never the batch
-    dims = _seq_dims(y.shape, tp) if len(y.shape) > 2 else [0] if y.shape[0] % tp == 0 and y.shape[0] >= tp else []
+    dims = seq_dims(y.shape, tp) if len(y.shape) > 2 else [0] if y.shape[0] % tp == 0 and y.shape[0] >= tp else []
     return [
         replace(base, output=f"S{d}", bwd=(("all_gather", y.nbytes),), act_bytes=y.nbytes / tp,
                 layouts={"weight": "R", "output": f"S{d}"})
@@ -436,7 +436,7 @@ def _attention(op: Op, graph: OpGraph, module: nn.MultiheadAttention, tp: int, s
     out = [_replicate(op, graph, module, flops)]
     if module.num_heads % tp or not call.splittable:
         return out
-    out_dims = ["R"] + ([f"S{d}" for d in _seq_dims(y.shape, tp)] if sp else [])
+    out_dims = ["R"] + ([f"S{d}" for d in seq_dims(y.shape, tp)] if sp else [])
     in_dims = ["R"] + ([p for p in out_dims[1:] if call.shardable(graph, op, p, tp)])
     pbytes = _param_bytes(module)
     kept = module.out_proj.bias.numel() * module.out_proj.bias.element_size() if module.out_proj.bias is not None else 0
@@ -491,7 +491,7 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
                 param_bytes=pbytes, mem_bytes=2 * x.nbytes, act_bytes=x.nbytes / tp,
                 layouts={"weight": "R", "output": f"S{last}"},
             ))
-    for d in _seq_dims(x.shape, tp) if sp else []:
+    for d in seq_dims(x.shape, tp) if sp else []:
         # dim 1 of (batch, seq, hidden) is the sequence; a deeper dim is heads (q_norm/k_norm)
         name = "sequence_parallel" if d == 1 and len(x.shape) == 3 else "replicated_with_grad_allreduce"
         out.append(_on_shards(op, graph, module, d, tp, name=name))

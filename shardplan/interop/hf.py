@@ -68,7 +68,8 @@ STYLE_FAMILY: dict[str, str] = {
     "colwise_kv_replicated": "colwise",
     "colwise_kv_gathered": "colwise",
     "attention_heads": "colwise",  # shardplan's: nn.MultiheadAttention's packed in_proj by heads
-    "dtensor_weights": "colwise",  # shardplan's: a module's raw weights, its first products split by heads
+    "dtensor_weights": "colwise",
+    "listed_heads": "colwise",  # shardplan's: a list of head modules split whole over tp  # shardplan's: a module's raw weights, its first products split by heads
     "local_colwise": "colwise",
     "local_packed_colwise": "colwise",
     "embedding_colwise": "colwise",  # embedding table split on the hidden dim (output features)

@@ -34,12 +34,12 @@ __all__ = [
 STYLES = (
     "colwise", "rowwise", "colwise_gather_output", "colwise_kv_replicated", "colwise_kv_gathered", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
     "sequence_parallel", "replicated_with_grad_allreduce", "norm_sharded", "moe_tp_experts", "moe_whole_experts", "ep_experts", "attention_heads",
-    "dtensor_weights", "replicate",
+    "dtensor_weights", "listed_heads", "replicate",
 )
 Style = Literal[
     "colwise", "rowwise", "colwise_gather_output", "colwise_kv_replicated", "colwise_kv_gathered", "packed_colwise", "rowwise_split_input", "embedding_rowwise",
     "sequence_parallel", "replicated_with_grad_allreduce", "norm_sharded", "moe_tp_experts", "moe_whole_experts", "ep_experts", "attention_heads",
-    "dtensor_weights", "replicate",
+    "dtensor_weights", "listed_heads", "replicate",
 ]
 LAYOUT_RE = re.compile(r"^(Replicate|Partial|Shard\((-?\d+)\))$")
 MAX_TENSOR_DIMS = 8  # Shard(d) needs -8 <= d < 8: no activation or weight has more dims

@@ -115,6 +115,14 @@ def _owns_params(module: Any) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
 
+def _listed_count(module: Any) -> int:
+    """The number of head modules of a ``listed_heads`` module (0 for any other)."""
+    from ..analyze.trace import listed_heads
+
+    names = listed_heads(module)
+    return len(module.get_submodule(names[0])) if names else 0
+
+
 def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) -> list[str]:
     """A finding when the dim a style splits does not divide by tp (uneven-tolerant styles aside)."""
     if rule.style == "ep_experts":  # over ep, not tp: the plan and _expert_count_findings check it
@@ -135,6 +143,9 @@ def _divisibility(rule: Any, hits: list[str], modules: dict[str, Any], tp: int) 
         mod = modules[fqn]
         if rule.style == "attention_heads" and getattr(mod, "num_heads", tp) % tp:
             return [f"{fqn}: attention_heads splits its {mod.num_heads} heads, which tp={tp} does not divide; "
+                    "use replicate for it, or a tp that divides its heads"]
+        if rule.style == "listed_heads" and (n := _listed_count(mod)) % tp:
+            return [f"{fqn}: listed_heads splits its {n} head modules whole, which tp={tp} does not divide; "
                     "use replicate for it, or a tp that divides its heads"]
         weight, dim = weight_of(mod), sharded_dim(rule.style, mod)
         if weight is None or dim is None or dim >= weight.dim() or weight.shape[dim] % parts == 0:
@@ -194,6 +205,7 @@ _KINDS = {
     "ep_experts": {"experts"}, "moe_whole_experts": {"experts"},
     "attention_heads": {"attention"},
     "dtensor_weights": {"other"},
+    "listed_heads": {"listed_heads"},
 }
 
 
@@ -208,7 +220,11 @@ def _wrong_kind(rule: Any, hits: list[str], modules: dict[str, Any]) -> list[str
         mod = modules[fqn]
         if rule.style == "ep_experts" and _expert_list(mod):
             continue
-        if not _owns_params(mod) and rule.style != "replicate":
+        if rule.style == "listed_heads" and module_kind(mod) != "listed_heads":
+            bad.append(f"{fqn or '<root>'} ({type(mod).__name__}) is no list of head modules and a projection")
+        elif rule.style == "listed_heads":
+            continue
+        elif not _owns_params(mod) and rule.style != "replicate":
             bad.append(f"{fqn or '<root>'} ({type(mod).__name__}) owns no parameters")
         elif kinds is not None and _owns_params(mod) and module_kind(mod) not in kinds:
             bad.append(f"{fqn or '<root>'} is a {type(mod).__name__} ({module_kind(mod)}), which {rule.style} cannot split")
@@ -253,7 +269,7 @@ def _read_by_their_parent(covered: set[str], modules: dict[str, Any], dtensor_we
     ``out_proj``; the norms inside a ``dtensor_weights`` module): the parent's rule covers them."""
     from ..analyze.graph import module_kind
 
-    parents = [fqn for fqn in covered if module_kind(modules[fqn]) == "attention" or fqn in dtensor_weights]
+    parents = [fqn for fqn in covered if module_kind(modules[fqn]) in ("attention", "listed_heads") or fqn in dtensor_weights]
     return {f"{p}.{name}" for p in parents for name, _ in modules[p].named_modules() if name}
 
 

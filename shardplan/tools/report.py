@@ -67,6 +67,11 @@ def _shapes(plan: Plan, rule: Any, modules: list[tuple[str, Any]]) -> tuple[str,
     if rule.style == "ep_experts" and mod is not None and weight_of(mod) is None and hasattr(mod, "__len__"):
         # a list of expert modules, whole over ep
         return f"{len(mod)} experts", f"{len(mod) // plan.ep} experts"
+    if rule.style == "listed_heads" and mod is not None:
+        from ..analyze.trace import listed_heads  # torch is loaded: a model was given
+
+        n = len(mod.get_submodule(listed_heads(mod)[0]))  # a list of head modules, whole over tp
+        return f"{n} heads", f"{n // plan.tp} heads"
     if rule.style == "dtensor_weights" and mod is not None:
         return _dtensor_weights_shapes(plan, rule, mod)
     weight = None if mod is None else weight_of(mod)

@@ -1,6 +1,6 @@
-"""Spawn-importable workers for ``tests/test_raw_weights.py`` (no pytest here).
+"""Spawn-importable workers for ``tests/test_raw_weights.py`` and ``tests/test_listed_heads.py`` (no pytest here).
 
-``train_and_save`` (tp ranks): the raw-weights model from seed 0, sharded by the plan and
+``train_and_save`` (tp ranks): a model of :mod:`tests.portability` from seed 0, sharded by the plan and
 whole, two AdamW steps each on the same batch; returns both full state dicts after the
 steps and saves the sharded model with DCP. ``load_and_report`` (another tp): a model from
 another seed, sharded, loads that checkpoint; returns its full state dict and logits.
@@ -8,6 +8,7 @@ another seed, sharded, loads that checkpoint; returns its full state dict and lo
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -22,14 +23,21 @@ TOKENS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(
 
 
 def _model(builder: str, seed: int) -> torch.nn.Module:
+    """``builder``: a name in :mod:`tests.portability.raw_weights`, or ``module:name``."""
+    module, _, name = builder.rpartition(":")
     torch.manual_seed(seed)
-    return getattr(raw_weights, builder)()
+    return getattr(importlib.import_module(module) if module else raw_weights, name)()
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    out = model(TOKENS)
+    return out[0] if isinstance(out, tuple) else out  # (logits, loss) when no targets are given
 
 
 def _steps(model: torch.nn.Module, n: int = 2) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(n):
-        logits = model(TOKENS)
+        logits = _logits(model)
         torch.nn.functional.cross_entropy(logits.flatten(0, -2), TOKENS.roll(-1, dims=1).flatten()).backward()
         opt.step()
         opt.zero_grad()
@@ -56,5 +64,5 @@ def load_and_report(rank: int, world_size: int, builder: str, plan_yaml: str, fo
     dcp.load(state, checkpoint_id=folder)
     set_model_state_dict(model, state["model"])
     with torch.no_grad():
-        logits = model(TOKENS)
+        logits = _logits(model)
     return {"model": shardplan.full_state_dict(model), "logits": logits}
