@@ -495,12 +495,13 @@ def _getitem(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
         return [Strategy("", (p,), p) for p in _candidates(out_shape, tp) + ["P"] if p != "R"]
     src = _shape(graph, op.inputs[0])
     result = _packed_slice(op.node.args[1], src, tp) + _unequal_slice(op, graph, tp)
-    mapping = _index_dim_map(op.node.args[1], src)
+    mapping = _index_dim_map(op.node.args[1], src) or _gathered_dim_map(op.node.args[1], src)
     if mapping is None:
         return result
+    rest = ("R",) * (len(op.inputs) - 1)  # index tensors: whole on every rank
     for d, o in mapping.items():
         if src[d] % tp == 0 and src[d] >= tp and out_shape[o] == src[d]:
-            result.append(Strategy("", (f"S{d}",), f"S{o}"))
+            result.append(Strategy("", (f"S{d}",) + rest, f"S{o}"))
     return result
 
 
@@ -561,6 +562,22 @@ def _index_dim_map(index: Any, src_shape: tuple[int, ...]) -> dict[int, int] | N
     for rest in range(src, ndim):
         mapping[rest] = out + rest - src
     return mapping
+
+
+def _gathered_dim_map(index: Any, src_shape: tuple[int, ...]) -> dict[int, int] | None:
+    """One integer tensor index among ``:`` items (``table[idx]``, ``x[:, idx]``: Swin's
+    relative-position bias ``table[index.view(-1)]`` of a ``[positions, heads]`` table):
+    the indexed dim is replaced by the index's dims, every other dim keeps its shards
+    (each rank gathers the rows of its own columns, its heads' biases)."""
+    items = index_items(index, len(src_shape))
+    nodes = [i for i in items if isinstance(i, torch.fx.Node)]
+    val = nodes[0].meta.get("val") if len(nodes) == 1 else None
+    if not isinstance(val, torch.Tensor) or val.dtype not in (torch.int64, torch.int32) or len(items) > len(src_shape):
+        return None
+    at = next(k for k, i in enumerate(items) if i is nodes[0])
+    if any(not (isinstance(i, slice) and i == slice(None)) for k, i in enumerate(items) if k != at):
+        return None
+    return {d: d if d < at else d - 1 + val.dim() for d in range(len(src_shape)) if d != at}
 
 
 def _propagated(op: Op, graph: OpGraph, n: int, out_shape) -> list[Strategy]:
