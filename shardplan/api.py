@@ -269,7 +269,10 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 whole[exc.leaf] = _kept_whole(graph, exc.leaf, exc)
                 ctx.forced = {**ctx.forced, **_replicate_module(graph, exc.leaf)}
                 continue
-            if exc.module not in whole and _drop_sequence_parallel(graph, solution, ctx, exc):
+            # code between the blocks that hands a block a size read off sequence shards fails
+            # whether or not that block runs whole: only dropping sequence parallel helps
+            if (exc.module not in whole or isinstance(exc, OuterCodeError)) and _drop_sequence_parallel(
+                    graph, solution, ctx, exc):
                 # code that reads a size off a sequence-split tensor (``B, T, C = x.shape``
                 # before the norm gathers x; positions from the embedding's output) sees T / tp
                 where, said = (exc.module, str(exc).split(": ", 1)[1]) if exc.module is not None else (
@@ -389,7 +392,16 @@ def _after_exits(solution: Any) -> dict[int, str]:
 
 
 def _sequence_parallel(graph: OpGraph, solution: Any) -> bool:
-    return any(solution.strategies[op.index].name == "sequence_parallel" for op in graph.ops if op.kind == "module")
+    """Activations between modules are split along the sequence: a norm module on sequence
+    shards, or a weight module handing on or taking ``S(1)`` (OLMo's norms have no weights:
+    the embedding's reduce-scatter and the projections' gathers are all that show it)."""
+    from .decide.placements import shard_dim
+
+    def on_sequence(p: str | None, v: int | None) -> bool:
+        return bool(p) and shard_dim(p) == 1 and v in graph.values and len(graph.values[v].shape) >= 3
+
+    return any(s.name == "sequence_parallel" or any(on_sequence(p, v) for p, v in zip((s.output, *s.inputs), (op.output, *op.inputs)))
+               for op in graph.ops if op.kind == "module" for s in [solution.strategies[op.index]])
 
 
 def _drop_sequence_parallel(graph: OpGraph, solution: Any, ctx: SolveContext, exc: LocalShapeError) -> bool:
@@ -398,8 +410,8 @@ def _drop_sequence_parallel(graph: OpGraph, solution: Any, ctx: SolveContext, ex
     (``True``), code between the blocks that cannot take sequence shards is an error."""
     if ctx.opts is None or ctx.opts.sequence_parallel is False:
         return False
-    if not _sequence_parallel(graph, solution):
-        return False
+    if not _sequence_parallel(graph, solution) and not isinstance(exc, OuterCodeError):
+        return False  # (a value the code between the blocks hands on may be cut onto sequence shards alone)
     if ctx.opts.sequence_parallel is True:
         if exc.module is None:
             raise PlanningError(f"sequence_parallel=True: {exc}. Use sequence_parallel=None (--sequence-parallel auto) "

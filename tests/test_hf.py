@@ -625,3 +625,32 @@ def test_layers_that_take_different_styles_under_one_name_are_not_exported() -> 
            for r in rules if r.module.endswith("q_proj")]
     with pytest.raises(ValueError, match=r"model\.layers\.\*\.self_attn\.q_proj: layers of this stack take different styles"):
         plan.model_copy(update={"rules": rules + odd}).to_hf_tp_plan()
+
+
+@pytest.mark.parametrize("tp, seq", [(2, 16), (8, 2048)])
+def test_rope_made_before_the_layers_is_not_cut_along_the_sequence(tp: int, seq: int) -> None:
+    """Gemma 3 makes one RoPE table per layer type in ``model.rotary_emb``, called once before
+    the layers. Cutting its positions along the sequence there (an inner cut, as an ALiBi bias
+    made in an attention's own code is cut to its heads) handed every layer sequence shards
+    its plan reads whole; the local check then ran the layers whole, attention included.
+    Values made outside every layer are cut where a layer receives them, not where made."""
+    from shardplan.tools.sources import resolve_model
+
+    model, inputs, _ = resolve_model("hf:gemma3_text", device="meta", batch_size=2, seq_len=seq)
+    plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=inputs, explain=False)
+    styles = plan.module_styles()
+    assert (styles["model.layers.0.self_attn.q_proj"], styles["model.layers.0.self_attn.o_proj"]) == ("colwise", "rowwise")
+    assert not [w for w in plan.warnings if "whole" in w or "skipped" in w], plan.warnings
+
+
+@pytest.mark.parametrize("model_type", ["olmo", "gemma3_text"])
+def test_sequence_parallel_beside_weightless_norms_and_rope_before_the_layers_matches_on_gloo(model_type: str) -> None:
+    """OLMo's norms have no weights, so no norm module shows the sequence split: the
+    embedding's reduce-scatter does, and the mask made from its output must be handed on as a
+    DTensor (global sizes), as for norms with weights. Gemma 3's RoPE tables stay whole."""
+    result = verify(f"hf-tiny:{model_type}", nproc=2, seq_len=16, timeout_s=300, sequence_parallel=True)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    styles = result.plan.module_styles()
+    assert (styles["model.layers.0.self_attn.q_proj"], styles["model.embed_tokens"]) == ("colwise", "embedding_rowwise")
+    assert next(r for r in result.plan.rules if r.module == "model.embed_tokens").output_layouts == "Shard(1)"
+    assert not result.plan.warnings, result.plan.warnings

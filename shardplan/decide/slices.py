@@ -113,7 +113,7 @@ def inner_cut_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[
     (no gradient, no module receiving it) and cut it there. Not under the export front end,
     whose ops are ATen's, not the calls the module's code makes."""
     if (op.kind != "function" or not op.owner or graph.traced.front_end == "export" or metadata_only(op)
-            or _holds_layers(graph, op.owner)):
+            or _holds_layers(graph, op.owner) or _between_layers(graph, op.owner)):
         return []
     entries = slice_entries(graph)
     slots = []
@@ -126,11 +126,18 @@ def inner_cut_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[
     return entry_twins(strategies, slots, reads="R", arrow="~")
 
 
-def _holds_layers(graph: OpGraph, fqn: str) -> bool:
-    """``fqn`` holds layers of a stack (children of a ``ModuleList`` or the like): the code
-    between them (MPT's model body making the ALiBi bias for every block) is checked around
-    the blocks, not run as one with them, so a cut there could not be found; the bias is cut
-    where each block receives it instead."""
+def _between_layers(graph: OpGraph, fqn: str) -> bool:
+    """``fqn`` runs outside every layer of a model that has a stack of them (Hugging Face's
+    ``model.rotary_emb``, called once before the layers): its output reaches every layer, and
+    a cut made there (the positions along the sequence) would hand each layer shards of a
+    value the layer's own plan reads whole; a bias made there is cut where each layer
+    receives it (:func:`slice_twins`)."""
+    layers = _stack_layers(graph)
+    return bool(layers) and not any(_inside(fqn, layer) for layer in layers)
+
+
+def _stack_layers(graph: OpGraph) -> tuple[str, ...]:
+    """The children of every ``ModuleList`` (or the like) that are blocks, not weight leaves."""
     layers = graph.strategy_cache.get("stack layers")
     if layers is None:
         containers = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -138,7 +145,15 @@ def _holds_layers(graph: OpGraph, fqn: str) -> bool:
             f"{name}.{child}" if name else child for name, m in graph.model.named_modules()
             if isinstance(m, containers) for child, c in m.named_children()
             if any(True for _ in c.parameters()) and not is_weight_leaf(c))  # a block, not to_out's Linear
-    return any(_inside(layer, fqn) and layer != fqn for layer in layers)
+    return layers
+
+
+def _holds_layers(graph: OpGraph, fqn: str) -> bool:
+    """``fqn`` holds layers of a stack (children of a ``ModuleList`` or the like): the code
+    between them (MPT's model body making the ALiBi bias for every block) is checked around
+    the blocks, not run as one with them, so a cut there could not be found; the bias is cut
+    where each block receives it instead."""
+    return any(_inside(layer, fqn) and layer != fqn for layer in _stack_layers(graph))
 
 
 def inner_cuts(graph: OpGraph, chosen: dict[int, Strategy]) -> dict[str, list[InnerCut]]:
