@@ -654,3 +654,27 @@ def test_sequence_parallel_beside_weightless_norms_and_rope_before_the_layers_ma
     assert (styles["model.layers.0.self_attn.q_proj"], styles["model.embed_tokens"]) == ("colwise", "embedding_rowwise")
     assert next(r for r in result.plan.rules if r.module == "model.embed_tokens").output_layouts == "Shard(1)"
     assert not result.plan.warnings, result.plan.warnings
+
+
+@pytest.mark.parametrize("model_type, tp, seq", [("qwen3", 2, 16), ("qwen3", 8, 2048), ("gemma4_text", 2, 16),
+                                                 ("gemma4_text", 8, 2048)])
+@pytest.mark.parametrize("sequence_parallel", [None, False])
+def test_per_head_norms_keep_attention_split_by_heads_without_sequence_parallel(
+        model_type: str, tp: int, seq: int, sequence_parallel: bool | None) -> None:
+    """A q_norm/k_norm over each head's features (Qwen 3, Gemma 4) runs on the rank's heads
+    whether or not sequence parallel is on. Its split was offered only with sequence parallel,
+    so ``sequence_parallel=False`` (or auto dropping it: Gemma 4) ran every attention whole."""
+    from shardplan.tools.sources import resolve_model
+
+    model, inputs, _ = resolve_model(f"hf:{model_type}", device="meta", batch_size=2, seq_len=seq)
+    plan = shardplan.plan_model(model, {"tp": tp}, example_inputs=inputs, explain=False,
+                                sequence_parallel=sequence_parallel)
+    styles = {m.rpartition(".")[2]: s for m, s in plan.module_styles().items() if ".layers.0.self_attn." in m}
+    assert (styles["q_proj"], styles["q_norm"], styles["o_proj"]) == ("colwise", "replicated_with_grad_allreduce", "rowwise")
+    assert not [w for w in plan.warnings if "attention runs whole" in w], plan.warnings
+
+
+def test_per_head_norms_without_sequence_parallel_match_one_process_on_gloo() -> None:
+    result = verify("hf-tiny:qwen3", nproc=2, seq_len=16, timeout_s=300, sequence_parallel=False)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    assert result.plan.module_styles()["model.layers.0.self_attn.q_norm"] == "replicated_with_grad_allreduce"

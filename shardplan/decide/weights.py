@@ -491,8 +491,9 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
                 param_bytes=pbytes, mem_bytes=2 * x.nbytes, act_bytes=x.nbytes / tp,
                 layouts={"weight": "R", "output": f"S{last}"},
             ))
-    for d in seq_dims(x.shape, tp) if sp else []:
-        # dim 1 of (batch, seq, hidden) is the sequence; a deeper dim is heads (q_norm/k_norm)
+    for d in seq_dims(x.shape, tp) if sp or len(x.shape) >= 4 else []:
+        # dim 1 of (batch, seq, hidden) is the sequence; a deeper dim is heads (q_norm/k_norm),
+        # split with them whether or not sequence parallel was asked for
         name = "sequence_parallel" if d == 1 and len(x.shape) == 3 else "replicated_with_grad_allreduce"
         out.append(_on_shards(op, graph, module, d, tp, name=name))
     for k in sorted(folded_values(graph, tp).get(op.inputs[0], ())) if sp and len(x.shape) == 2 else []:
