@@ -400,8 +400,12 @@ def _sequence_parallel(graph: OpGraph, solution: Any) -> bool:
     def on_sequence(p: str | None, v: int | None) -> bool:
         return bool(p) and shard_dim(p) == 1 and v in graph.values and len(graph.values[v].shape) >= 3
 
-    return any(s.name == "sequence_parallel" or any(on_sequence(p, v) for p, v in zip((s.output, *s.inputs), (op.output, *op.inputs)))
-               for op in graph.ops if op.kind == "module" for s in [solution.strategies[op.index]])
+    for op in (op for op in graph.ops if op.kind == "module"):
+        s = solution.strategies[op.index]
+        if s.name == "sequence_parallel" or any(on_sequence(p, v) for p, v in zip((s.output, *s.inputs),
+                                                                                   (op.output, *op.inputs))):
+            return True
+    return False
 
 
 def _drop_sequence_parallel(graph: OpGraph, solution: Any, ctx: SolveContext, exc: LocalShapeError) -> bool:

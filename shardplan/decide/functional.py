@@ -53,7 +53,7 @@ from .dtensor_run import ReplicateBeside, Recorded, probe_mesh
 from .placements import Strategy
 from .propagation import quiet_probes
 
-__all__ = ["functional_strategies", "functional_placements"]
+__all__ = ["functional_strategies", "functional_placements", "call_signature", "meta_args", "params_on_meta"]
 
 _PRODUCTS = frozenset({"linear", "matmul", "mm", "bmm", "__matmul__", "__rmatmul__", "einsum"})
 _PERMUTES = frozenset({"t", "transpose", "permute", "swapaxes", "swapdims", "movedim"})
@@ -185,7 +185,7 @@ def _einsum_dims(args: tuple, weight: torch.Tensor, *, second: bool) -> list[int
     return (contracted if second else kept) + batch
 
 
-def _meta_args(op: Op) -> tuple[tuple, dict]:
+def meta_args(op: Op) -> tuple[tuple, dict]:
     def meta(a: Any) -> Any:
         if isinstance(a, torch.fx.Node):
             val = a.meta.get("val")
@@ -195,7 +195,7 @@ def _meta_args(op: Op) -> tuple[tuple, dict]:
     return tree_map(meta, tuple(op.node.args)), tree_map(meta, dict(op.node.kwargs))
 
 
-def _on_meta(module: nn.Module, make: Any) -> dict[str, nn.Parameter]:
+def params_on_meta(module: nn.Module, make: Any) -> dict[str, nn.Parameter]:
     """Every parameter of ``module`` (its norm children's too) replaced by ``make(name, p)``,
     every buffer by a meta copy; the caller holds :func:`preserved`, which puts them back."""
     made = {}
@@ -222,9 +222,9 @@ def functional_placements(op: Op, module: nn.Module, tp: int,
 
     if tp < 2 or not any(p.dim() >= 2 for p in module.parameters()):
         return None
-    args, kwargs = _meta_args(op)
+    args, kwargs = meta_args(op)
     with preserved(module), torch.no_grad():
-        made = _on_meta(module, lambda _, p: nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
+        made = params_on_meta(module, lambda _, p: nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
         reads = _Reads({id(p): n for n, p in made.items()}, tp)
         if split is not None:
             reads.level[id(args[0])] = 1
@@ -268,7 +268,7 @@ def _dtensor_output(op: Op, module: nn.Module, placements: dict[str, str], tp: i
     args, kwargs = _dtensor_args(op, mesh, split)
     fwd, bwd = Recorded(tp), Recorded(tp)
     with preserved(module), torch.enable_grad():
-        made = _on_meta(module, lambda n, p: nn.Parameter(_placed(p, placements[n], mesh), requires_grad=p.requires_grad))
+        made = params_on_meta(module, lambda n, p: nn.Parameter(_placed(p, placements[n], mesh), requires_grad=p.requires_grad))
         try:
             with implicit_replication(), ReplicateBeside(mesh):
                 with fwd:
@@ -311,7 +311,7 @@ def _dtensor_args(op: Op, mesh: Any, split: int | None) -> tuple[tuple, dict]:
         d = _placed(a, placement, mesh).detach()
         return d.requires_grad_() if a.is_floating_point() else d
 
-    args, kwargs = _meta_args(op)
+    args, kwargs = meta_args(op)
     first = leaf(args[0], f"S{split}" if split is not None else "R")
     args, kwargs = tree_map_only(torch.Tensor, leaf, (args[1:], kwargs))
     return (first,) + tuple(args), kwargs
@@ -330,7 +330,7 @@ def functional_strategies(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp
     found, flops = [], 0.0
     x = graph.values[op.inputs[0]].shape
     for split in [None] + [d for d in range(2, len(x)) if x[d] % tp == 0 and x[d] >= tp]:
-        key = ("functional", module_signature(module), _call_signature(op), tp, split)
+        key = ("functional", module_signature(module), call_signature(op), tp, split)
         if key not in graph.strategy_cache:  # alike blocks a ModuleList holds as leaves run once
             with quiet_probes():
                 graph.strategy_cache[key] = _runs(op, module, tp, split)
@@ -353,7 +353,7 @@ def _runs(op: Op, module: nn.Module, tp: int, split: int | None) -> tuple[list[t
     return valid, flops
 
 
-def _call_signature(op: Op) -> str:
+def call_signature(op: Op) -> str:
     """The call's arguments by shape, dtype and constant value: equal, the same run."""
     def one(a: Any) -> Any:
         val = a.meta.get("val") if isinstance(a, torch.fx.Node) else a

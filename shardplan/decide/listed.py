@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from ..analyze.graph import Op, OpGraph
 from ..analyze.snapshot import preserved
 from ..analyze.trace import listed_heads, module_signature
-from .functional import _call_signature, _meta_args, _on_meta
+from .functional import call_signature, meta_args, params_on_meta
 from .placements import Strategy, seq_dims
 
 __all__ = ["ListedCall", "listed_call", "listed_strategies", "listed_whole"]
@@ -107,7 +107,7 @@ def listed_call(module: nn.Module, args: tuple, kwargs: dict) -> ListedCall | st
     calls: list[tuple[tuple, Any]] = []
     seen: dict[str, Any] = {}
     with preserved(module), torch.no_grad():
-        _on_meta(module, lambda _, p: nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
+        params_on_meta(module, lambda _, p: nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
         flow = _Flow()
 
         def enter(_module: nn.Module, _args: tuple) -> None:
@@ -157,9 +157,9 @@ def _misfit(calls: list, n: int, args: tuple, kwargs: dict, flow: _Flow, seen: d
 
 
 def _cached_call(op: Op, graph: OpGraph, module: nn.Module) -> ListedCall | str:
-    key = ("listed", module_signature(module), _call_signature(op))
+    key = ("listed", module_signature(module), call_signature(op))
     if key not in graph.strategy_cache:  # alike blocks are checked once
-        args, kwargs = _meta_args(op)
+        args, kwargs = meta_args(op)
         graph.strategy_cache[key] = listed_call(module, args, kwargs)
     return graph.strategy_cache[key]
 
