@@ -66,3 +66,11 @@ def load_and_report(rank: int, world_size: int, builder: str, plan_yaml: str, fo
     with torch.no_grad():
         logits = _logits(model)
     return {"model": shardplan.full_state_dict(model), "logits": logits}
+
+
+def load_safetensors(rank: int, world_size: int, builder: str, plan_yaml: str, path: str) -> dict[str, Any]:
+    """A model from another seed, sharded, reads the unsharded safetensors file at ``path``
+    (``load_checkpoint``: each rank its own slices and heads); returns its full state dict."""
+    model = _sharded(builder, 1, world_size, plan_yaml)
+    shardplan.load_checkpoint(model, path)
+    return {"model": shardplan.full_state_dict(model)}

@@ -157,3 +157,21 @@ def test_hugging_face_tp_plan_refuses_it_in_one_line() -> None:
     model = _meta(listed_heads.lecture_gpt)
     with pytest.raises(ValueError, match="style 'listed_heads' has no Hugging Face tp_plan counterpart"):
         _plan(model, 2).to_hf_tp_plan(model)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_load_checkpoint_reads_each_ranks_heads_from_safetensors(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    from shardplan.tools.launch import run_on_gloo
+    from tests import _train_save_workers as w
+
+    torch.manual_seed(0)
+    whole = listed_heads.lecture_gpt()
+    state = {k: v.contiguous() for k, v in whole.state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    plan = _plan(listed_heads.lecture_gpt(), 2).to_yaml()
+    got = run_on_gloo(w.load_safetensors, world_size=2, timeout_s=240,
+                      args=(f"{_SPEC}:lecture_gpt", plan, str(tmp_path / "model.safetensors")))[0]["model"]
+    assert sorted(got) == sorted(state)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
