@@ -212,7 +212,7 @@ def gather_listed_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dic
             out[key] = value
         elif not any(k.startswith(f"{prefix}.") for k in out):
             owners = _owners(lists[prefix])
-            device = _held_device(lists[prefix])  # the group's device (NCCL sends no CPU tensor)
+            device = _held_param(lists[prefix]).device  # the group's device (NCCL sends no CPU tensor)
             for position, (name, expert) in enumerate(lists[prefix]._modules.items()):
                 for k, shape, dtype in _state_of(expert):
                     full = f"{prefix}.{name}.{k}"
@@ -230,10 +230,10 @@ def _owners(module: nn.Module) -> Owners | None:
     return owners if isinstance(owners, Owners) else None
 
 
-def _held_device(modules: nn.Module) -> torch.device:
-    """The device of the first parameter this rank holds in the list."""
-    p = next(m for m in modules._modules.values() if not isinstance(m, RemoteExpert)).parameters().__next__()
-    return (p.to_local() if hasattr(p, "to_local") else p).device
+def _held_param(modules: nn.Module) -> torch.Tensor:
+    """The local tensor of the first parameter this rank holds in the list."""
+    p = next(next(m for m in modules._modules.values() if not isinstance(m, RemoteExpert)).parameters())
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _state_of(expert: nn.Module) -> list[tuple[str, tuple, torch.dtype]]:
@@ -328,8 +328,7 @@ def _exchange_calls(d: _Dispatch) -> list[torch.Tensor]:
 
 
 def _param_kind(d: _Dispatch) -> dict[str, Any]:
-    p = next(nth(d.experts, d.first).parameters())
-    local = p.to_local() if hasattr(p, "to_local") else p
+    local = _held_param(d.experts)
     return {"dtype": local.dtype, "device": local.device}
 
 
