@@ -38,24 +38,26 @@ def test_an_embedding_whose_forward_fails_on_its_shards_is_kept_whole() -> None:
     assert "own forward fails on its shards" in note and "custom_leaves.py" in note
 
 
-def test_a_weight_read_by_code_outside_its_module_is_kept_whole() -> None:
+def test_a_weight_read_by_code_outside_its_module_is_split_by_rows() -> None:
+    """torchtune's ``TiedLinear`` computes with the embedding's weight: the table is split by
+    vocabulary rows, and that code computes each rank's vocabulary (:mod:`shardplan.decide.tied`)."""
     plan = _plan(tied=True)
-    assert plan.module_styles()["embed"] == "replicate" and plan.rule_for("embed").read_outside
-    assert any("other code reads its weight as a plain tensor" in w for w in plan.warnings), plan.warnings
+    assert plan.module_styles()["embed"] == "embedding_rowwise" and plan.rule_for("embed").read_outside
+    assert not [w for w in plan.warnings if w.startswith("embed:")], plan.warnings
 
 
-def test_pinning_a_split_style_on_a_weight_read_outside_says_why_it_cannot() -> None:
+def test_pinning_a_split_the_reader_cannot_run_on_says_why() -> None:
     with torch.device("meta"):
         model = LocalEmbeddingLM(tied=True)
-    with pytest.raises(ValueError, match="other code reads its weight as a plain tensor"):
-        shardplan.price_styles(model, {"tp": 2}, {"embed": "embedding_rowwise"}, example_inputs=TOKENS)
+    with pytest.raises(ValueError, match="other code reads its weight as a tensor too"):
+        shardplan.price_styles(model, {"tp": 2}, {"embed": "colwise"}, example_inputs=TOKENS)
 
 
 def test_a_weight_read_outside_its_module_matches_one_process_on_gloo() -> None:
     """torchtune's TiedLinear, a plain object, computes with the embedding's weight in the
-    root's forward: that weight is its local tensor for the whole forward."""
+    root's forward: on each rank's vocabulary rows, the logits gathered."""
     result = verify("tests.portability.custom_leaves:tied_lm", nproc=2, timeout_s=240)
-    assert result.plan.rule_for("embed").read_outside
+    assert result.plan.rule_for("embed").read_outside and result.plan.module_styles()["embed"] == "embedding_rowwise"
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
 
 

@@ -47,9 +47,10 @@ from .head_styles import (
     ReplicatePartialGrad, RowwisePartialSums,
 )
 from .packed_colwise import PackedColwise
+from .tied_style import tied_reads
 from .styles import (
     AsLinear, Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, LocalVocabParallel, MoEExpertsParallel,
-    ReplicateParallel, combine, local_during_forward, placement, runs_on_local_tensors,
+    ReplicateParallel, SharedInput, combine, local_during_forward, placement, runs_on_local_tensors,
 )
 
 __all__ = [
@@ -168,8 +169,8 @@ def _region_style(region: Region) -> ParallelStyle:
         layouts = [None] * region.num_inputs
         wanted = [None] * region.num_inputs
         layouts[region.input], wanted[region.input] = layout, desired
-        return PrepareModuleInput(input_layouts=tuple(layouts), desired_input_layouts=tuple(wanted),
-                                  use_local_output=region.use_local_output)
+        return SharedInput(input_layouts=tuple(layouts), desired_input_layouts=tuple(wanted),
+                           use_local_output=region.use_local_output)
     return PrepareModuleInput(
         input_kwarg_layouts={region.input: layout}, desired_input_kwarg_layouts={region.input: desired},
         use_local_output=region.use_local_output,
@@ -374,6 +375,12 @@ def _local_replica(rule, module: nn.Module) -> bool:
     return rule.style == "replicate" and not rule.partial_grads and not rule.param_layouts and runs_on_local_tensors(module)
 
 
+def _params_of(model: nn.Module, plan: Plan, which) -> list[str]:
+    """The own parameters of the modules whose rule ``which(rule, fqn)`` picks."""
+    return [f"{fqn}.{n}" if fqn else n for rule in plan.rules for fqn in expand_pattern(rule.module, plan.model.repeats)
+            if which(rule, fqn) for n, _ in model.get_submodule(fqn).named_parameters(recurse=False)]
+
+
 def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
     """The thin loop itself: ``parallelize_module`` with the plan's styles, output regions,
     re-tied weights, gradient hooks. No checks and no exchange between ranks; on a meta
@@ -389,12 +396,13 @@ def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
     parallelize_module(model, mesh, to_parallelize_plan(plan, model))
     set_local_attributes(model, plan)
     install_local_views(model, plan, rank=mesh.get_local_rank())
-    read_outside = [f"{fqn}.{n}" if fqn else n for rule in plan.rules
-                    for fqn in expand_pattern(rule.module, plan.model.repeats)
-                    if rule.read_outside or _local_replica(rule, model.get_submodule(fqn))
-                    for n, _ in model.get_submodule(fqn).named_parameters(recurse=False)]
+    read_outside = _params_of(model, plan, lambda rule, fqn: rule.style == "replicate" and (
+        rule.read_outside or _local_replica(rule, model.get_submodule(fqn))))
     if read_outside:  # the code that reads them runs in the root's forward, outside any style
         local_during_forward(model, read_outside)
+    split_reads = _params_of(model, plan, lambda rule, fqn: rule.read_outside and rule.style != "replicate")
+    if split_reads:  # a split weight read outside its module (a tied head): that code runs on DTensors
+        tied_reads(model, split_reads, mesh)
     # output regions hook in after the module's own style has turned its output local
     outputs = {r.module: _region_style(r) for r in plan.regions if r.input == "output" and not r.use_local_output}
     for rule in plan.rules:

@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -474,6 +474,31 @@ class _LocalLookup(TorchFunctionMode):
 
 def _local_padding(padding: int | None, offset: int, rows: int) -> int | None:
     return padding - offset if padding is not None and offset <= padding < offset + rows else None
+
+
+class SharedInput(PrepareModuleInput):
+    """``PrepareModuleInput`` for a region whose value the module receives in more than one
+    slot (torchtune's ``self.attn(h, h, mask=...)``: x for q, y for k and v): every slot
+    holding that same tensor gets the one DTensor, so the Partial gradients of q, k and v
+    add up there and one all-reduce closes the region, not one per slot."""
+
+    def _prepare_input_fn(self, inputs, device_mesh):
+        raw = inputs if isinstance(inputs, tuple) else (inputs,)
+        prepared = super()._prepare_input_fn(inputs, device_mesh)
+        return _share_slots(raw, prepared, self.input_layouts)
+
+    def _prepare_input_kwarg_fn(self, inputs, kwarg_inputs, device_mesh):
+        args, kwargs = super()._prepare_input_kwarg_fn(inputs, kwarg_inputs, device_mesh)
+        raw = inputs if isinstance(inputs, tuple) else (inputs,)
+        args = _share_slots(raw, args, self.input_layouts)
+        converted = {id(a): p for a, p, lay in zip(raw, args, self.input_layouts or ()) if lay is not None}
+        return args, {k: converted.get(id(v), kwargs[k]) if isinstance(v, torch.Tensor) else kwargs[k]
+                      for k, v in kwarg_inputs.items()}
+
+
+def _share_slots(raw: tuple, prepared: tuple, layouts) -> tuple:
+    converted = {id(a): p for a, p, lay in zip(raw, prepared, layouts or ()) if lay is not None and isinstance(a, torch.Tensor)}
+    return tuple(converted.get(id(a), p) if isinstance(a, torch.Tensor) else p for a, p in zip(raw, prepared))
 
 
 class CopyOutput(ParallelStyle):

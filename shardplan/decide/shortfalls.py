@@ -55,8 +55,9 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
             shapes = [list(p.shape) for p in module.parameters(recurse=False) if p.dim() >= 2]
             sliced = (solution.strategies[op.index].output or "").startswith("S")
             why = ("kept whole, its output sliced along the sequence instead (sequence parallel)" if sliced
-                   else "other code reads its weight as a plain tensor (a tied weight used outside the module), "
-                        "so it stays whole" if op.target in read_elsewhere(graph)
+                   else "other code reads its weight as a tensor too (a tied head: `F.linear(x, emb.weight)`) and "
+                        f"no split of it that code can run on divides evenly at tp={tp}, so it stays whole"
+                   if op.target in read_elsewhere(graph)
                    else "replicated for speed within the memory budget" if budget
                    else f"no style splits it evenly at tp={tp}")
             out.append(f"{name}: weight {shapes[0] if len(shapes) == 1 else shapes} not sharded: {why}")

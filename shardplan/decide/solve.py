@@ -40,6 +40,7 @@ from .slices import is_inner_cut, is_slice, slice_rows
 from .placements import ANY, shard_dim
 from .strategies import MATMUL, Strategy, op_strategies
 from .weights import read_elsewhere
+from .tied import weight_read_elsewhere
 
 __all__ = ["SolveContext", "Solution", "solve", "PlanningError", "strategy_time", "comm_time", "work_time", "upkeep_time",
            "BUCKETED_GRAD_STYLES"]
@@ -401,6 +402,12 @@ def _tied_rows(prog: _Program, rows, lo, hi) -> None:
         if op.kind == "module":
             for p in graph.model.get_submodule(op.target).parameters(recurse=False):
                 owners.setdefault(id(p), []).append(op.index)
+    for op in graph.ops:  # a module's weight read as a tensor outside it takes the module's layout
+        if op.kind == "const" and weight_read_elsewhere(graph, op) is not None:
+            owner, _, name = op.target.rpartition(".")
+            param = graph.model.get_submodule(owner)._parameters.get(name)
+            if param is not None and id(param) in owners:
+                owners[id(param)].append(op.index)
     for ops in owners.values():
         for a, b in zip(ops, ops[1:]):
             if a != b:
@@ -511,7 +518,10 @@ def solve(graph: OpGraph, ctx: SolveContext) -> Solution:
         if x is None:
             raise PlanningError(_budget_message(b, memory, ctx))
     if x is None:
-        raise PlanningError(f"no valid tensor-parallel plan at tp={ctx.tp}; try a smaller tp")
+        tied = [op for op in graph.ops if op.kind == "module" and op.target in read_elsewhere(graph)
+                and ctx.forced.get(op.index) not in (None, "replicate")]
+        raise PlanningError(_no_strategy_message(tied[0], ctx, graph) if tied
+                            else f"no valid tensor-parallel plan at tp={ctx.tp}; try a smaller tp")
     return _solution(m.prog, x, m.time, m.params, memory)
 
 
@@ -579,8 +589,9 @@ def _no_strategy_message(op: Op, ctx: SolveContext, graph: OpGraph) -> str:
         return (f"{op.target!r} cannot take style {forced[0]!r} with layouts {forced[1]} at tp={ctx.tp}: no strategy "
                 "of that style has them (or a dimension it splits does not divide)")
     if forced and op.kind == "module" and op.target in read_elsewhere(graph):
-        return (f"{op.target!r} cannot take style {forced!r}: other code reads its weight as a plain tensor (a tied "
-                "weight used outside the module), so it stays whole; pin it to 'replicate' or drop the pin")
+        return (f"{op.target!r} cannot take style {forced!r}: other code reads its weight as a tensor too (a tied "
+                "head) and cannot run on that split of it; pin a style that splits the rows that code keeps "
+                "(an embedding's 'embedding_rowwise'), 'replicate', or drop the pin")
     if forced == "moe_whole_experts" and op.kind == "module" and op.module_kind == "experts":
         return (f"{op.target!r} cannot take style 'moe_whole_experts' at tp={ctx.tp}: that style takes a bank of E "
                 f"experts, E divisible by {ctx.tp}, called with its routing (hidden, top_k_index, top_k_weights), with "

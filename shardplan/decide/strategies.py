@@ -37,6 +37,7 @@ import torch.fx
 from ..analyze.graph import LIKE_OPS, Op, OpGraph, grad_inputs
 
 from .folded import folded_factory_strategies, folded_values, folded_variants, folded_view_strategies, rank_order_twins
+from .tied import tied_product_twins, weight_read_elsewhere
 from .heads import grouped_conversions, grouped_values, grouped_variants, partial_grad_twins, under_partial_grad_owner
 from .placements import (
     ANY, VIEW_OPS, Strategy, chunk_count, expanded_dims, groups_of, index_items, local_shape, narrow_index, packed, permutation,
@@ -89,6 +90,8 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
 
     if op.kind == "const" and op.output is not None and _container_param(graph, op.target) is not None:
         return _container_param_strategies(op, graph, tp)
+    if op.kind == "const" and op.output is not None and weight_read_elsewhere(graph, op) is not None:
+        return [Strategy("", (), p, layouts={"weight": p}) for p in _candidates(_shape(graph, op.output), tp)]
     if op.kind in ("input", "const"):
         return [Strategy("", (), "R")]
     if op.kind == "output":
@@ -208,15 +211,19 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
         strategies += scatter_twins(op, graph, strategies)  # a partial sum reduce-scattered where its module returns
         strategies += cut_twins(op, graph, strategies)  # a whole value cut where its module returns
         strategies += gather_twins(op, graph, strategies, tp)  # a sequence shard gathered where its module receives it
+    # a tied head's vocabulary rows, its logits gathered; its whole input is a region's entry,
+    # whose gradient that entry sums (so no partial gradient is left behind)
+    tied = tied_product_twins(op, graph, strategies)
+    strategies += tied
     seen: set[tuple] = set()
     result = []
     flops = _sdpa_flops(op, graph) if name == "scaled_dot_product_attention" else 0.0
     for s in strategies:
         key = (s.inputs, s.output, s.entry)
-        if key not in seen and len(s.inputs) == len(op.inputs) and not _partial_gradient(op, graph, s):
+        if key not in seen and len(s.inputs) == len(op.inputs) and (s in tied or not _partial_gradient(op, graph, s)):
             seen.add(key)
             factor = _share(s.output, out_shape, tp)
-            result.append(Strategy(s.name, s.inputs, s.output, entry=s.entry, mem_bytes=mem / factor, flops=flops / factor,
+            result.append(Strategy(s.name, s.inputs, s.output, fwd=s.fwd if s in tied else (), entry=s.entry, mem_bytes=mem / factor, flops=flops / factor,
                                    act_bytes=graph.values[op.output].nbytes / factor))
     return result
 

@@ -109,8 +109,6 @@ def module_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> l
     sp_opt = getattr(opts, "sequence_parallel", None)
     sp = sp_opt is not False
     kind = op.module_kind
-    if op.target in read_elsewhere(graph):
-        kind = "read elsewhere"  # its weight is also read as a plain tensor outside it: kept whole
     if kind in ("linear", "conv1d") and len(op.inputs) == 1:
         found = _linear(op, graph, module, tp, sp)
         found += folded_module_twins(op, graph, tp, found) if sp and kind == "linear" else []
