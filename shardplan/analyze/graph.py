@@ -393,8 +393,8 @@ def _set_requires_grad(graph: OpGraph) -> None:
             # ``out[:, t] = y`` with y needing one (RWKV's zeros_like filled step by step): the
             # tensor written into needs a gradient from here on, for every reader after it
             graph.requires_grad.add(op.inputs[0])
-        if op.output is None:
-            continue
+        if op.output is None or (op.node is not None and op.node.meta.get("shardplan_no_grad")):
+            continue  # (an op the model's own code runs under ``torch.no_grad()`` carries none)
         trainable = (op.kind in ("module", "folded") and any(
             p.requires_grad for p in graph.model.get_submodule(op.target).parameters()
         )) or (op.kind == "const" and _trainable_attribute(graph.model, op.target))

@@ -277,6 +277,8 @@ class _ShardTracer(MetaTracer):
             return rv
         rv = torch.fx.Tracer.create_proxy(self, kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         rv.node.meta["shardplan_frames"] = frames
+        if not torch.is_grad_enabled():
+            rv.node.meta["shardplan_no_grad"] = True
         if kind == "placeholder":
             if target in self.meta_args:
                 rv.install_tensor_meta(self.meta_args[target])
@@ -641,7 +643,10 @@ def trace_model(
     tracer.examples.inputs = {k: v for k, v in named.items() if k in meta_args and not holds_tensor(v, meta=True)}
     _cache_device_constructors()
     try:
-        with _mask_checks_take_proxies(), nonzero_at_upper_bound():
+        # grad on while tracing, whatever the caller's mode: a node made with it off ran under
+        # the model's own ``torch.no_grad()`` (HRM's recurrent steps but the last), and no
+        # gradient flows through it
+        with _mask_checks_take_proxies(), nonzero_at_upper_bound(), torch.enable_grad():
             graph = tracer.trace(root, meta_args)
     except TraceError:
         raise

@@ -93,6 +93,8 @@ def entry_events(graph: OpGraph, e: Entry) -> Counter:
     times = e.num_collectives * graph.ops[e.consumers[0]].multiplicity
     # no gradient flows into model inputs, nor into a value only an argmax reads
     needs_grad = e.value in graph.requires_grad and e.value in graph.grad_reaches
+    reached = {c for c in e.consumers if graph.ops[c].output is None or graph.ops[c].output in graph.grad_reaches}
+    back = e.gradient_collectives(reached) * graph.ops[e.consumers[0]].multiplicity
     if is_gather(e.kind):  # gathered where its module receives it; the whole gradient sliced back
         events[("forward", "all_gather", n, 0)] += times
     elif is_scatter(e.kind):  # Partial -> Shard(seq) where the module returns; its gradient all-gathered back
@@ -102,12 +104,12 @@ def entry_events(graph: OpGraph, e: Entry) -> Counter:
     elif is_cut(e.kind):  # a whole value cut where its module returns; its gradient all-gathered back
         if needs_grad:
             events[("backward", "all_gather", n, 0)] += times
-    elif e.kind == "R" and needs_grad:  # Partial input gradient -> Replicate
-        events[("backward", "all_reduce", n, 0)] += times
+    elif e.kind == "R" and needs_grad and back:  # Partial input gradient -> Replicate
+        events[("backward", "all_reduce", n, 0)] += back
     elif e.kind != "R" and e.num_collectives:  # Shard(seq) -> Replicate on entry; its gradient reduce-scattered back
         events[("forward", "all_gather", n, 0)] += times
-        if needs_grad:
-            events[("backward", "reduce_scatter", n, 0)] += times
+        if needs_grad and back:
+            events[("backward", "reduce_scatter", n, 0)] += back
     return events
 
 

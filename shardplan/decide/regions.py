@@ -63,6 +63,17 @@ class Entry:
         grouped = sum(len(c) for _, c in self.sites)
         return len(self.sites) + len(self.consumers) - grouped
 
+    def gradient_collectives(self, reached: frozenset[int] | set[int]) -> int:
+        """The collectives that sum this value's gradient in backward: as
+        :attr:`num_collectives`, counting only regions and consumers a gradient comes back
+        through (``reached``: op indices; DeepSeek V3.2's indexer reads the layer's input for
+        top-k indices only, so its projections hand back none)."""
+        if is_slice(self.kind) or is_gather(self.kind) or is_scatter(self.kind) or is_cut(self.kind):
+            return self.num_collectives
+        grouped = {c for _, cs in self.sites for c in cs}
+        sites = sum(1 for _, cs in self.sites if any(c in reached for c in cs))
+        return sites + sum(1 for c in self.consumers if c not in grouped and c in reached)
+
 
 def _inside(fqn: str, module: str) -> bool:
     return module == "" or fqn == module or fqn.startswith(module + ".")

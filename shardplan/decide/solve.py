@@ -230,9 +230,9 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
                 entry = s.entry[slot] if slot < len(s.entry) else None
                 if entry and (value, entry) not in prog.entry_of:
                     prog.entry_of[(value, entry)] = prog.num_vars
+                    needs_grad = value in graph.requires_grad and value in graph.grad_reaches
                     prog.entry_cost[(value, entry)] = entry_time(
-                        entry, graph.values[value].nbytes, ctx, needs_grad=value in graph.requires_grad
-                    ) * op.multiplicity
+                        entry, graph.values[value].nbytes, ctx, needs_grad=needs_grad) * op.multiplicity
                     prog.num_vars += 1
     for options in strategies.values():
         for group in (g for s in options for g in _buckets(s, ctx)):
