@@ -348,9 +348,10 @@ def test_tiny_tp_matches_unsharded_on_gloo(family: Family, gloo_results) -> None
     print(f"\n{family.id}: " + "  ".join(f"{c}={r0[c]['max_abs']:.1e}" for c in workers.CATEGORIES))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "mixtral", "gpt_oss", "ministral"])
 def test_hf_tiny_specs_simulate_with_the_predicted_collectives(model_type, capsys):
-    """hf-tiny:<type> builds the type's own classes at TINY sizes, so simulate runs them."""
+    """hf-tiny:<type> builds the type's own classes at TINY sizes, so simulate runs them
+    (Ministral's default config leaves ``head_dim`` unset, which its attention reads as given)."""
     from shardplan.cli import main
 
     assert main(["simulate", f"hf-tiny:{model_type}", "--mesh", "tp=2"]) == 0

@@ -37,13 +37,14 @@ __all__ = ["tied_reads"]
 class _TiedReads(TorchFunctionMode):
     def __init__(self, model: nn.Module, paths: list[str], mesh) -> None:
         super().__init__()
-        self.model, self.paths, self.mesh = model, paths, mesh
+        self.mesh = mesh
+        self.owners = [(model.get_submodule(p.rpartition(".")[0]), p.rpartition(".")[2]) for p in paths]
         self.derived: dict[int, weakref.ref] = {}  # id -> the tied DTensor an op made of tied values
         self.inside = 0  # > 0 while an owning module's own forward runs
 
     def _tied(self, flat: list[Any]) -> list[bool]:
         # looked up on each call: FSDP swaps a parameter for its unsharded copy around forward
-        params = {id(self.model.get_parameter(p)) for p in self.paths}
+        params = {id(owner._parameters.get(name)) for owner, name in self.owners}
         return [isinstance(a, DTensor) and (id(a) in params or self._derived(a)) for a in flat]
 
     def _derived(self, a: DTensor) -> bool:

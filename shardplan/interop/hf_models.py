@@ -198,8 +198,10 @@ def shrink_config(config: Any, sizes: Mapping[str, int] = TINY) -> Any:
             if not _has(config, name):
                 continue
             current = getattr(config, name, None)
-            if current is None and key in ("kv_heads", "head_dim", "intermediate"):
+            if current is None and key in ("kv_heads", "intermediate"):
                 continue  # derived from the others when unset
+            # an unset head_dim is set: the tiny one equals hidden / heads, what a model that
+            # derives it computes, and Ministral's and HunYuan's attention read it as given
             if isinstance(current, (list, tuple)) and key in ("image", "patch"):
                 _set(config, name, type(current)([sizes[key]] * len(current)))
             elif not isinstance(current, bool) and (current is None or isinstance(current, int)):
