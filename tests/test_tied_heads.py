@@ -42,6 +42,19 @@ def test_the_table_is_split_by_vocabulary_and_counts_match(build, tp: int) -> No
     assert counted.counted["forward"]["all_gather"] >= 1
 
 
+def test_an_attention_given_one_value_in_two_slots_sums_its_gradient_once() -> None:
+    """torchtune calls ``self.attn(h, h, ...)`` (x for q, y for k and v): the region gives both
+    slots the one DTensor, so q's, k's and v's input gradients add up there and one all-reduce
+    sums them; before, y stayed plain and k and v each all-reduced their own (2 more per layer)."""
+    model = tied_heads.tune_llama3_2(tied=False)
+    plan = _plan(model, 2)
+    assert any(r.module == "layers.*.attn" and r.num_inputs == 2 for r in plan.regions), plan.regions
+    counted = simulate(model, plan, (_TOKENS,))
+    assert counted.matches, f"counted {dict(counted.counted)} != predicted {counted.predicted}"
+    # one per attention, one per MLP, one for the head: 2 layers
+    assert counted.counted["backward"]["all_reduce"] == 5
+
+
 def test_at_llama_3_2_1b_width_the_table_is_one_tp_th_per_rank() -> None:
     with torch.device("meta"):  # Llama 3.2 1B's vocabulary and width (its RoPE cache is not built on meta)
         model = tied_heads.LinearTiedGPT(vocab_size=128256, dim=2048, n_head=32, n_layer=2, block_size=2048)

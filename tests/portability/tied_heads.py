@@ -85,7 +85,7 @@ def odd_vocab_gpt():
     return LinearTiedGPT(vocab_size=251)
 
 
-def tune_llama3_2(vocab_size=256, dim=64, n_head=4, n_kv=2, n_layer=2):
+def tune_llama3_2(vocab_size=256, dim=64, n_head=4, n_kv=2, n_layer=2, tied=True):
     """torchtune's Llama 3.2 (its 1B and 3B tie the output to the embedding with ``TiedLinear``)."""
     from benchmarks.ecosystem import shim_torchtune
 
@@ -94,4 +94,4 @@ def tune_llama3_2(vocab_size=256, dim=64, n_head=4, n_kv=2, n_layer=2):
 
     with torch.device("cpu"):  # its scaled RoPE builds its cache off meta only
         return llama3_2(vocab_size=vocab_size, num_layers=n_layer, num_heads=n_head, num_kv_heads=n_kv, embed_dim=dim,
-                        max_seq_len=64, intermediate_dim=2 * dim, tie_word_embeddings=True)
+                        max_seq_len=64, intermediate_dim=2 * dim, tie_word_embeddings=tied)
