@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import types
 from collections import Counter
 from typing import Any, Callable, Collection, Iterator
 
@@ -147,9 +148,30 @@ def renamed_plan(plan: Plan, names: Callable[[str], list[str]]) -> Plan:
 
 
 def _meta_copy(module: nn.Module) -> nn.Module:
-    clone = copy.deepcopy(module, _state_memo(module)) if all(p.is_meta for p in module.parameters()) else \
-        copy.deepcopy(module, _state_memo(module)).to("meta")
-    return clone
+    memo = _state_memo(module)
+    clone = copy.deepcopy(module, memo)
+    _rebind_closures(clone, memo)
+    return clone if all(p.is_meta for p in clone.parameters()) else clone.to("meta")
+
+
+def _rebind_closures(clone: nn.Module, memo: dict[int, Any]) -> None:
+    """A function kept as a module attribute that closes over the module's own children
+    (minGPT: ``self.mlpf = lambda x: m.dropout(m.c_proj(m.act(m.c_fc(x))))``) is copied as the
+    same function, still calling the original's modules; the copy's gets cells holding the
+    copied modules instead, so the check runs the copy's code on the copy."""
+    for mod in clone.modules():
+        for name, fn in list(vars(mod).items()):
+            cells = getattr(fn, "__closure__", None) if isinstance(fn, types.FunctionType) else None
+            if cells and any(id(_cell(c)) in memo for c in cells):
+                new = tuple(types.CellType(memo.get(id(_cell(c)), _cell(c))) for c in cells)
+                setattr(mod, name, types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, new))
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def _state_memo(module: nn.Module) -> dict[int, Any]:
