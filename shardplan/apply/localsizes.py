@@ -134,8 +134,10 @@ def _attribute_candidates(graph: OpGraph, placements: dict[int, str], fqn: str,
     # a count the plan splits (heads: the sharded dim of the viewed q); first those that are
     # never a size it keeps whole (head_dim: rewriting it instead would also run, on wrong
     # heads), then those that also are one (2 kv heads beside a batch of 2, 16 heads of 16),
-    # for which the view check alone decides; the module's own before its config's
-    counts = sorted((k for k, v in ints.items() if v in split and v % split[v] == 0), key=lambda k: (k.startswith("config."), k))
+    # for which the view check alone decides; the module's own before its config's and its
+    # children's
+    counts = sorted((k for k, v in ints.items() if v in split and v % split[v] == 0),
+                    key=lambda k: (k.startswith("config."), "." in k, k))
     clean = [k for k in counts if ints[k] not in whole]
     return (clean + [k for k in counts if k not in clean])[:_MAX_ATTRIBUTE_CANDIDATES], ints, split
 

@@ -534,14 +534,24 @@ def _parameter_specs(model):
 
 
 def int_attributes(module) -> dict[str, int]:
-    """The integer attributes a module's code may size tensors by: its own (``self.num_heads``)
-    and those of the config object it keeps (``self.config.num_attention_heads``, as phi3's
-    attention reads), spelled ``config.<name>``."""
-    found = {k: v for k, v in vars(module).items() if type(v) is int and not k.startswith("_")}
+    """The integer attributes a module's code may size tensors by: its own (``self.num_heads``),
+    those of the config object it keeps (``self.config.num_attention_heads``, as phi3's
+    attention reads), spelled ``config.<name>``, and its submodules' own, spelled
+    ``<child path>.<name>``: Meta's Llama reference code calls ``self.attention.forward(...)``
+    from the block, so the block is where its views are checked and run."""
+    found = _own_ints(module)
     config = vars(module).get("config")
     if config is not None and not hasattr(config, "_parameters") and hasattr(config, "__dict__"):
         found.update((f"config.{k}", v) for k, v in vars(config).items() if type(v) is int and not k.startswith("_"))
+    for path, sub in module.named_modules():
+        # not a leaf that owns weights: a Linear's in_features sizes its own weight, not the code
+        if path and not (sub._parameters and not sub._modules):
+            found.update((f"{path}.{k}", v) for k, v in _own_ints(sub).items())
     return found
+
+
+def _own_ints(module) -> dict[str, int]:
+    return {k: v for k, v in vars(module).items() if type(v) is int and not k.startswith("_")}
 
 
 def set_int_attribute(module, name: str, value: int) -> None:
@@ -557,4 +567,4 @@ def set_int_attribute(module, name: str, value: int) -> None:
             module._shardplan_own_config = True
         setattr(module.config, attr, value)
     else:
-        setattr(module, attr, value)
+        setattr(module.get_submodule(owner) if owner else module, attr, value)
