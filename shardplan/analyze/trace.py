@@ -707,11 +707,13 @@ def _strip_root(graph: torch.fx.Graph, model: nn.Module, tracer: _ShardTracer) -
         for k, v in tracer.calls.items()
         if k == "m" or k.startswith("m.")
     }
-    # a copy is folded only where it is called as one module: a container that is never called
-    # (lucidrains' ``for norm, attn, norm2, ff in self.layers`` over ModuleLists) has each of
-    # its children traced on its own, so the copy stands for nothing
+    # a copy whose children were traced one by one is no folded copy: a container that is never
+    # called (lucidrains' ``for norm, attn, norm2, ff in self.layers`` over ModuleLists) has
+    # each child traced on its own, and folding it too gave them two rules. A copy never
+    # called at all (an expert the example leaves idle) stays folded: planned as its neighbours
     called = {node.target for node in graph.nodes if node.op == "call_module"}
-    folded = {k[2:]: v[2:] for k, v in tracer.folded.items() if k[2:] in called}
+    folded = {k[2:]: v[2:] for k, v in tracer.folded.items()
+              if k[2:] in called or not any(c.startswith(k[2:] + ".") for c in called)}
     for node in graph.nodes:  # tensors fx captured as constants (sliced buffers, rope tables)
         if node.op == "get_attr" and "val" not in node.meta:
             node.meta["val"] = _to_meta(getattr(tracer.root, node.target, None))
