@@ -162,8 +162,9 @@ def _rebind_closures(clone: nn.Module, memo: dict[int, Any]) -> None:
     for mod in clone.modules():
         for name, fn in list(vars(mod).items()):
             cells = getattr(fn, "__closure__", None) if isinstance(fn, types.FunctionType) else None
-            if cells and any(id(_cell(c)) in memo for c in cells):
-                new = tuple(types.CellType(memo.get(id(_cell(c)), _cell(c))) for c in cells)
+            held = [_cell(c) for c in cells or ()]
+            if any(id(h) in memo for h in held):
+                new = tuple(types.CellType(memo.get(id(h), h)) for h in held)
                 setattr(mod, name, types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, new))
 
 

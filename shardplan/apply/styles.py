@@ -485,20 +485,20 @@ class SharedInput(PrepareModuleInput):
     def _prepare_input_fn(self, inputs, device_mesh):
         raw = inputs if isinstance(inputs, tuple) else (inputs,)
         prepared = super()._prepare_input_fn(inputs, device_mesh)
-        return _share_slots(raw, prepared, self.input_layouts)
+        converted = _converted(raw, prepared, self.input_layouts)
+        return tuple(converted.get(id(a), p) for a, p in zip(raw, prepared))
 
     def _prepare_input_kwarg_fn(self, inputs, kwarg_inputs, device_mesh):
         args, kwargs = super()._prepare_input_kwarg_fn(inputs, kwarg_inputs, device_mesh)
         raw = inputs if isinstance(inputs, tuple) else (inputs,)
-        args = _share_slots(raw, args, self.input_layouts)
-        converted = {id(a): p for a, p, lay in zip(raw, args, self.input_layouts or ()) if lay is not None}
-        return args, {k: converted.get(id(v), kwargs[k]) if isinstance(v, torch.Tensor) else kwargs[k]
-                      for k, v in kwarg_inputs.items()}
+        converted = _converted(raw, args, self.input_layouts)
+        return (tuple(converted.get(id(a), p) for a, p in zip(raw, args)),
+                {k: converted.get(id(v), kwargs[k]) for k, v in kwarg_inputs.items()})
 
 
-def _share_slots(raw: tuple, prepared: tuple, layouts) -> tuple:
-    converted = {id(a): p for a, p, lay in zip(raw, prepared, layouts or ()) if lay is not None and isinstance(a, torch.Tensor)}
-    return tuple(converted.get(id(a), p) if isinstance(a, torch.Tensor) else p for a, p in zip(raw, prepared))
+def _converted(raw: tuple, prepared: tuple, layouts) -> dict[int, Any]:
+    """id of each tensor a slot with a layout held -> what that slot was prepared into."""
+    return {id(a): p for a, p, lay in zip(raw, prepared, layouts or ()) if lay is not None and isinstance(a, torch.Tensor)}
 
 
 class CopyOutput(ParallelStyle):

@@ -213,17 +213,17 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
         strategies += gather_twins(op, graph, strategies, tp)  # a sequence shard gathered where its module receives it
     # a tied head's vocabulary rows, its logits gathered; its whole input is a region's entry,
     # whose gradient that entry sums (so no partial gradient is left behind)
-    tied = tied_product_twins(op, graph, strategies)
-    strategies += tied
+    tied = {id(s): s for s in tied_product_twins(op, graph, strategies)}
+    strategies += tied.values()
     seen: set[tuple] = set()
     result = []
     flops = _sdpa_flops(op, graph) if name == "scaled_dot_product_attention" else 0.0
     for s in strategies:
         key = (s.inputs, s.output, s.entry)
-        if key not in seen and len(s.inputs) == len(op.inputs) and (s in tied or not _partial_gradient(op, graph, s)):
+        if key not in seen and len(s.inputs) == len(op.inputs) and (id(s) in tied or not _partial_gradient(op, graph, s)):
             seen.add(key)
             factor = _share(s.output, out_shape, tp)
-            result.append(Strategy(s.name, s.inputs, s.output, fwd=s.fwd if s in tied else (), entry=s.entry, mem_bytes=mem / factor, flops=flops / factor,
+            result.append(Strategy(s.name, s.inputs, s.output, fwd=s.fwd if id(s) in tied else (), entry=s.entry, mem_bytes=mem / factor, flops=flops / factor,
                                    act_bytes=graph.values[op.output].nbytes / factor))
     return result
 

@@ -18,7 +18,7 @@ reads it runs on that split, Megatron's vocab-parallel head:
   after it reads whole logits: a loss, a softcap), so the product's output is ``R`` with a
   forward all-gather.
 
-The apply stage runs the read on DTensors (:class:`~shardplan.apply.tied_style.TiedReads`).
+The apply stage runs the read on DTensors (:func:`~shardplan.apply.tied_style.tied_reads`).
 """
 
 from __future__ import annotations
