@@ -61,3 +61,23 @@ def test_planning_leaves_the_lambda_calling_the_models_own_modules() -> None:
 def test_matches_one_process_on_gloo(builder: str) -> None:
     result = verify(builder, nproc=2, timeout_s=300)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_mingpt_nested_in_a_module_dict_takes_sequence_parallel() -> None:
+    """The final norm sits in ``transformer`` beside the layers, so the check stands it in and
+    reads the placement of the last (folded) layer's output: a folded copy's outputs are placed
+    as its representative's (they were read as whole, and ``sequence_parallel=True`` raised)."""
+    torch.manual_seed(0)
+    model = mingpt.Model()
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=(_TOKENS,), sequence_parallel=True, explain=False)
+    norms = {m: s for m, s in plan.module_styles().items() if m.split(".")[-1] in ("ln_1", "ln_2", "ln_f")}
+    assert len(norms) == 5 and set(norms.values()) == {"sequence_parallel"}, norms
+    assert not plan.warnings, plan.warnings
+    counted = simulate(model, plan, (_TOKENS,))
+    assert counted.matches, f"counted {dict(counted.counted)} != predicted {counted.predicted}"
+
+
+def test_mingpt_under_sequence_parallel_matches_one_process_on_gloo() -> None:
+    result = verify("tests.portability.mingpt:Model", nproc=2, timeout_s=300, sequence_parallel=True)
+    assert result.plan.module_styles()["transformer.ln_f"] == "sequence_parallel"
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

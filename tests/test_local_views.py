@@ -97,3 +97,35 @@ def test_local_views_round_trip_and_are_checked(tmp_path) -> None:
     text = path.read_text().replace("parts: 2", "parts: 1", 1)
     with pytest.raises(PlanFileError, match="parts"):
         shardplan.Plan.from_yaml(text)
+
+
+class _SequenceViews(nn.Module):
+    """``x``: a gathered ``[b, s, c / 2]`` (whole sequence, half the heads); ``t``: the length
+    the code read off its sequence shard (s / 2)."""
+
+    def forward(self, x, t):
+        b = x.shape[0]
+        kept = x.view(b, 2 * t, x.shape[-1])
+        heads = x.view(b, t, 4, 2)  # as many elements as x: it runs, on the wrong rows
+        inferred = x.view(b, t, -1, 2)
+        return kept, heads, inferred
+
+
+def test_a_view_sized_by_a_length_read_off_a_sequence_shard_is_fixed_by_its_call() -> None:
+    holder = nn.Sequential(_SequenceViews())
+    fixes = [ViewFix(dim=2, parts=2, call=1, seq_dim=1, seq_parts=2), ViewFix(dim=2, parts=1, call=2, seq_dim=1, seq_parts=2)]
+    plan = _views_plan(fixes)
+    install_local_views(holder, plan)
+    x = torch.arange(2 * 8 * 4.0).view(2, 8, 4)
+    kept, heads, inferred = holder[0](x, 4)
+    assert kept.shape == (2, 8, 4) and heads.shape == (2, 8, 2, 2) and inferred.shape == (2, 8, 2, 2)
+    assert torch.equal(heads, x.view(2, 8, 2, 2)) and torch.equal(inferred, heads)
+    data = plan.to_data()["local_views"][0]["fixes"]
+    assert data[0] == {"dim": 2, "parts": 2, "call": 1, "seq_dim": 1, "seq_parts": 2}
+    assert shardplan.Plan.from_yaml(plan.to_yaml()).local_views == plan.local_views
+    plain = _views_plan([ViewFix(dim=2, parts=2)]).to_data()["local_views"][0]["fixes"]
+    assert plain == [{"dim": 2, "parts": 2}]  # files without sequence fixes do not mention them
+    with pytest.raises(ValueError, match="go together"):
+        ViewFix(dim=2, parts=2, call=1)
+    with pytest.raises(ValueError, match="at least 2"):
+        ViewFix(dim=2, parts=1)

@@ -50,10 +50,50 @@ def test_inline_block_with_heads_tp_does_not_divide_says_so() -> None:
     assert any("6 groups (heads)" in w and "tp=4 does not divide" in w for w in plan.warnings), plan.warnings
 
 
-def test_sizes_read_off_a_sequence_split_input_drop_sequence_parallel_not_the_heads() -> None:
+def test_sizes_read_off_a_sequence_split_input_keep_sequence_parallel_and_the_heads() -> None:
     """At seq 2048 the cost model puts the residual on sequence shards; ``B, T, D = x.shape``
-    then reads T / tp. The block keeps its heads split and runs on whole sequences."""
+    then reads T / tp, and ``q.view(B, T, H, D // H)`` of the gathered q holds as many
+    elements as its tensor (it regroups rows, it does not fail). Each such view is named by
+    its call and given the whole length back: the norms stay on sequence shards, the heads split."""
     plan = _plan(natural.inline, 2, seq=2048)
+    styles = _block_styles(plan, "blocks.0.")
+    assert {k: styles[k] for k in SPLIT_BY_HEADS} == SPLIT_BY_HEADS, plan.warnings
+    assert styles["ln1"] == styles["ln2"] == plan.module_styles()["ln"] == "sequence_parallel", styles
+    fixes = plan.local_views[0].fixes
+    assert [(f.call, f.seq_dim, f.seq_parts) for f in fixes] == [(i, 1, 2) for i in range(4)], fixes
+    assert not plan.warnings, plan.warnings
+
+
+@pytest.mark.parametrize(("builder", "tp"), [
+    (natural.inline, 2), (natural.inline_list, 4), (natural.inline_functional, 2), (natural.inline_mqa, 2),
+    (natural.inline_mqa, 4),
+])
+def test_inline_blocks_take_sequence_parallel_when_asked(builder, tp: int) -> None:
+    torch.manual_seed(0)
+    plan = _sp_plan(builder, tp, sequence_parallel=True)
+    styles = plan.module_styles()
+    norms = {m: s for m, s in styles.items() if m.rpartition(".")[2] in ("ln1", "ln2", "norm1", "norm2", "ln")}
+    assert set(norms.values()) == {"sequence_parallel"}, norms
+    attention = _block_styles(plan, "blocks.0.")
+    assert attention.get("qkv", attention.get("q")) in ("packed_colwise", "colwise"), attention
+    assert attention.get("proj", attention.get("o")) == "rowwise", attention
+    result = simulate(builder(), plan, (torch.randint(0, 256, (2, 16)),))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
+@pytest.mark.parametrize("spec", ["tests.portability.natural:inline", "tests.portability.natural:inline_mqa"])
+def test_inline_blocks_under_sequence_parallel_match_one_process_on_gloo(spec: str) -> None:
+    result = verify(spec, nproc=2, timeout_s=300, sequence_parallel=True)
+    assert result.plan.module_styles()["blocks.0.ln1" if spec.endswith(":inline") else "blocks.0.norm1"] == (
+        "sequence_parallel"), result.plan.warnings
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_a_mask_cut_by_a_length_read_off_sequence_shards_drops_sequence_parallel_not_the_heads() -> None:
+    """nanoGPT's path without flash cuts its causal buffer by ``T`` (``bias[:, :, :T, :T]``):
+    on sequence shards that is T / tp rows of the mask beside whole-sequence scores. No view
+    fix reaches it; sequence parallel is dropped and the warning names the block and file."""
+    plan = _plan(natural.inline_mask, 2, seq=2048)
     styles = _block_styles(plan, "blocks.0.")
     assert {k: styles[k] for k in SPLIT_BY_HEADS} == SPLIT_BY_HEADS, plan.warnings
     assert "sequence_parallel" not in plan.module_styles().values()

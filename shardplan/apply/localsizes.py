@@ -162,13 +162,30 @@ def _discover_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn:
     cuts = _expected_cuts(graph, placements, fqn, plan.tp)
     found: list[tuple[list[ViewFix], list[CutFix], list[SliceFix]]] = []
 
+    seq_parts = plan.tp if _reads_sequence_shards(graph, placements, fqn) else None
+    seq_expected = [local_shape(graph.values[op.output].shape, placements.get(op.output, "R"), plan.tp)
+                    for op in _view_ops(graph, placements, fqn, plan.tp) if op.owner == fqn] if seq_parts else []
+
     def prepare(block: nn.Module, inner: str) -> contextlib.AbstractContextManager:
-        found.append(discover_fixes(block.get_submodule(inner), expected, cuts, reads))
+        found.append(discover_fixes(block.get_submodule(inner), expected, cuts, reads, seq_parts=seq_parts,
+                                    seq_expected=seq_expected))
         return contextlib.nullcontext()
 
-    if expected or reads or any(c is not None for c in cuts):
+    if expected or seq_expected or reads or any(c is not None for c in cuts):
         _run_view_target(graph, plan, placements, fqn, mesh, prepare)
     return found[0] if found else ([], [], [])
+
+
+def _reads_sequence_shards(graph: OpGraph, placements: dict[int, str], fqn: str) -> bool:
+    """``fqn`` is handed an activation on sequence shards (``S(1)`` of a 3-d or larger
+    value): a length its code reads off it (``B, T, C = x.shape``) is 1/tp of the sequence."""
+    calls = graph.traced.calls.get(graph.traced.folded.get(fqn, fqn)) or []
+    for call in calls[:1]:
+        for node in list(call.args) + list(call.kwargs.values()):
+            v = getattr(node, "meta", {}).get("shardplan_op") if hasattr(node, "meta") else None
+            if v in graph.values and len(graph.values[v].shape) >= 3 and shard_dim(placements.get(v, "R")) == 1:
+                return True
+    return False
 
 
 def _expected_cuts(graph: OpGraph, placements: dict[int, str], fqn: str, tp: int) -> list[Any]:
@@ -221,12 +238,20 @@ def _cut_dim(name: str, op: Any, ndim: int) -> int | None:
 
 
 def _views_why(fixes: list[ViewFix], cuts: list[CutFix], slices: list[SliceFix] = ()) -> str:
-    dims = ", ".join([f"dim {f.dim} / {f.parts}" for f in fixes] + [f"cut {c.call} / {c.parts}" for c in cuts])
+    dims = ", ".join([_fix_said(f) for f in fixes] + [f"cut {c.call} / {c.parts}" for c in cuts])
     said = [f"its code sizes views by a width read off a whole tensor; on a shard: {dims}"] if dims else []
+    if any(f.seq_dim is not None for f in fixes):
+        said.append("and by a length read off its sequence-split input, which the gathered tensors hold whole")
     if slices:
         calls = ", ".join(f"{f.function} call {f.call} input {f.input} dim {f.dim}" for f in slices)
         said.append(f"its code makes a whole value read beside split ones, cut to this rank's part where read: {calls}")
     return "; ".join(said)
+
+
+def _fix_said(f: ViewFix) -> str:
+    if f.seq_dim is None:
+        return f"dim {f.dim} / {f.parts}"
+    return f"view {f.call}: dim {f.seq_dim} x {f.seq_parts}" + (f", dim {f.dim} / {f.parts}" if f.parts > 1 else "")
 
 
 def _attribute_why(ints: dict[str, int], values: dict[str, int], split: dict[int, int], tp: int) -> str:

@@ -29,6 +29,8 @@ attribute holds ``C`` for :class:`~shardplan.plan.model.LocalAttributes` to make
 from __future__ import annotations
 
 import math
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +46,9 @@ VIEW_FUNCTIONS = frozenset({"view", "reshape"})
 
 # (index among the failing views, requested sizes, elements held) -> the fix, or None
 Chooser = Callable[[int, list[int], int], "ViewFix | None"]
+# (index among all the views, requested sizes, elements held) -> a fix by a length read off a
+# sequence shard (:class:`ViewFix` with ``seq_dim``), or None
+SeqChooser = Callable[[int, list[int], int], "ViewFix | None"]
 # (index among the module's cuts, the cut's numbers) -> parts, or None
 CutChooser = Callable[[int, list[int]], "int | None"]
 # (function, index among its calls, its tensor arguments) -> (argument, dim, parts) to cut, or None
@@ -52,14 +57,17 @@ SliceChooser = Callable[[str, int, list[torch.Tensor]], "tuple[int, int, int] | 
 
 class _FixViews(TorchFunctionMode):
     def __init__(self, choose: Chooser, choose_cut: CutChooser, choose_slice: SliceChooser | None = None,
-                 rank: int = 0) -> None:
+                 rank: int = 0, choose_seq: SeqChooser | None = None) -> None:
         super().__init__()
         self.choose, self.choose_cut, self.choose_slice, self.rank = choose, choose_cut, choose_slice, rank
-        self.failing = self.cuts = 0
+        self.choose_seq = choose_seq
+        self.failing = self.cuts = self.views = 0
         self.calls: dict[str, int] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _called_by_torch_distributed():
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if self.choose_slice is not None:
             args, kwargs = self._slice(name.strip("_"), args, kwargs)
@@ -69,6 +77,12 @@ class _FixViews(TorchFunctionMode):
                 return self._cut(func, args, kwargs, cut)
         if name in VIEW_FUNCTIONS and args and isinstance(args[0], torch.Tensor):
             sizes = _sizes(args[1:])
+            if sizes is not None and self.choose_seq is not None:
+                self.views += 1
+                fix = self.choose_seq(self.views - 1, sizes, args[0].numel())
+                rescaled = rescale(sizes, fix) if fix is not None else None
+                if rescaled is not None:
+                    return func(args[0], rescaled, **kwargs)
             if sizes is not None and -1 not in sizes and math.prod(sizes) != args[0].numel():
                 fix = self.choose(self.failing, sizes, args[0].numel())
                 self.failing += 1
@@ -104,6 +118,21 @@ class _FixViews(TorchFunctionMode):
         if parts is None or any(n % parts for n in cut.numbers):
             return func(*args, **kwargs)
         return func(args[0], *cut.rebuild([n // parts for n in cut.numbers]), **cut.rest)
+
+
+_TORCH_DISTRIBUTED = os.path.join(os.path.dirname(torch.__file__), "distributed") + os.sep
+# torch's Python entry points a call of the module's code passes through before the mode sees it
+_WRAPPERS = frozenset(os.path.join(os.path.dirname(torch.__file__), f) for f in ("overrides.py", "_tensor.py", "functional.py"))
+
+
+def _called_by_torch_distributed() -> bool:
+    """The call comes from DTensor's own code (a redistribute's ``narrow`` that unpads a
+    gathered tensor, made only at some lengths), not from the module's: it is neither
+    counted nor fixed, so the counts are the code's own at every length."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename in _WRAPPERS or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(_TORCH_DISTRIBUTED)
 
 
 # Cuts by a width: ``x.split(C, dim)`` / ``torch.split(x, [a, b], dim)`` (the sizes),
@@ -174,13 +203,28 @@ def _tensor_args(args: tuple, kwargs: dict) -> list[tuple[str, Any, torch.Tensor
     return found + [("kwargs", k, a) for k, a in kwargs.items() if isinstance(a, torch.Tensor)]
 
 
+def rescale(sizes: list[int], fix: ViewFix) -> list[int] | None:
+    """The sizes a fix by a length read off a sequence shard asks for: ``seq_dim`` times
+    ``seq_parts`` (the whole sequence the gathered tensor holds), ``dim`` divided by
+    ``parts`` unless the code left it to ``-1``; None when they do not divide."""
+    out = list(sizes)
+    if fix.seq_dim >= len(out) or out[fix.seq_dim] < 0 or fix.dim >= len(out):
+        return None
+    out[fix.seq_dim] *= fix.seq_parts
+    if fix.parts > 1 and out[fix.dim] != -1:
+        if out[fix.dim] % fix.parts:
+            return None
+        out[fix.dim] //= fix.parts
+    return out
+
+
 def _run_with(module: nn.Module, choose: Chooser, choose_cut: CutChooser, choose_slice: SliceChooser | None = None,
-              rank: int = 0) -> None:
+              rank: int = 0, choose_seq: SeqChooser | None = None) -> None:
     """Enter a fresh mode for every call of ``module``'s forward and leave it after."""
     live: list[_FixViews] = []
 
     def enter(_m, _args):
-        live.append(_FixViews(choose, choose_cut, choose_slice, rank))
+        live.append(_FixViews(choose, choose_cut, choose_slice, rank, choose_seq))
         live[-1].__enter__()
 
     def leave(_m, _args, _out):
@@ -193,12 +237,15 @@ def _run_with(module: nn.Module, choose: Chooser, choose_cut: CutChooser, choose
 def install_local_views(model: nn.Module, plan: Plan, *, rank: int = 0) -> None:
     """``rank``: this rank's coordinate on the tp axis, which a :class:`SliceFix` cuts by."""
     for entry in plan.local_views:
-        fixes, cuts = list(entry.fixes), {c.call: c.parts for c in entry.cuts}
+        fixes = [f for f in entry.fixes if f.seq_dim is None]
+        by_call = {f.call: f for f in entry.fixes if f.seq_dim is not None}
+        cuts = {c.call: c.parts for c in entry.cuts}
         slices = {(f.function, f.call): (f.input, f.dim, f.parts) for f in entry.slices}
         choose_slice = (lambda name, k, _t, s=slices: s.get((name, k))) if slices else None
+        choose_seq = (lambda k, _s, _n, f=by_call: f.get(k)) if by_call else None
         for fqn in expand_pattern(entry.module, plan.model.repeats):
             _run_with(model.get_submodule(fqn), lambda k, _s, _n, f=fixes: f[k] if k < len(f) else None,
-                      lambda k, _n, p=cuts: p.get(k), choose_slice, rank)
+                      lambda k, _n, p=cuts: p.get(k), choose_slice, rank, choose_seq)
 
 
 @dataclass(frozen=True)
@@ -214,17 +261,21 @@ class WholeRead:
 
 
 def discover_fixes(module: nn.Module, expected: list[tuple[int, ...]], expected_cuts: list[Any] = (),
-                   expected_slices: list[WholeRead] = ()) -> tuple[list[ViewFix], list[CutFix], list[SliceFix]]:
+                   expected_slices: list[WholeRead] = (), *, seq_parts: int | None = None,
+                   seq_expected: list[tuple[int, ...]] = ()) -> tuple[list[ViewFix], list[CutFix], list[SliceFix]]:
     """Install the planner's chooser on ``module`` (run it afterwards); the returned lists
     fill in as its failing views are matched to ``expected``, in order, as its k-th cut
     asks ``parts`` times the numbers ``expected_cuts[k]`` (the trace's cuts under the
     module, in order, as the plan expects them locally; None: nothing to fix) holds, and as
     a call reads a tensor of the whole shape the next of ``expected_slices`` names (in trace
-    order) where it names it."""
+    order) where it names it. ``seq_parts``: the module reads a sequence-split input (its
+    ``T`` is the whole length / ``seq_parts``); every view is then matched to the next of
+    ``seq_expected`` (the local shapes of all the module's own views, split or whole), a view
+    sized by that ``T`` regrouping a gathered tensor's rows without failing."""
     found: list[ViewFix] = []
     found_cuts: list[CutFix] = []
     found_slices: list[SliceFix] = []
-    cursor = [0]
+    cursor, seq_cursor = [0], [0]
     next_slice = [0]
 
     def choose_slice(name: str, k: int, tensors: list[torch.Tensor]) -> tuple[int, int, int] | None:
@@ -246,6 +297,15 @@ def discover_fixes(module: nn.Module, expected: list[tuple[int, ...]], expected_
                 return fix
         return None
 
+    def choose_seq(k: int, sizes: list[int], numel: int) -> ViewFix | None:
+        for i in range(seq_cursor[0], len(seq_expected)):
+            fix = _sequence_rescaled(k, sizes, seq_expected[i], numel, seq_parts)
+            if fix is not None:
+                seq_cursor[0] = i + 1
+                found.append(fix)
+                return fix
+        return None
+
     def choose_cut(k: int, numbers: list[int]) -> int | None:
         want = expected_cuts[k] if k < len(expected_cuts) else None
         parts = _cut_parts(numbers, want) if want is not None else None
@@ -253,7 +313,8 @@ def discover_fixes(module: nn.Module, expected: list[tuple[int, ...]], expected_
             found_cuts.append(CutFix(call=k, parts=parts))
         return parts
 
-    _run_with(module, choose, choose_cut, choose_slice if expected_slices else None)
+    _run_with(module, choose, choose_cut, choose_slice if expected_slices else None,
+              choose_seq=choose_seq if seq_parts else None)
     return found, found_cuts, found_slices
 
 
@@ -279,3 +340,23 @@ def _one_dim_divided(sizes: list[int], want: tuple[int, ...], numel: int) -> Vie
         return None
     parts = sizes[differ[0]] // want[differ[0]]
     return ViewFix(dim=differ[0], parts=parts) if parts >= 2 else None
+
+
+def _sequence_rescaled(call: int, sizes: list[int], want: tuple[int, ...], numel: int, seq_parts: int) -> ViewFix | None:
+    """``sizes`` spell ``want`` but for one dim ``seq_parts`` times too short (the length read
+    off a sequence shard) and at most one other ``parts`` times too long (a global width) or
+    left to ``-1``; ``want`` holds the tensor's elements."""
+    if len(sizes) != len(want) or math.prod(want) != numel:
+        return None
+    short = [d for d, (a, b) in enumerate(zip(sizes, want)) if a > 0 and a * seq_parts == b]
+    rest = [d for d, (a, b) in enumerate(zip(sizes, want)) if a != b and d not in short]
+    if len(short) != 1 or len(rest) > 1:
+        return None
+    if not rest:
+        return ViewFix(dim=short[0], parts=1, call=call, seq_dim=short[0], seq_parts=seq_parts)
+    d = rest[0]
+    if sizes[d] == -1:
+        return ViewFix(dim=d, parts=1, call=call, seq_dim=short[0], seq_parts=seq_parts)
+    if sizes[d] <= 0 or sizes[d] % want[d] or sizes[d] // want[d] < 2:
+        return None
+    return ViewFix(dim=d, parts=sizes[d] // want[d], call=call, seq_dim=short[0], seq_parts=seq_parts)

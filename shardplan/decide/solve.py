@@ -579,6 +579,9 @@ def _solution(prog: _Program, x: np.ndarray, time, params, memory) -> Solution:
         if key is not None:
             chosen[key[0]] = prog.strategies[key[0]][key[1]]
     placements = {op.output: chosen[op.index].output for op in prog.graph.ops if op.output is not None and chosen[op.index].output}
+    # a folded copy's outputs are its representative's: code after the copy (a final norm
+    # the check stands in for) reads them as the plan places those
+    placements.update({v: placements[w] for v, w in _aliases(prog.graph).items() if w in placements and v not in placements})
     entries = {key: bool(x[col] > 0.5) for key, col in prog.entry_of.items()}
     return Solution(chosen, placements, entries, _total(time, x), _total(params, x), _total(memory, x))
 

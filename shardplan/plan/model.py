@@ -256,10 +256,31 @@ class _Estimated(_Strict):
 
 class ViewFix(_Strict):
     """One view of a module's code that spells a global width: its dim ``dim`` is divided by
-    ``parts`` (tp, or a kv-group count) on one rank's shard."""
+    ``parts`` (tp, or a kv-group count) on one rank's shard.
+
+    With ``seq_dim`` it is the ``call``-th view the module's forward makes (every view and
+    reshape with explicit sizes counted, ``-1`` or not), sized by a length read off a
+    sequence shard (``B, T, C = x.shape`` of an input under sequence parallel, then
+    ``q.view(B, T, H, C // H)`` of the gathered q): dim ``seq_dim`` is multiplied by
+    ``seq_parts`` as well. Such a view holds as many elements as its tensor, so it does not
+    fail; it regroups the rows, which is why it is named by its call."""
 
     dim: Annotated[int, Field(strict=True, ge=0)]
-    parts: Annotated[int, Field(strict=True, ge=2)]
+    parts: Annotated[int, Field(strict=True, ge=1)]
+    call: Annotated[int | None, Field(strict=True, ge=0)] = None
+    seq_dim: Annotated[int | None, Field(strict=True, ge=0)] = None
+    seq_parts: Annotated[int | None, Field(strict=True, ge=2)] = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "ViewFix":
+        sequence = (self.call, self.seq_dim, self.seq_parts)
+        if any(v is None for v in sequence) and any(v is not None for v in sequence):
+            raise ValueError(f"call, seq_dim and seq_parts go together; got {sequence}")
+        if self.seq_dim is None and self.parts < 2:
+            raise ValueError(f"parts must be at least 2 for a view fix without seq_dim; got {self.parts}")
+        if self.seq_dim is not None and self.seq_dim == self.dim and self.parts > 1:
+            raise ValueError(f"seq_dim {self.seq_dim} is also the dim divided by {self.parts}")
+        return self
 
 
 class CutFix(_Strict):
@@ -437,6 +458,9 @@ class Plan(_Strict):
             for key in ("fixes", "cuts", "slices"):
                 if not entry[key]:
                     del entry[key]
+            for fix in entry.get("fixes", []):  # a fix by a length read off a sequence shard names its call
+                if fix["seq_dim"] is None:
+                    del fix["call"], fix["seq_dim"], fix["seq_parts"]
         return data
 
     def to_yaml(self) -> str:

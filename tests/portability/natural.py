@@ -2,7 +2,9 @@
 
 ``InlineLM``: a user's own 50 lines, attention and MLP inline in one block, every width read
 off the input (``B, T, D = x.shape``, ``qkv(x).split(D, dim=-1)``, ``reshape(B, T, D)``);
-``split`` picks how the fused q/k/v is cut (a width, a list of widths, ``torch.split``).
+``split`` picks how the fused q/k/v is cut (a width, a list of widths, ``torch.split``;
+``mask``: nanoGPT's path without flash, a causal buffer cut by ``T``). ``InlineMQABlock``:
+one kv head, RMSNorm and SwiGLU inline in the layer.
 ``SplitAttentionLM``: the same reads inside an attention module of its own, next to an MLP
 module, with only the head count held as an attribute. ``MQALM``: one kv head broadcast by
 ``expand``; ``RopeLM``: RoPE spelled five ways (``view_as_complex`` times a table,
@@ -11,6 +13,8 @@ partial rotary), the table made in forward, kv heads
 repeated by ``repeat_interleave`` (one kv head: MQA).
 Small sizes, so they run on CPU; the builders at the end are specs for ``verify``.
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +30,13 @@ class InlineBlock(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.fc = nn.Linear(dim, 4 * dim)
         self.out = nn.Linear(4 * dim, dim)
+        if split == "mask":
+            self.register_buffer("bias", torch.ones(2048, 2048, dtype=torch.bool).tril().view(1, 1, 2048, 2048))
 
     def forward(self, x):
         B, T, D = x.shape
         qkv = self.qkv(self.ln1(x))
-        if self.split == "width":
+        if self.split in ("width", "mask"):
             q, k, v = qkv.split(D, dim=-1)
         elif self.split == "list":
             q, k, v = qkv.split([D, D, D], dim=2)
@@ -39,16 +45,47 @@ class InlineBlock(nn.Module):
         q = q.view(B, T, self.heads, D // self.heads).transpose(1, 2)
         k = k.view(B, T, self.heads, D // self.heads).transpose(1, 2)
         v = v.view(B, T, self.heads, D // self.heads).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.split == "mask":  # nanoGPT's path without flash attention: a causal buffer cut by T
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            y = att.softmax(dim=-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
+class InlineMQABlock(nn.Module):
+    """One key/value head, attention and a SwiGLU MLP written inline in the layer, sizes read
+    off its input: a user's own Falcon-style layer."""
+
+    def __init__(self, dim: int, heads: int, split: str = "") -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.kv = nn.Linear(dim, 2 * self.head_dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+        self.gate, self.up = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, 3 * dim, bias=False)
+        self.down = nn.Linear(3 * dim, dim, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(h).view(B, T, 1, 2 * self.head_dim).transpose(1, 2).chunk(2, dim=-1)
+        y = F.scaled_dot_product_attention(q, k.expand_as(q), v.expand_as(q), is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(B, T, C))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
 class InlineLM(nn.Module):
-    def __init__(self, vocab: int = 256, dim: int = 96, heads: int = 6, layers: int = 2, split: str = "width") -> None:
+    def __init__(self, vocab: int = 256, dim: int = 96, heads: int = 6, layers: int = 2, split: str = "width",
+                 block: type = InlineBlock) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(InlineBlock(dim, heads, split) for _ in range(layers))
+        self.blocks = nn.ModuleList(block(dim, heads, split) for _ in range(layers))
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
 
@@ -111,6 +148,16 @@ def inline_list() -> InlineLM:
 def inline_functional() -> InlineLM:
     torch.manual_seed(0)
     return InlineLM(split="functional")
+
+
+def inline_mask() -> InlineLM:
+    torch.manual_seed(0)
+    return InlineLM(split="mask")
+
+
+def inline_mqa() -> InlineLM:
+    torch.manual_seed(0)
+    return InlineLM(dim=128, heads=8, block=InlineMQABlock)
 
 
 def split_attention() -> SplitAttentionLM:
