@@ -218,7 +218,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 tp_axis=tp_axis, strict=extra.get("strict", False), whole=whole))
         _, entries, blocks, base = assembled
         handed = handover_regions(find_handovers(graph, solution.placements, stood_blocks(graph))) if handover else []
-        plan = base.model_copy(update={"attributes": list(attributes), "local_views": list(views),
+        plan = base.model_copy(update={"attributes": list(base.attributes) + list(attributes), "local_views": list(views),
                                        "regions": list(base.regions) + handed, "warnings": list(base.warnings) + notes})
         over = plan.estimate.peak_memory_bytes - opts.memory_budget if opts.memory_budget else 0
         if over > 0 and squeezed < 3:
@@ -232,7 +232,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 continue
         try:
             if extra.get("check", True):
-                check_local_shapes(graph, plan, solution.placements, mesh=mesh)
+                check_local_shapes(graph, plan, _handed(graph, solution), mesh=mesh)
                 unchecked = check_outer_code(graph, plan, _after_exits(solution), mesh=mesh)
                 if unchecked:
                     plan.warnings.append(unchecked)
@@ -241,7 +241,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 break
             # a value the plan cuts inside a module's code, not yet found (its shards ran as
             # they were): find the call, or run that module whole
-            found = find_local_attributes(graph, plan, solution.placements, cut[0], mesh=mesh, cuts=cut[1])
+            found = find_local_attributes(graph, plan, _handed(graph, solution), cut[0], mesh=mesh, cuts=cut[1])
             if found:
                 attributes, views, pending = attributes + found[0], views + found[1], solution
             else:
@@ -256,7 +256,7 @@ def _plan_on(model: nn.Module, graph: OpGraph, axes: dict[str, int], tp_axis: st
                 continue
             # its code sizes by a global count (a weight module then fails on what it was
             # handed: o_proj on twice its features): the local count makes its shards run
-            found = find_local_attributes(graph, plan, solution.placements, exc.module, mesh=mesh,
+            found = find_local_attributes(graph, plan, _handed(graph, solution), exc.module, mesh=mesh,
                                           cuts=_inner_cuts_in(graph, solution, exc.module, cut_seen)) if (
                 exc.module and exc.module != exc.leaf and len(attributes) + len(views) < 16) else None
             if found:
@@ -382,6 +382,19 @@ def _solve_explained(graph: OpGraph, ctx: SolveContext):
     )
 
 
+def _handed(graph: OpGraph, solution: Any) -> Any:
+    """The solution's placements, and the conversions where modules return values, as the
+    local check hands them to blocks outside those modules (a position-encoding module's
+    output cut onto the first block's sequence shards)."""
+    from .apply.localcheck import ExitPlacements
+    from .decide.scatter import exits, is_cut, is_scatter, scatter_target
+
+    found = exits(graph)
+    moved = {v: (found[v].module, scatter_target(e)) for (v, e), used in solution.entries.items()
+             if used and (is_cut(e) or is_scatter(e)) and v in found}
+    return ExitPlacements(solution.placements, moved)
+
+
 def _after_exits(solution: Any) -> dict[int, str]:
     """Placements as the code after a module sees them: a value reduce-scattered or cut onto
     sequence shards where its module returns is that shard for every reader."""
@@ -500,6 +513,7 @@ def _assemble(model, graph, solution, ctx, entries, blocks, *, opts, axes, tp_ax
         options=opts,
         rules=assemble.rules(graph, solution, [], entries, blocks),
         regions=assemble.regions(graph, entries) + assemble.block_regions(graph, blocks),
+        attributes=assemble.group_norm_attributes(graph, solution, ctx.tp),
         estimate=estimate(graph, solution, entries, ctx, blocks=blocks,
                           mesh=MeshInfo(axes=axes, tp_axis=tp_axis, ep_axis=expert_axis(axes, tp_axis))),
         warnings=notes,

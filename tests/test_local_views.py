@@ -10,7 +10,7 @@ from torch import nn
 
 import shardplan
 from shardplan.apply.localviews import install_local_views
-from shardplan.plan.model import CutFix, LocalViews, PlanFileError, ViewFix
+from shardplan.plan.model import CutFix, LengthFix, LocalViews, PlanFileError, ViewFix
 from shardplan.plan.validate import check_findings
 from shardplan.tools.verify import verify
 from tests.portability.research import NanoGPT, TimmViT
@@ -129,3 +129,29 @@ def test_a_view_sized_by_a_length_read_off_a_sequence_shard_is_fixed_by_its_call
         ViewFix(dim=2, parts=2, call=1)
     with pytest.raises(ValueError, match="at least 2"):
         ViewFix(dim=2, parts=1)
+
+
+class _Lengths(nn.Module):
+    """``t``: a length read off a sequence shard; the code makes a mask from it and cuts a
+    whole table by it."""
+
+    def forward(self, table, t):
+        mask = torch.ones(t, t).tril()
+        positions = torch.arange(t)
+        return mask, positions, table[:, :t, :t]
+
+
+def test_factories_and_cuts_by_a_length_read_off_a_sequence_shard_get_the_whole_length() -> None:
+    holder = nn.Sequential(_Lengths())
+    plan = _views_plan([])
+    entry = LocalViews(module="0", cuts=[CutFix(call=0, parts=1, seq_parts=2)],
+                       lengths=[LengthFix(function="ones", call=0, args=[0, 1], parts=2),
+                                LengthFix(function="arange", call=0, args=[0], parts=2)])
+    install_local_views(holder, plan.model_copy(update={"local_views": [entry]}))
+    mask, positions, cut = holder[0](torch.zeros(1, 8, 8), 4)
+    assert mask.shape == (8, 8) and torch.equal(positions, torch.arange(8)) and cut.shape == (1, 8, 8)
+    data = plan.model_copy(update={"local_views": [entry]}).to_data()["local_views"][0]
+    assert data["cuts"] == [{"call": 0, "parts": 1, "seq_parts": 2}]
+    assert shardplan.Plan.from_yaml(plan.model_copy(update={"local_views": [entry]}).to_yaml()).local_views == [entry]
+    with pytest.raises(ValueError, match="divides by parts >= 2 or multiplies"):
+        CutFix(call=0, parts=1)

@@ -66,7 +66,7 @@ def test_sizes_read_off_a_sequence_split_input_keep_sequence_parallel_and_the_he
 
 @pytest.mark.parametrize(("builder", "tp"), [
     (natural.inline, 2), (natural.inline_list, 4), (natural.inline_functional, 2), (natural.inline_mqa, 2),
-    (natural.inline_mqa, 4),
+    (natural.inline_mqa, 4), (natural.inline_made_mask, 2),
 ])
 def test_inline_blocks_take_sequence_parallel_when_asked(builder, tp: int) -> None:
     torch.manual_seed(0)
@@ -81,11 +81,36 @@ def test_inline_blocks_take_sequence_parallel_when_asked(builder, tp: int) -> No
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
 
 
-@pytest.mark.parametrize("spec", ["tests.portability.natural:inline", "tests.portability.natural:inline_mqa"])
+def test_a_mask_made_from_a_length_read_off_sequence_shards_is_made_whole() -> None:
+    """``torch.ones(T, T).tril()`` with T read off the block's sequence-split input: the
+    factory call is named and its sizes given the whole length back."""
+    plan = _sp_plan(natural.inline_made_mask, 2, sequence_parallel=True)
+    (entry,) = plan.local_views
+    assert [(f.function, f.call, f.args, f.parts) for f in entry.lengths] == [("ones", 0, [0, 1], 2)], entry
+    assert "ones call 0 sizes [0, 1] x 2" in entry.why
+
+
+def test_a_position_encoding_module_hands_its_output_cut_onto_sequence_shards() -> None:
+    """The PyTorch tutorial's ``PositionalEncoding`` adds a buffer cut by the input's length:
+    the embedding stays whole, the module's output is cut onto sequence shards where it returns
+    (a local slice), and the blocks behind it, folded copies included, take sequence shards."""
+    plan = _sp_plan(natural.sinusoidal, 2, sequence_parallel=True)
+    styles = plan.module_styles()
+    assert {styles[f"blocks.{i}.{n}"] for i in (0, 1) for n in ("norm1", "norm2")} == {"sequence_parallel"}, styles
+    assert (styles["blocks.0.attn.qkv"], styles["blocks.0.attn.o"]) == ("packed_colwise", "rowwise"), plan.warnings
+    cut = {(r.module, r.input_layouts, r.desired_input_layouts) for r in plan.regions if r.input == "output"}
+    assert ("pos", "Replicate", "Shard(1)") in cut, plan.regions
+    assert not plan.warnings, plan.warnings
+    result = simulate(natural.sinusoidal(), plan, (torch.randint(0, 256, (2, 16)),))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
+@pytest.mark.parametrize("spec", ["tests.portability.natural:inline", "tests.portability.natural:inline_mqa",
+                                  "tests.portability.natural:inline_made_mask", "tests.portability.natural:sinusoidal"])
 def test_inline_blocks_under_sequence_parallel_match_one_process_on_gloo(spec: str) -> None:
     result = verify(spec, nproc=2, timeout_s=300, sequence_parallel=True)
-    assert result.plan.module_styles()["blocks.0.ln1" if spec.endswith(":inline") else "blocks.0.norm1"] == (
-        "sequence_parallel"), result.plan.warnings
+    norm = "blocks.0.ln1" if "inline" in spec and not spec.endswith("mqa") else "blocks.0.norm1"
+    assert result.plan.module_styles()[norm] == "sequence_parallel", result.plan.warnings
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
 
 

@@ -192,14 +192,35 @@ def _user_frame(exc: BaseException) -> str:
     return f"{portable_path(frame.filename)}:{frame.lineno} `{(frame.line or '').strip()}`" if frame else "an unknown line"
 
 
-def _local_args(call, placements: dict[int, str], tp: int) -> tuple[tuple, dict]:
-    """The call's example arguments as one rank holds them (a Shard(d) input is 1/tp on d)."""
+class ExitPlacements(dict):
+    """Placements (value -> placement) and the conversions made where a module returns a
+    value (``exits``: value -> (that module, the placement its readers get): a whole value
+    cut, a partial sum reduce-scattered). A block outside that module is handed the
+    converted value; code inside it still makes the value as it was."""
+
+    def __init__(self, placements: dict[int, str], exits: dict[int, tuple[str, str]]) -> None:
+        super().__init__(placements)
+        self.exits = exits
+
+    def handed(self, value: int | None, target: str) -> str:
+        """The placement of ``value`` as the block ``target`` is handed it."""
+        module, p = self.exits.get(value, (None, None))
+        if module is not None and not _at_or_under(module, [target]):
+            return p
+        return self.get(value, "R")
+
+
+def _local_args(call, placements: dict[int, str], tp: int, target: str | None = None) -> tuple[tuple, dict]:
+    """The call's example arguments as one rank holds them (a Shard(d) input is 1/tp on d);
+    with ``target``, as that block is handed them (:class:`ExitPlacements`)."""
     def local(node, value):
         if not isinstance(value, torch.Tensor) or isinstance(node, (list, tuple)):
             # on meta as the copy's weights are: a model built on a real device hands its
             # blocks real buffers (a RoPE table), which a meta block cannot mix with
             return tree_map_only(torch.Tensor, _on_meta, value)
-        p = placements.get(node.meta.get("shardplan_op"), "R") if node is not None else "R"
+        v = node.meta.get("shardplan_op") if node is not None else None
+        p = placements.handed(v, target) if isinstance(placements, ExitPlacements) and target is not None else (
+            placements.get(v, "R"))
         if shard_dim(p) is None:
             return _on_meta(value)
         return torch.empty(_local_shape(value.shape, p, tp), dtype=value.dtype, device="meta")
@@ -352,7 +373,7 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
     shard(block, mesh, _sub_plan(plan, target))
     stand_in_for(block, graph, plan, placements, target)
     _no_gathers_in_sharded_norms(block, _sub_plan(plan, target), target)
-    args, kwargs = _local_args(call, placements, plan.tp)
+    args, kwargs = _local_args(call, placements, plan.tp, target)
     stack = _track_modules(block)
     views: list[tuple[str, tuple[int, ...]]] = []
     try:

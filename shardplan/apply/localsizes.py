@@ -25,13 +25,13 @@ from ..decide.folded import parts_of
 from ..decide.placements import groups_of, index_items, local_shape, one_slice, shard_dim, tail_of
 from ..decide.propagation import quiet_probes
 from ..decide.slices import InnerCut
-from ..plan.model import CutFix, LocalAttributes, LocalViews, Plan, SliceFix, ViewFix, int_attributes
+from ..plan.model import CutFix, LengthFix, LocalAttributes, LocalViews, Plan, SliceFix, ViewFix, int_attributes
 from .emit import shard
 from .localcheck import (
     LocalShapeError, _ViewRecorder, _check_mesh, _expected_views, _local_args, _meta_copy, _sub_plan, _targets,
     _track_modules, _view_ops, check_local_shapes, stand_in_for,
 )
-from .localviews import CUT_FUNCTIONS, WholeRead, discover_fixes, read_cut
+from .localviews import CUT_FUNCTIONS, FACTORIES, WholeRead, discover_fixes, factory_sizes, read_cut
 
 __all__ = ["find_local_attributes"]
 
@@ -94,11 +94,12 @@ def find_local_attributes(graph: OpGraph, plan: Plan, placements: dict[int, str]
             return attributes(subset), []
     for subset in islice(chain([()], _subsets(candidates)), _MAX_ATTRIBUTE_TRIALS):
         trial = plan.model_copy(update={"attributes": plan.attributes + attributes(subset)})
-        fixes, cut_fixes, slices = _discover_views(graph, trial, placements, fqn, mesh, reads)
+        fixes, cut_fixes, slices, lengths = _discover_views(graph, trial, placements, fqn, mesh, reads)
         if len(slices) != len(reads):
             continue
-        views = [LocalViews(module=n, fixes=fixes, cuts=cut_fixes, slices=slices, why=_views_why(fixes, cut_fixes, slices))
-                 for n in names] if fixes or cut_fixes or slices else []
+        why = _views_why(fixes, cut_fixes, slices, lengths)
+        views = [LocalViews(module=n, fixes=fixes, cuts=cut_fixes, slices=slices, lengths=lengths, why=why)
+                 for n in names] if fixes or cut_fixes or slices or lengths else []
         if views and _passes(graph, trial.model_copy(update={"local_views": plan.local_views + views}), placements, fqn, mesh):
             return attributes(subset), views
     return None
@@ -152,7 +153,7 @@ def _passes(graph: OpGraph, trial: Plan, placements: dict[int, str], fqn: str, m
 
 
 def _discover_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn: str, mesh: Any,
-                    reads: list[WholeRead]) -> tuple[list[ViewFix], list[CutFix], list[SliceFix]]:
+                    reads: list[WholeRead]) -> tuple[list[ViewFix], list[CutFix], list[SliceFix], list[LengthFix]]:
     """Run ``fqn``'s shards under ``plan`` and match each view that fails to the next local
     shape the plan expects of ``fqn``'s own views, and each cut (split, narrow, slice) to
     the numbers the plan expects of the trace's cut in the same place
@@ -160,20 +161,42 @@ def _discover_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn:
     the rest."""
     expected = _expected_views(graph, placements, fqn, plan.tp).get(fqn, [])
     cuts = _expected_cuts(graph, placements, fqn, plan.tp)
-    found: list[tuple[list[ViewFix], list[CutFix], list[SliceFix]]] = []
-
+    found: list[tuple[list[ViewFix], list[CutFix], list[SliceFix], list[LengthFix]]] = []
     seq_parts = plan.tp if _reads_sequence_shards(graph, placements, fqn) else None
     seq_expected = [local_shape(graph.values[op.output].shape, placements.get(op.output, "R"), plan.tp)
                     for op in _view_ops(graph, placements, fqn, plan.tp) if op.owner == fqn] if seq_parts else []
+    seq_cuts = _traced_cuts(graph, fqn) if seq_parts else []
+    seq_made = _traced_factories(graph, fqn) if seq_parts else []
 
     def prepare(block: nn.Module, inner: str) -> contextlib.AbstractContextManager:
         found.append(discover_fixes(block.get_submodule(inner), expected, cuts, reads, seq_parts=seq_parts,
-                                    seq_expected=seq_expected))
+                                    seq_expected=seq_expected, seq_cuts=seq_cuts, seq_made=seq_made))
         return contextlib.nullcontext()
 
     if expected or seq_expected or reads or any(c is not None for c in cuts):
         _run_view_target(graph, plan, placements, fqn, mesh, prepare)
-    return found[0] if found else ([], [], [])
+    return found[0] if found else ([], [], [], [])
+
+
+def _traced_cuts(graph: OpGraph, fqn: str) -> list[list[int] | None]:
+    """The numbers of each cut under ``fqn`` as the trace made them (whole lengths), in the
+    order :func:`_expected_cuts` counts them; None for one whose numbers cannot be scaled."""
+    out: list[list[int] | None] = []
+    for op, name in _cut_ops(graph, fqn):
+        cut = read_cut(name, tuple(op.node.args[1:]), dict(op.node.kwargs))
+        if cut is not None:
+            out.append(list(cut.numbers) if cut.scalable else None)
+    return out
+
+
+def _traced_factories(graph: OpGraph, fqn: str) -> list[tuple[str, list[int]]]:
+    """The factory calls of ``fqn``'s own code as the trace made them: name, integer sizes."""
+    out = []
+    for op in graph.ops:
+        if op.kind == "function" and op.owner == fqn and op.target in FACTORIES and not op.inputs:
+            sizes, _ = factory_sizes(op.target, tuple(op.node.args))
+            out.append((op.target, sizes))
+    return out
 
 
 def _reads_sequence_shards(graph: OpGraph, placements: dict[int, str], fqn: str) -> bool:
@@ -194,15 +217,22 @@ def _expected_cuts(graph: OpGraph, placements: dict[int, str], fqn: str, tp: int
     a shard, where the plan splits the cut dim (``split(C)`` of a packed q/k/v -> ``C /
     tp``), else None (nothing to fix)."""
     out: list[Any] = []
+    for op, name in _cut_ops(graph, fqn):
+        cut = read_cut(name, tuple(op.node.args[1:]), dict(op.node.kwargs))
+        if cut is not None:
+            out.append(_local_numbers(graph, op, name, cut, placements, tp) if cut.fixable else None)
+    return out
+
+
+def _cut_ops(graph: OpGraph, fqn: str) -> list[tuple[Any, str]]:
+    """The ops under ``fqn`` that may be cuts, each with the name the run-time mode sees."""
+    out = []
     for op in graph.ops:
         if op.kind != "function" or not (op.owner == fqn or op.owner.startswith(fqn + ".")) or not op.inputs:
             continue
         name = "__getitem__" if op.target == "getitem" else op.target
-        if name not in CUT_FUNCTIONS:
-            continue
-        cut = read_cut(name, tuple(op.node.args[1:]), dict(op.node.kwargs))
-        if cut is not None:
-            out.append(_local_numbers(graph, op, name, cut, placements, tp) if cut.fixable else None)
+        if name in CUT_FUNCTIONS:
+            out.append((op, name))
     return out
 
 
@@ -237,10 +267,13 @@ def _cut_dim(name: str, op: Any, ndim: int) -> int | None:
     return dim % ndim if isinstance(dim, int) else None
 
 
-def _views_why(fixes: list[ViewFix], cuts: list[CutFix], slices: list[SliceFix] = ()) -> str:
-    dims = ", ".join([_fix_said(f) for f in fixes] + [f"cut {c.call} / {c.parts}" for c in cuts])
+def _views_why(fixes: list[ViewFix], cuts: list[CutFix], slices: list[SliceFix] = (),
+               lengths: list[LengthFix] = ()) -> str:
+    dims = ", ".join([_fix_said(f) for f in fixes] + [
+        f"cut {c.call} x {c.seq_parts}" if c.seq_parts else f"cut {c.call} / {c.parts}" for c in cuts] + [
+        f"{f.function} call {f.call} sizes {f.args} x {f.parts}" for f in lengths])
     said = [f"its code sizes views by a width read off a whole tensor; on a shard: {dims}"] if dims else []
-    if any(f.seq_dim is not None for f in fixes):
+    if any(f.seq_dim is not None for f in fixes) or any(c.seq_parts for c in cuts) or lengths:
         said.append("and by a length read off its sequence-split input, which the gathered tensors hold whole")
     if slices:
         calls = ", ".join(f"{f.function} call {f.call} input {f.input} dim {f.dim}" for f in slices)
@@ -317,7 +350,7 @@ def _run_view_target(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn
             return
         block = shard(_meta_copy(graph.model.get_submodule(target)), tp_mesh, _sub_plan(plan, target))
         stand_in_for(block, graph, plan, placements, target)
-        args, kwargs = _local_args(call, placements, plan.tp)
+        args, kwargs = _local_args(call, placements, plan.tp, target)
         with contextlib.suppress(Exception), torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), \
                 prepare(block, fqn[len(target):].lstrip(".")):
             block(*args, **kwargs)

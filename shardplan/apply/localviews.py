@@ -38,9 +38,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..plan.model import CutFix, Plan, SliceFix, ViewFix, expand_pattern
+from ..plan.model import CutFix, LengthFix, Plan, SliceFix, ViewFix, expand_pattern
 
-__all__ = ["install_local_views", "discover_fixes", "read_cut", "WholeRead", "VIEW_FUNCTIONS", "CUT_FUNCTIONS"]
+__all__ = ["install_local_views", "discover_fixes", "read_cut", "factory_sizes", "WholeRead", "VIEW_FUNCTIONS",
+           "CUT_FUNCTIONS", "FACTORIES"]
 
 VIEW_FUNCTIONS = frozenset({"view", "reshape"})
 
@@ -49,26 +50,31 @@ Chooser = Callable[[int, list[int], int], "ViewFix | None"]
 # (index among all the views, requested sizes, elements held) -> a fix by a length read off a
 # sequence shard (:class:`ViewFix` with ``seq_dim``), or None
 SeqChooser = Callable[[int, list[int], int], "ViewFix | None"]
-# (index among the module's cuts, the cut's numbers) -> parts, or None
-CutChooser = Callable[[int, list[int]], "int | None"]
+# (index among the module's cuts, the cut's numbers, whether one bounded slice) -> the fix, or None
+CutChooser = Callable[[int, list[int], bool], "CutFix | None"]
+# (factory, index among its calls, its integer sizes) -> the fix, or None
+LengthChooser = Callable[[str, int, list[int]], "LengthFix | None"]
 # (function, index among its calls, its tensor arguments) -> (argument, dim, parts) to cut, or None
 SliceChooser = Callable[[str, int, list[torch.Tensor]], "tuple[int, int, int] | None"]
 
 
 class _FixViews(TorchFunctionMode):
     def __init__(self, choose: Chooser, choose_cut: CutChooser, choose_slice: SliceChooser | None = None,
-                 rank: int = 0, choose_seq: SeqChooser | None = None) -> None:
+                 rank: int = 0, choose_seq: SeqChooser | None = None, choose_length: LengthChooser | None = None) -> None:
         super().__init__()
         self.choose, self.choose_cut, self.choose_slice, self.rank = choose, choose_cut, choose_slice, rank
-        self.choose_seq = choose_seq
+        self.choose_seq, self.choose_length = choose_seq, choose_length
         self.failing = self.cuts = self.views = 0
         self.calls: dict[str, int] = {}
+        self.made: dict[str, int] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _called_by_torch_distributed():
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if self.choose_length is not None and name in FACTORIES:
+            args = self._length(name, args)
         if self.choose_slice is not None:
             args, kwargs = self._slice(name.strip("_"), args, kwargs)
         if name in CUT_FUNCTIONS and args and isinstance(args[0], torch.Tensor):
@@ -110,14 +116,29 @@ class _FixViews(TorchFunctionMode):
             return args[:key] + (x,) + args[key + 1:], kwargs
         return args, {**kwargs, key: x}
 
+    def _length(self, name: str, args: tuple) -> tuple:
+        """Every factory call is counted by its function; the one a :class:`LengthFix` names
+        gets the sizes it lists multiplied."""
+        k = self.made[name] = self.made.get(name, -1) + 1
+        sizes, rebuild = factory_sizes(name, args)
+        fix = self.choose_length(name, k, sizes) if sizes else None
+        if fix is None or max(fix.args) >= len(sizes):
+            return args
+        return rebuild([n * fix.parts if i in fix.args else n for i, n in enumerate(sizes)])
+
     def _cut(self, func, args: tuple, kwargs: dict, cut: "Cut"):
         """Every cut is counted (one by a global width runs, on other parts, so it cannot be
-        told by failing), and the one the plan names gets its numbers divided."""
-        parts = self.choose_cut(self.cuts, cut.numbers) if cut.fixable else None
+        told by failing), and the one the plan names gets its numbers divided (a width read
+        off a whole tensor) or multiplied (a length read off a sequence shard)."""
+        fix = self.choose_cut(self.cuts, cut.numbers, cut.fixable) if cut.scalable else None
         self.cuts += 1
-        if parts is None or any(n % parts for n in cut.numbers):
+        if fix is None:
             return func(*args, **kwargs)
-        return func(args[0], *cut.rebuild([n // parts for n in cut.numbers]), **cut.rest)
+        if fix.seq_parts is not None:
+            return func(args[0], *cut.rebuild([n * fix.seq_parts for n in cut.numbers]), **cut.rest)
+        if not cut.fixable or any(n % fix.parts for n in cut.numbers):
+            return func(*args, **kwargs)
+        return func(args[0], *cut.rebuild([n // fix.parts for n in cut.numbers]), **cut.rest)
 
 
 _TORCH_DISTRIBUTED = os.path.join(os.path.dirname(torch.__file__), "distributed") + os.sep
@@ -147,7 +168,33 @@ class Cut:
     numbers: list[int]
     rebuild: Callable[[list[int]], tuple]
     rest: dict
-    fixable: bool = True
+    fixable: bool = True  # its numbers may be divided: a split, a narrow, one bounded slice of step 1
+    scalable: bool = True  # its numbers may be multiplied: every bounded slice of step 1
+
+
+# Factories a module's code makes a tensor with from sizes it read (``torch.ones(T, T)``,
+# ``torch.arange(T)``): the sizes, a tuple first argument or the leading integers
+FACTORIES = frozenset({"ones", "zeros", "empty", "full", "arange", "rand", "randn", "tril_indices", "triu_indices"})
+
+
+def factory_sizes(name: str, args: tuple) -> tuple[list[int], Callable[[list[int]], tuple]]:
+    """A factory call's integer sizes and how to call it with others: ``ones((a, b), ...)``
+    or ``ones(a, b, ...)``; ``arange(end)``, ``arange(start, end[, step])``."""
+    if args and isinstance(args[0], (tuple, list, torch.Size)):
+        sizes = list(args[0])
+        if all(_is_int(n) for n in sizes):
+            return sizes, lambda n, a=args: (type(a[0])(n) if not isinstance(a[0], torch.Size) else tuple(n),) + a[1:]
+        return [], lambda n: args
+    lead = 0
+    while lead < len(args) and _is_int(args[lead]) and not (name == "full" and lead > 0 and lead == len(args) - 1):
+        lead += 1
+    if name == "arange" and lead == 3:
+        lead = 2  # the step is no length
+    return list(args[:lead]), lambda n, a=args, k=lead: tuple(n) + a[k:]
+
+
+def _is_int(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool)
 
 
 def read_cut(name: str, rest: tuple, kwargs: dict) -> Cut | None:
@@ -175,18 +222,20 @@ def _read_slice(index: Any) -> Cut | None:
                and any(isinstance(b, int) and not isinstance(b, bool) for b in (it.start, it.stop))]
     if not bounded:
         return None
-    at = bounded[0]
-    sl = items[at]
-    ok = len(bounded) == 1 and sl.step in (None, 1) and all(b is None or isinstance(b, int) for b in (sl.start, sl.stop))
-    numbers = [b for b in (sl.start, sl.stop) if isinstance(b, int)]
+    plain = all(items[i].step in (None, 1) and all(b is None or isinstance(b, int) for b in (items[i].start, items[i].stop))
+                for i in bounded)
+    numbers = [b for i in bounded for b in (items[i].start, items[i].stop) if isinstance(b, int)]
 
     def rebuild(n: list[int]) -> tuple:
         it = iter(n)
-        bounds = [next(it) if isinstance(b, int) else b for b in (sl.start, sl.stop)]
-        new = items[:at] + [slice(bounds[0], bounds[1], sl.step)] + items[at + 1:]
+        new = list(items)
+        for i in bounded:
+            sl = items[i]
+            bounds = [next(it) if isinstance(b, int) else b for b in (sl.start, sl.stop)]
+            new[i] = slice(bounds[0], bounds[1], sl.step)
         return (tuple(new) if isinstance(index, tuple) else new[0],)
 
-    return Cut(numbers, rebuild, {}, fixable=ok)
+    return Cut(numbers, rebuild, {}, fixable=plain and len(bounded) == 1, scalable=plain)
 
 
 def _sizes(rest: tuple) -> list[int] | None:
@@ -219,12 +268,12 @@ def rescale(sizes: list[int], fix: ViewFix) -> list[int] | None:
 
 
 def _run_with(module: nn.Module, choose: Chooser, choose_cut: CutChooser, choose_slice: SliceChooser | None = None,
-              rank: int = 0, choose_seq: SeqChooser | None = None) -> None:
+              rank: int = 0, choose_seq: SeqChooser | None = None, choose_length: LengthChooser | None = None) -> None:
     """Enter a fresh mode for every call of ``module``'s forward and leave it after."""
     live: list[_FixViews] = []
 
     def enter(_m, _args):
-        live.append(_FixViews(choose, choose_cut, choose_slice, rank, choose_seq))
+        live.append(_FixViews(choose, choose_cut, choose_slice, rank, choose_seq, choose_length))
         live[-1].__enter__()
 
     def leave(_m, _args, _out):
@@ -239,13 +288,15 @@ def install_local_views(model: nn.Module, plan: Plan, *, rank: int = 0) -> None:
     for entry in plan.local_views:
         fixes = [f for f in entry.fixes if f.seq_dim is None]
         by_call = {f.call: f for f in entry.fixes if f.seq_dim is not None}
-        cuts = {c.call: c.parts for c in entry.cuts}
+        cuts = {c.call: c for c in entry.cuts}
         slices = {(f.function, f.call): (f.input, f.dim, f.parts) for f in entry.slices}
+        lengths = {(f.function, f.call): f for f in entry.lengths}
         choose_slice = (lambda name, k, _t, s=slices: s.get((name, k))) if slices else None
         choose_seq = (lambda k, _s, _n, f=by_call: f.get(k)) if by_call else None
+        choose_length = (lambda name, k, _s, f=lengths: f.get((name, k))) if lengths else None
         for fqn in expand_pattern(entry.module, plan.model.repeats):
             _run_with(model.get_submodule(fqn), lambda k, _s, _n, f=fixes: f[k] if k < len(f) else None,
-                      lambda k, _n, p=cuts: p.get(k), choose_slice, rank, choose_seq)
+                      lambda k, _n, _one, p=cuts: p.get(k), choose_slice, rank, choose_seq, choose_length)
 
 
 @dataclass(frozen=True)
@@ -262,7 +313,9 @@ class WholeRead:
 
 def discover_fixes(module: nn.Module, expected: list[tuple[int, ...]], expected_cuts: list[Any] = (),
                    expected_slices: list[WholeRead] = (), *, seq_parts: int | None = None,
-                   seq_expected: list[tuple[int, ...]] = ()) -> tuple[list[ViewFix], list[CutFix], list[SliceFix]]:
+                   seq_expected: list[tuple[int, ...]] = (), seq_cuts: list[list[int] | None] = (),
+                   seq_made: list[tuple[str, list[int]]] = (),
+                   ) -> tuple[list[ViewFix], list[CutFix], list[SliceFix], list[LengthFix]]:
     """Install the planner's chooser on ``module`` (run it afterwards); the returned lists
     fill in as its failing views are matched to ``expected``, in order, as its k-th cut
     asks ``parts`` times the numbers ``expected_cuts[k]`` (the trace's cuts under the
@@ -271,11 +324,15 @@ def discover_fixes(module: nn.Module, expected: list[tuple[int, ...]], expected_
     order) where it names it. ``seq_parts``: the module reads a sequence-split input (its
     ``T`` is the whole length / ``seq_parts``); every view is then matched to the next of
     ``seq_expected`` (the local shapes of all the module's own views, split or whole), a view
-    sized by that ``T`` regrouping a gathered tensor's rows without failing."""
+    sized by that ``T`` regrouping a gathered tensor's rows without failing; every cut to the
+    trace's numbers of the same cut (``seq_cuts``, None where it is no cut to scale), and
+    every factory call to the next trace call of that factory (``seq_made``: its name and
+    integer sizes), ``seq_parts`` times what the code asked."""
     found: list[ViewFix] = []
     found_cuts: list[CutFix] = []
     found_slices: list[SliceFix] = []
-    cursor, seq_cursor = [0], [0]
+    found_lengths: list[LengthFix] = []
+    cursor, seq_cursor, made_cursor = [0], [0], [0]
     next_slice = [0]
 
     def choose_slice(name: str, k: int, tensors: list[torch.Tensor]) -> tuple[int, int, int] | None:
@@ -306,16 +363,36 @@ def discover_fixes(module: nn.Module, expected: list[tuple[int, ...]], expected_
                 return fix
         return None
 
-    def choose_cut(k: int, numbers: list[int]) -> int | None:
-        want = expected_cuts[k] if k < len(expected_cuts) else None
+    def choose_cut(k: int, numbers: list[int], one: bool) -> CutFix | None:
+        want = expected_cuts[k] if k < len(expected_cuts) and one else None
         parts = _cut_parts(numbers, want) if want is not None else None
-        if parts is not None:
-            found_cuts.append(CutFix(call=k, parts=parts))
-        return parts
+        whole = seq_cuts[k] if seq_parts and k < len(seq_cuts) else None
+        fix = CutFix(call=k, parts=parts) if parts is not None else (
+            CutFix(call=k, parts=1, seq_parts=seq_parts) if whole is not None and _scaled(numbers, whole, seq_parts) else None)
+        if fix is not None:
+            found_cuts.append(fix)
+        return fix
+
+    def choose_length(name: str, k: int, sizes: list[int]) -> LengthFix | None:
+        for i in range(made_cursor[0], len(seq_made)):
+            function, whole = seq_made[i]
+            if function == name and len(whole) == len(sizes):
+                made_cursor[0] = i + 1
+                short = [j for j, (a, b) in enumerate(zip(sizes, whole)) if a != b]
+                if short and all(sizes[j] * seq_parts == whole[j] for j in short):
+                    found_lengths.append(LengthFix(function=name, call=k, args=short, parts=seq_parts))
+                    return found_lengths[-1]
+                return None
+        return None
 
     _run_with(module, choose, choose_cut, choose_slice if expected_slices else None,
-              choose_seq=choose_seq if seq_parts else None)
-    return found, found_cuts, found_slices
+              choose_seq=choose_seq if seq_parts else None, choose_length=choose_length if seq_made else None)
+    return found, found_cuts, found_slices, found_lengths
+
+
+def _scaled(got: list[int], whole: list[int], parts: int) -> bool:
+    """Every number of the cut ``parts`` times short of the trace's (some of them not 0)."""
+    return len(got) == len(whole) and got != whole and all(g * parts == w for g, w in zip(got, whole))
 
 
 def _cut_parts(got: list[int], want: list[int]) -> int | None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from . import cost
 from ..analyze.graph import OpGraph
-from ..plan.model import Region, Rule, brace_ranges
+from ..plan.model import LocalAttributes, Region, Rule, brace_ranges
 from .folded import parts_of
 from .placements import shard_dim
 from .regions import Entry, PartialBlock, partial_grad_params
@@ -28,7 +28,7 @@ from .solve import Solution
 from .strategies import placement_str
 from .weights import read_elsewhere
 
-__all__ = ["pattern_map", "patterned", "rules", "regions", "block_regions", "unused_modules", "repeats", "merge_repeated",
+__all__ = ["pattern_map", "patterned", "rules", "regions", "group_norm_attributes", "block_regions", "unused_modules", "repeats", "merge_repeated",
            "merged_representatives"]
 
 
@@ -211,6 +211,27 @@ def _read_as_tensors(graph: OpGraph, fqn: str) -> bool:
     return any(op.kind == "const" and op.target.rpartition(".")[0] == fqn and op.output is not None
                and any(not metadata_only(graph.ops[c]) for c in graph.consumers.get(op.output, []))
                for op in graph.ops)
+
+
+def group_norm_attributes(graph: OpGraph, solution: Solution, tp: int) -> list[LocalAttributes]:
+    """A weightless ``nn.GroupNorm`` handed whole groups of split channels (``S1``: RetNet's
+    norm over heads) normalizes its rank's groups only if it is told how many it holds: with
+    the global count it would run, on groups of the wrong width, and no shape would say so.
+    Its ``num_groups`` and ``num_channels`` take their local values wherever it is split."""
+    pmap = pattern_map(graph)
+    found: dict[str, LocalAttributes] = {}
+    for op in graph.ops:
+        if op.node.op != "call_module" or op.output is None or solution.placements.get(op.output) != "S1":
+            continue
+        module = graph.model.get_submodule(op.node.target)
+        if not isinstance(module, nn.GroupNorm):
+            continue
+        values = {"num_groups": module.num_groups // tp, "num_channels": module.num_channels // tp}
+        why = (f"normalizes groups of channels split tp ways: num_groups {module.num_groups} -> {values['num_groups']}, "
+               f"num_channels {module.num_channels} -> {values['num_channels']} on a 1/tp shard")
+        for name in patterned(op.node.target, graph, pmap):
+            found[name] = LocalAttributes(module=name, values=values, why=why)
+    return list(found.values())
 
 
 def unused_modules(graph: OpGraph) -> list[str]:

@@ -95,6 +95,10 @@ def entry_events(graph: OpGraph, e: Entry) -> Counter:
     needs_grad = e.value in graph.requires_grad and e.value in graph.grad_reaches
     reached = {c for c in e.consumers if graph.ops[c].output is None or graph.ops[c].output in graph.grad_reaches}
     back = e.gradient_collectives(reached) * graph.ops[e.consumers[0]].multiplicity
+    if is_scatter(e.kind) or is_cut(e.kind):
+        # made where the module returns, once per call of it: a position-encoding module before
+        # the blocks runs once, whatever the blocks reading its output do
+        times = e.num_collectives * graph.ops[graph.values[e.value].producer].multiplicity
     if is_gather(e.kind):  # gathered where its module receives it; the whole gradient sliced back
         events[("forward", "all_gather", n, 0)] += times
     elif is_scatter(e.kind):  # Partial -> Shard(seq) where the module returns; its gradient all-gathered back

@@ -183,6 +183,12 @@ def entry_time(entry: str, nbytes: int, ctx: SolveContext, *, needs_grad: bool =
     return (1 + needs_grad) * cost.collective_time("all_gather", nbytes, group_size=ctx.tp, link=ctx.link)
 
 
+def _at_exit(entry: str) -> bool:
+    from .scatter import is_cut, is_scatter
+
+    return is_cut(entry) or is_scatter(entry)
+
+
 def _aliases(graph: OpGraph) -> dict[int, int]:
     """Folded block outputs stand for their representative's outputs: the block's own value
     for its first, ``out[i]`` of a block returning a tuple for the representative's ``i``-th
@@ -231,8 +237,10 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
                 if entry and (value, entry) not in prog.entry_of:
                     prog.entry_of[(value, entry)] = prog.num_vars
                     needs_grad = value in graph.requires_grad and value in graph.grad_reaches
+                    # a conversion where a module returns runs once per call of that module
+                    at = graph.ops[graph.values[value].producer] if _at_exit(entry) else op
                     prog.entry_cost[(value, entry)] = entry_time(
-                        entry, graph.values[value].nbytes, ctx, needs_grad=needs_grad) * op.multiplicity
+                        entry, graph.values[value].nbytes, ctx, needs_grad=needs_grad) * at.multiplicity
                     prog.num_vars += 1
     for options in strategies.values():
         for group in (g for s in options for g in _buckets(s, ctx)):
@@ -385,13 +393,34 @@ def _folded_rows(prog: _Program, alias: dict[int, int], rows, lo, hi) -> None:
                 continue
             outs = {s.output for s in prog.strategies[a]} | {s.output for s in prog.strategies[b]}
             for p in sorted(o for o in outs if o):
-                row = {prog.var_of[(a, i)]: 1.0 for i, s in enumerate(prog.strategies[a]) if s.output == p}
-                for i, s in enumerate(prog.strategies[b]):
-                    if s.output == p:
-                        row[prog.var_of[(b, i)]] = row.get(prog.var_of[(b, i)], 0.0) - 1.0
+                row: dict[int, float] = {}
+                for col, coef in _arrives_as(prog, a, mine.meta["shardplan_op"], p):
+                    row[col] = row.get(col, 0.0) + coef
+                for col, coef in _arrives_as(prog, b, theirs.meta["shardplan_op"], p):
+                    row[col] = row.get(col, 0.0) - coef
                 rows.append(row)
                 lo.append(0.0)
                 hi.append(0.0)
+
+
+def _arrives_as(prog: _Program, producer: int, value: int, p: str) -> list[tuple[int, float]]:
+    """The columns that say ``value`` reaches a block as ``p``: its producer's strategies
+    making ``p``, and the conversions where its module returns it, which every reader takes
+    (a whole value cut ``R^S1``, a partial sum reduce-scattered ``P>S1``: a position-encoding
+    module's output cut onto the first block's sequence shards arrives as the later blocks'
+    inputs do)."""
+    from .scatter import is_cut, is_scatter, scatter_target
+
+    cols = [(prog.var_of[(producer, i)], 1.0) for i, s in enumerate(prog.strategies[producer]) if s.output == p]
+    for (v, entry), col in prog.entry_of.items():
+        if v != value or not (is_cut(entry) or is_scatter(entry)):
+            continue
+        before = "R" if is_cut(entry) else "P"
+        if scatter_target(entry) == p:
+            cols.append((col, 1.0))
+        elif before == p:
+            cols.append((col, -1.0))
+    return cols
 
 
 def _tied_rows(prog: _Program, rows, lo, hi) -> None:

@@ -46,7 +46,7 @@ from .placements import (
     split_parts, split_widths, view_groups, view_parts,
 )
 from .propagation import dtensor_strategies, in_place_strategies, metadata_only
-from .scatter import cut_twins, gather_twins, scatter_twins
+from .scatter import cut_twins, exits, gather_twins, is_cut, scatter_twins
 from .slices import inner_cut_twins, slice_twins
 from .tails import tail_strategies
 from .packing import packed_chains, slice_partition
@@ -184,6 +184,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
             strategies += _unary(op, graph, tp, out_shape)
         else:  # no hand rule: ask DTensor's sharding propagation (checked on local shapes)
             strategies += [Strategy("", ins, out) for ins, out in dtensor_strategies(op, graph, tp=tp)]
+            strategies += _group_norm(op, graph, tp)
             if grouped_in:  # on kv heads in groups too (RoPE's view_as_complex of a grouped k)
                 strategies += grouped_variants(op, graph, tp, out_shape, _propagated)
     if name in VIEWS:  # heads folded into the batch (fairseq's bmm attention) and back
@@ -247,8 +248,21 @@ def _partial_gradient(op: Op, graph: OpGraph, s: Strategy) -> bool:
     (:func:`.regions.partial_grad_params`)."""
     if s.output is None or s.output == "R":
         return False
-    return any(p == "R" and v in graph.requires_grad and v not in param_only_values(graph)
-               for p, v in zip(s.inputs, op.inputs))
+    # a whole value cut where a module before the repeated blocks returns it (a position
+    # encoding's output) is read as its rank's slice, whose gradient is whole for that slice:
+    # the cut's backward all-gathers the slices. (Inside the blocks such a cut is left to the
+    # partial sums' own reduce-scatter, which moves half the bytes of an all-reduce and a cut.)
+    cut = [bool(s.entry) and i < len(s.entry) and is_cut(s.entry[i]) and _before_blocks(graph, v)
+           for i, v in enumerate(op.inputs)]
+    return any(p == "R" and v in graph.requires_grad and v not in param_only_values(graph) and not cut[i]
+               for i, (p, v) in enumerate(zip(s.inputs, op.inputs)))
+
+
+def _before_blocks(graph: OpGraph, value: int) -> bool:
+    """``value`` is returned by a module outside every repeated block (folded stacks)."""
+    exit_ = exits(graph).get(value)
+    stacks = set(graph.traced.folded) | set(graph.traced.folded.values())
+    return exit_ is not None and not any(exit_.module == b or exit_.module.startswith(b + ".") for b in stacks)
 
 
 def param_only_values(graph: OpGraph) -> frozenset[int]:
@@ -295,6 +309,24 @@ def _param_free_elementwise(op: Op, graph: OpGraph) -> bool:
     cls = type(graph.model.get_submodule(op.node.target))
     known = (cls.__module__ in _ELEMENTWISE_MODULES and not issubclass(cls, _ROW_MIXING)) or cls is torch.nn.Identity
     return known and len(op.inputs) == 1 and _shape(graph, op.inputs[0]) == _shape(graph, op.output)
+
+
+def _group_norm(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
+    """A group norm normalizes each group of channels (dim 1) over its own channels and
+    positions, so a rank holding whole groups (tp divides the groups; channels split in
+    contiguous blocks hold whole groups) normalizes them alone, told the local group count
+    (its module's ``num_groups``: :func:`.assemble.group_norm_attributes`).
+    RetNet's and RWKV's norm over heads: ``GroupNorm(heads, heads * head_dim)`` on
+    ``[b * t, heads * head_dim]`` after attention split by heads. Without weights only (an
+    affine one is a weight module)."""
+    if len(op.inputs) != 1 or op.node.op != "call_module":
+        return []  # ``F.group_norm(x, self.heads)``: no attribute of its own to make local
+    module = graph.model.get_submodule(op.node.target)
+    groups = module.num_groups if isinstance(module, torch.nn.GroupNorm) and not module.affine else None
+    shape = _shape(graph, op.inputs[0])
+    if not isinstance(groups, int) or len(shape) < 2 or groups % tp or shape[1] % groups:
+        return []
+    return [Strategy("", ("S1",), "S1")]
 
 
 def _unary(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:

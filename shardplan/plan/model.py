@@ -27,7 +27,7 @@ from .patterns import brace_members, brace_ranges, expand_braces, expand_pattern
 
 __all__ = [
     "int_attributes", "set_int_attribute",
-    "STYLES", "Rule", "Region", "LocalAttributes", "ViewFix", "CutFix", "SliceFix", "LocalViews", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
+    "STYLES", "Rule", "Region", "LocalAttributes", "ViewFix", "CutFix", "LengthFix", "SliceFix", "LocalViews", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
     "PlanOptions", "Plan", "load_plan", "load_plan_with_lines", "expand_braces", "brace_ranges", "brace_members", "fingerprint", "PlanFileError", "LAYOUT_RE", "portable", "SIGNIFICANT_DIGITS",
 ]
 
@@ -290,6 +290,29 @@ class CutFix(_Strict):
     sizes, the slice's bounds, narrow's start and length) divided by ``parts``."""
 
     call: Annotated[int, Field(strict=True, ge=0)]
+    parts: Annotated[int, Field(strict=True, ge=1)]
+    # the cut's numbers are a length read off a sequence shard (``self.bias[:, :, :T, :T]``,
+    # ``freqs[:T]``): multiplied by ``seq_parts`` instead, every bounded slice of it
+    seq_parts: Annotated[int | None, Field(strict=True, ge=2)] = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "CutFix":
+        if (self.seq_parts is None) == (self.parts < 2):
+            raise ValueError(f"a cut fix divides by parts >= 2 or multiplies by seq_parts (parts 1); "
+                             f"got parts={self.parts}, seq_parts={self.seq_parts}")
+        return self
+
+
+class LengthFix(_Strict):
+    """A tensor the module's own code makes from a length it read off a sequence shard
+    (``torch.ones(T, T).tril()``, ``torch.arange(T)``): the ``call``-th call of ``function``
+    (a factory: ``ones``, ``zeros``, ``empty``, ``full``, ``arange``...) gets its integer
+    arguments at ``args`` (positions among its sizes, in order) multiplied by ``parts``, the
+    whole length the gathered tensors hold."""
+
+    function: Annotated[str, Field(min_length=1)]
+    call: Annotated[int, Field(strict=True, ge=0)]
+    args: Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)]
     parts: Annotated[int, Field(strict=True, ge=2)]
 
 
@@ -322,6 +345,7 @@ class LocalViews(_Strict):
     fixes: list[ViewFix] = Field(default_factory=list)
     cuts: list[CutFix] = Field(default_factory=list)
     slices: list[SliceFix] = Field(default_factory=list)
+    lengths: list[LengthFix] = Field(default_factory=list)
     why: str = ""
 
 
@@ -455,9 +479,12 @@ class Plan(_Strict):
         if data["mesh"]["ep_axis"] is None:  # files without expert parallelism do not mention it
             del data["mesh"]["ep_axis"]
         for entry in data.get("local_views", []):
-            for key in ("fixes", "cuts", "slices"):
+            for key in ("fixes", "cuts", "slices", "lengths"):
                 if not entry[key]:
                     del entry[key]
+            for fix in entry.get("cuts", []):
+                if fix["seq_parts"] is None:
+                    del fix["seq_parts"]
             for fix in entry.get("fixes", []):  # a fix by a length read off a sequence shard names its call
                 if fix["seq_dim"] is None:
                     del fix["call"], fix["seq_dim"], fix["seq_parts"]

@@ -3,7 +3,8 @@
 ``InlineLM``: a user's own 50 lines, attention and MLP inline in one block, every width read
 off the input (``B, T, D = x.shape``, ``qkv(x).split(D, dim=-1)``, ``reshape(B, T, D)``);
 ``split`` picks how the fused q/k/v is cut (a width, a list of widths, ``torch.split``;
-``mask``: nanoGPT's path without flash, a causal buffer cut by ``T``). ``InlineMQABlock``:
+``mask``: nanoGPT's path without flash, a causal buffer cut by ``T``; ``made``: the mask
+made in forward, ``torch.ones(T, T).tril()``). ``InlineMQABlock``:
 one kv head, RMSNorm and SwiGLU inline in the layer.
 ``SplitAttentionLM``: the same reads inside an attention module of its own, next to an MLP
 module, with only the head count held as an attribute. ``MQALM``: one kv head broadcast by
@@ -36,7 +37,7 @@ class InlineBlock(nn.Module):
     def forward(self, x):
         B, T, D = x.shape
         qkv = self.qkv(self.ln1(x))
-        if self.split in ("width", "mask"):
+        if self.split in ("width", "mask", "made"):
             q, k, v = qkv.split(D, dim=-1)
         elif self.split == "list":
             q, k, v = qkv.split([D, D, D], dim=2)
@@ -48,6 +49,10 @@ class InlineBlock(nn.Module):
         if self.split == "mask":  # nanoGPT's path without flash attention: a causal buffer cut by T
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
             att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            y = att.softmax(dim=-1) @ v
+        elif self.split == "made":  # the causal mask made in forward from T
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+            att = att.masked_fill(torch.ones(T, T, device=x.device).tril() == 0, float("-inf"))
             y = att.softmax(dim=-1) @ v
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -153,6 +158,11 @@ def inline_functional() -> InlineLM:
 def inline_mask() -> InlineLM:
     torch.manual_seed(0)
     return InlineLM(split="mask")
+
+
+def inline_made_mask() -> InlineLM:
+    torch.manual_seed(0)
+    return InlineLM(split="made")
 
 
 def inline_mqa() -> InlineLM:
@@ -691,3 +701,34 @@ def qk_torch_rms_norm() -> QKNormLM:
 def qk_layer_norm() -> QKNormLM:
     torch.manual_seed(0)
     return QKNormLM(HandLayerNorm)
+
+
+class PositionalEncoding(nn.Module):
+    """The PyTorch tutorial's sinusoidal table, a buffer added to the embedding by the input's length."""
+
+    def __init__(self, dim: int, max_len: int = 512) -> None:
+        super().__init__()
+        position = torch.arange(max_len).unsqueeze(1)
+        div = torch.exp(torch.arange(0, dim, 2) * (-math.log(10000.0) / dim))
+        pe = torch.zeros(1, max_len, dim)
+        pe[0, :, 0::2], pe[0, :, 1::2] = torch.sin(position * div), torch.cos(position * div)
+        self.register_buffer("pe", pe)
+
+    def forward(self, x):
+        return x + self.pe[:, : x.size(1)]
+
+
+class SinusoidalLM(SplitAttentionLM):
+    """Pre-norm blocks after a position-encoding module made of a buffer."""
+
+    def __init__(self, vocab: int = 256, dim: int = 96, n_head: int = 6, layers: int = 2) -> None:
+        super().__init__(vocab, dim, n_head, layers)
+        self.pos = PositionalEncoding(dim)
+
+    def forward(self, idx):
+        return self.lm_head(self.norm(self.blocks(self.pos(self.tok(idx) * math.sqrt(self.tok.embedding_dim)))))
+
+
+def sinusoidal() -> SinusoidalLM:
+    torch.manual_seed(0)
+    return SinusoidalLM()
