@@ -225,7 +225,40 @@ def test_hf_decoders_take_sequence_parallel_with_the_embedding_handed_on_as_a_dt
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
 
 
-@pytest.mark.parametrize("spec", ["tests.portability.natural:hf_llama_mqa", "tests.portability.natural:hf_gpt2_odd_vocab"])
+def test_code_between_blocks_reading_a_blocks_attributes_is_checked() -> None:
+    """Granite's sliding-window decoder reads its layers' ``attention_type`` between them to
+    pick each layer's RoPE table. The check's stand-ins had no such attribute, the code
+    between the blocks went unchecked, and under sequence parallel the ranks got RoPE tables
+    of half the sequence (``size of tensor a (128) must match ... (64)`` on the fake group).
+    Stand-ins carry their block's plain attributes: the check finds the positions read off
+    sequence shards and hands the embedding on as a DTensor."""
+    from shardplan.tools.sources import resolve_model
+
+    model, inputs, _ = resolve_model("hf-tiny:granite_swa", device="cpu")
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, explain=False, sequence_parallel=True)
+    handed = [(r.module, r.input) for r in plan.regions if "DTensor" in r.why]
+    assert ("model.embed_tokens", "output") in handed, plan.regions
+    result = simulate(model, plan, inputs)
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
+def test_a_value_no_layer_reads_is_not_cut_for_nothing() -> None:
+    """Qwen3-Next's small config has no full-attention layer, so nothing reads its RoPE
+    tables; with no price on a cut, the program cut ``position_ids`` where the rotary module
+    receives them (a tie), the tables came out half as long as the plan said, and
+    ``sequence_parallel=True`` raised. A cut costs a hook: the tables stay whole."""
+    from shardplan.tools.sources import resolve_model
+
+    model, inputs, _ = resolve_model("hf-tiny:qwen3_next", device="cpu")
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, explain=False, sequence_parallel=True)
+    assert not [r for r in plan.regions if r.module == "model.rotary_emb"], plan.regions
+    assert plan.module_styles()["model.norm"] == "sequence_parallel", plan.warnings
+    result = simulate(model, plan, inputs)
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
+@pytest.mark.parametrize("spec", ["tests.portability.natural:hf_llama_mqa", "tests.portability.natural:hf_gpt2_odd_vocab",
+                                  "hf-tiny:granite_swa"])
 def test_hf_decoders_under_sequence_parallel_match_one_process_on_gloo(spec: str) -> None:
     result = verify(spec, nproc=2, timeout_s=300, sequence_parallel=True)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)

@@ -52,19 +52,29 @@ class OuterCodeError(LocalShapeError):
 
 
 class _StandIn(nn.Module):
-    """A block's place in the model: checks what it is handed, returns what it would."""
+    """A block's place in the model: checks what it is handed, returns what it would. It
+    carries the block's plain attributes (``config``, ``layer_idx``, ``attention_type``), which
+    the code between the blocks may read (Granite's sliding-window layers pick their RoPE
+    tables by the layer's type); reading them failed, and that code went unchecked."""
 
-    def __init__(self, fqn: str, expected: tuple[tuple, dict], outputs: Any) -> None:
+    def __init__(self, fqn: str, expected: tuple[tuple, dict], outputs: Any, attributes: dict[str, Any]) -> None:
         super().__init__()
-        self.fqn, self.expected, self.outputs = fqn, expected, outputs
+        self.__dict__.update(attributes)
+        self._fqn, self._expected, self._outputs = fqn, expected, outputs
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        want_args, want_kwargs = self.expected
+        want_args, want_kwargs = self._expected
         handed = [(f"argument {i}", a, w) for i, (a, w) in enumerate(zip(args, want_args))]
         handed += [(k, v, want_kwargs[k]) for k, v in kwargs.items() if k in want_kwargs]
         for name, got, want in handed:
-            _compare(self.fqn, name, got, want)
-        return tree_map_only(tuple, _empty, self.outputs, is_leaf=_is_spec)
+            _compare(self._fqn, name, got, want)
+        return tree_map_only(tuple, _empty, self._outputs, is_leaf=_is_spec)
+
+
+def _plain_attributes(module: nn.Module) -> dict[str, Any]:
+    """The attributes of ``module`` that are neither submodules, tensors nor nn.Module's own."""
+    return {k: v for k, v in vars(module).items()
+            if not k.startswith("_") and k != "training" and not isinstance(v, (nn.Module, torch.Tensor))}
 
 
 def _is_spec(x: Any) -> bool:
@@ -112,7 +122,7 @@ def _stand_in(graph: OpGraph, fqn: str, placements: dict[int, str], tp: int, pla
         outputs: Any = tuple(spec(call.items[i]) if i in call.items else None for i in range(max(call.items) + 1))
     else:
         outputs = spec(call.outputs[0]) if call.outputs else None
-    return _StandIn(fqn, expected, outputs)
+    return _StandIn(fqn, expected, outputs, _plain_attributes(graph.model.get_submodule(fqn)))
 
 
 def _gathered_around(graph: OpGraph, fqn: str, plan: Plan | None) -> dict[int, str]:

@@ -167,14 +167,21 @@ def _host_time(s: Strategy, ctx: SolveContext) -> float:
     return ctx.hardware.module_overhead_s if s.name not in ("", "folded") and ctx.tp > 1 else 0.0
 
 
+_HOOK_S = 1e-7  # a region's hook where no hardware profile says what one costs: a tie-break, not a price
+
+
 def entry_time(entry: str, nbytes: int, ctx: SolveContext, *, needs_grad: bool = True) -> float:
-    if is_slice(entry) or is_inner_cut(entry):  # a whole value no gradient reaches, cut locally: no collective
-        return 0.0
+    if is_slice(entry) or is_inner_cut(entry):
+        # a whole value no gradient reaches, cut locally: no collective, but a hook on the module
+        # that cuts it; a value nothing reads split (RoPE tables no layer of this config uses)
+        # is left whole rather than cut for nothing
+        return max(ctx.hardware.module_overhead_s, _HOOK_S)
     if is_scatter(entry):  # a partial sum reduce-scattered where its module returns; its gradient all-gathered
         return cost.collective_time("reduce_scatter", nbytes, group_size=ctx.tp, link=ctx.link) + (
             cost.collective_time("all_gather", nbytes, group_size=ctx.tp, link=ctx.link) if needs_grad else 0.0)
-    if is_cut(entry):  # a whole value cut where its module returns; its gradient all-gathered back
-        return cost.collective_time("all_gather", nbytes, group_size=ctx.tp, link=ctx.link) if needs_grad else 0.0
+    if is_cut(entry):  # a whole value cut where its module returns (a hook); its gradient all-gathered back
+        return max(ctx.hardware.module_overhead_s, _HOOK_S) + (
+            cost.collective_time("all_gather", nbytes, group_size=ctx.tp, link=ctx.link) if needs_grad else 0.0)
     if is_gather(entry):  # gathered where its module receives it; the readers hand back a whole gradient: sliced
         return cost.collective_time("all_gather", nbytes, group_size=ctx.tp, link=ctx.link)
     if entry == "R":  # Partial gradient of the region input -> one all-reduce in backward
