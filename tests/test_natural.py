@@ -242,6 +242,20 @@ def test_code_between_blocks_reading_a_blocks_attributes_is_checked() -> None:
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
 
 
+def test_views_a_library_helper_makes_are_not_counted_as_the_modules() -> None:
+    """Dory's attention reads its length off its sequence-split input and views the gathered
+    q/k/v by it; transformers' sdpa helper repeats the kv heads with reshapes on meta but not
+    on CPU, so a fix named by its call landed on another view on the ranks (``size of tensor
+    a (128) must match ... (64)``). Only the views the module's own file makes are counted."""
+    from shardplan.tools.sources import resolve_model
+
+    model, inputs, _ = resolve_model("hf-tiny:dory", device="cpu")
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, explain=False, sequence_parallel=True)
+    assert any(f.seq_dim is not None for v in plan.local_views for f in v.fixes), plan.local_views
+    result = simulate(model, plan, inputs)
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
 def test_a_value_no_layer_reads_is_not_cut_for_nothing() -> None:
     """Qwen3-Next's small config has no full-attention layer, so nothing reads its RoPE
     tables; with no price on a cut, the program cut ``position_ids`` where the rotary module

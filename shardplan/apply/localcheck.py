@@ -214,14 +214,11 @@ def _local_args(call, placements: dict[int, str], tp: int, target: str | None = 
     """The call's example arguments as one rank holds them (a Shard(d) input is 1/tp on d);
     with ``target``, as that block is handed them (:class:`ExitPlacements`)."""
     def local(node, value):
-        if isinstance(node, (list, tuple)) and isinstance(value, (list, tuple)) and len(node) == len(value):
-            # a tuple argument (Hugging Face's ``position_embeddings=(cos, sin)``): each part as placed
-            return type(value)(local(n, v) for n, v in zip(node, value))
         if not isinstance(value, torch.Tensor) or isinstance(node, (list, tuple)):
             # on meta as the copy's weights are: a model built on a real device hands its
             # blocks real buffers (a RoPE table), which a meta block cannot mix with
             return tree_map_only(torch.Tensor, _on_meta, value)
-        v = node.meta.get("shardplan_op") if node is not None else None
+        v = getattr(node, "meta", {}).get("shardplan_op")
         p = placements.handed(v, target) if isinstance(placements, ExitPlacements) and target is not None else (
             placements.get(v, "R"))
         if shard_dim(p) is None:

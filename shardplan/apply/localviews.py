@@ -28,6 +28,7 @@ attribute holds ``C`` for :class:`~shardplan.plan.model.LocalAttributes` to make
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
@@ -60,10 +61,11 @@ SliceChooser = Callable[[str, int, list[torch.Tensor]], "tuple[int, int, int] | 
 
 class _FixViews(TorchFunctionMode):
     def __init__(self, choose: Chooser, choose_cut: CutChooser, choose_slice: SliceChooser | None = None,
-                 rank: int = 0, choose_seq: SeqChooser | None = None, choose_length: LengthChooser | None = None) -> None:
+                 rank: int = 0, choose_seq: SeqChooser | None = None, choose_length: LengthChooser | None = None,
+                 own_file: str | None = None) -> None:
         super().__init__()
         self.choose, self.choose_cut, self.choose_slice, self.rank = choose, choose_cut, choose_slice, rank
-        self.choose_seq, self.choose_length = choose_seq, choose_length
+        self.choose_seq, self.choose_length, self.own_file = choose_seq, choose_length, own_file
         self.failing = self.cuts = self.views = 0
         self.calls: dict[str, int] = {}
         self.made: dict[str, int] = {}
@@ -83,7 +85,9 @@ class _FixViews(TorchFunctionMode):
                 return self._cut(func, args, kwargs, cut)
         if name in VIEW_FUNCTIONS and args and isinstance(args[0], torch.Tensor):
             sizes = _sizes(args[1:])
-            if sizes is not None and self.choose_seq is not None:
+            # counted where the module's own file makes them: a library helper's views may differ
+            # by device (transformers' sdpa repeats kv heads on meta, not on CPU)
+            if sizes is not None and self.choose_seq is not None and _caller_file() == self.own_file:
                 self.views += 1
                 fix = self.choose_seq(self.views - 1, sizes, args[0].numel())
                 rescaled = rescale(sizes, fix) if fix is not None else None
@@ -144,6 +148,14 @@ class _FixViews(TorchFunctionMode):
 _TORCH_DISTRIBUTED = os.path.join(os.path.dirname(torch.__file__), "distributed") + os.sep
 # torch's Python entry points a call of the module's code passes through before the mode sees it
 _WRAPPERS = frozenset(os.path.join(os.path.dirname(torch.__file__), f) for f in ("overrides.py", "_tensor.py", "functional.py"))
+
+
+def _caller_file() -> str | None:
+    """The file of the code that made the call the mode sees."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename in _WRAPPERS or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    return frame.f_code.co_filename if frame is not None else None
 
 
 def _called_by_torch_distributed() -> bool:
@@ -272,8 +284,10 @@ def _run_with(module: nn.Module, choose: Chooser, choose_cut: CutChooser, choose
     """Enter a fresh mode for every call of ``module``'s forward and leave it after."""
     live: list[_FixViews] = []
 
+    own_file = _source_file(module)
+
     def enter(_m, _args):
-        live.append(_FixViews(choose, choose_cut, choose_slice, rank, choose_seq, choose_length))
+        live.append(_FixViews(choose, choose_cut, choose_slice, rank, choose_seq, choose_length, own_file))
         live[-1].__enter__()
 
     def leave(_m, _args, _out):
@@ -281,6 +295,13 @@ def _run_with(module: nn.Module, choose: Chooser, choose_cut: CutChooser, choose
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave, always_call=True)
+
+
+def _source_file(module: nn.Module) -> str | None:
+    try:
+        return inspect.getsourcefile(type(module))
+    except TypeError:
+        return None
 
 
 def install_local_views(model: nn.Module, plan: Plan, *, rank: int = 0) -> None:
@@ -332,7 +353,7 @@ def discover_fixes(module: nn.Module, expected: list[tuple[int, ...]], expected_
     found_cuts: list[CutFix] = []
     found_slices: list[SliceFix] = []
     found_lengths: list[LengthFix] = []
-    cursor, seq_cursor, made_cursor = [0], [0], [0]
+    made_cursor = [0]
     next_slice = [0]
 
     def choose_slice(name: str, k: int, tensors: list[torch.Tensor]) -> tuple[int, int, int] | None:
@@ -345,23 +366,9 @@ def discover_fixes(module: nn.Module, expected: list[tuple[int, ...]], expected_
         found_slices.append(SliceFix(function=name, call=k, input=want.input, dim=want.dim, parts=want.parts))
         return want.input, want.dim, want.parts
 
-    def choose(k: int, sizes: list[int], numel: int) -> ViewFix | None:
-        for i in range(cursor[0], len(expected)):
-            fix = _one_dim_divided(sizes, expected[i], numel)
-            if fix is not None:
-                cursor[0] = i + 1
-                found.append(fix)
-                return fix
-        return None
-
-    def choose_seq(k: int, sizes: list[int], numel: int) -> ViewFix | None:
-        for i in range(seq_cursor[0], len(seq_expected)):
-            fix = _sequence_rescaled(k, sizes, seq_expected[i], numel, seq_parts)
-            if fix is not None:
-                seq_cursor[0] = i + 1
-                found.append(fix)
-                return fix
-        return None
+    choose = _next_match(expected, found, lambda k, sizes, want, numel: _one_dim_divided(sizes, want, numel))
+    choose_seq = _next_match(seq_expected, found, lambda k, sizes, want, numel: _sequence_rescaled(
+        k, sizes, want, numel, seq_parts))
 
     def choose_cut(k: int, numbers: list[int], one: bool) -> CutFix | None:
         want = expected_cuts[k] if k < len(expected_cuts) and one else None
@@ -388,6 +395,24 @@ def discover_fixes(module: nn.Module, expected: list[tuple[int, ...]], expected_
     _run_with(module, choose, choose_cut, choose_slice if expected_slices else None,
               choose_seq=choose_seq if seq_parts else None, choose_length=choose_length if seq_made else None)
     return found, found_cuts, found_slices, found_lengths
+
+
+def _next_match(shapes: list[tuple[int, ...]], found: list[ViewFix],
+                match: Callable[[int, list[int], tuple[int, ...], int], ViewFix | None]) -> Chooser:
+    """A chooser that matches each view it is asked about to the next of ``shapes`` (from
+    where the last match left off) that ``match`` fixes it to, recording the fix."""
+    cursor = [0]
+
+    def choose(k: int, sizes: list[int], numel: int) -> ViewFix | None:
+        for i in range(cursor[0], len(shapes)):
+            fix = match(k, sizes, shapes[i], numel)
+            if fix is not None:
+                cursor[0] = i + 1
+                found.append(fix)
+                return fix
+        return None
+
+    return choose
 
 
 def _scaled(got: list[int], whole: list[int], parts: int) -> bool:

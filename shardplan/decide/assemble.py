@@ -28,8 +28,8 @@ from .solve import Solution
 from .strategies import placement_str
 from .weights import read_elsewhere
 
-__all__ = ["pattern_map", "patterned", "rules", "regions", "group_norm_attributes", "block_regions", "unused_modules", "repeats", "merge_repeated",
-           "merged_representatives"]
+__all__ = ["pattern_map", "patterned", "rules", "regions", "group_norm_attributes", "block_regions", "unused_modules",
+           "repeats", "merge_repeated", "merged_representatives"]
 
 
 def pattern_map(graph: OpGraph) -> dict[str, str]:

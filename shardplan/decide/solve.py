@@ -35,7 +35,7 @@ import numpy as np
 from . import cost
 from .milp import MilpModel, MilpView
 from ..analyze.graph import Op, OpGraph
-from .scatter import cut_rows, gather_rows, is_cut, is_gather, is_scatter, scatter_rows
+from .scatter import cut_rows, gather_rows, is_cut, is_gather, is_scatter, scatter_rows, scatter_target
 from .slices import is_inner_cut, is_slice, slice_rows
 from .placements import ANY, shard_dim
 from .strategies import MATMUL, Strategy, op_strategies
@@ -191,8 +191,6 @@ def entry_time(entry: str, nbytes: int, ctx: SolveContext, *, needs_grad: bool =
 
 
 def _at_exit(entry: str) -> bool:
-    from .scatter import is_cut, is_scatter
-
     return is_cut(entry) or is_scatter(entry)
 
 
@@ -416,8 +414,6 @@ def _arrives_as(prog: _Program, producer: int, value: int, p: str) -> list[tuple
     (a whole value cut ``R^S1``, a partial sum reduce-scattered ``P>S1``: a position-encoding
     module's output cut onto the first block's sequence shards arrives as the later blocks'
     inputs do)."""
-    from .scatter import is_cut, is_scatter, scatter_target
-
     cols = [(prog.var_of[(producer, i)], 1.0) for i, s in enumerate(prog.strategies[producer]) if s.output == p]
     for (v, entry), col in prog.entry_of.items():
         if v != value or not (is_cut(entry) or is_scatter(entry)):

@@ -259,10 +259,16 @@ def _partial_gradient(op: Op, graph: OpGraph, s: Strategy) -> bool:
 
 
 def _before_blocks(graph: OpGraph, value: int) -> bool:
-    """``value`` is returned by a module outside every repeated block (folded stacks)."""
+    """``value`` is returned by a module outside every repeated block (folded stacks) and
+    handed as it is to the first of them: the residual stream entering the blocks, not a
+    table a block's code reads sizes off."""
     exit_ = exits(graph).get(value)
-    stacks = set(graph.traced.folded) | set(graph.traced.folded.values())
-    return exit_ is not None and not any(exit_.module == b or exit_.module.startswith(b + ".") for b in stacks)
+    reps = set(graph.traced.folded.values())
+    stacks = set(graph.traced.folded) | reps
+    if exit_ is None or any(exit_.module == b or exit_.module.startswith(b + ".") for b in stacks):
+        return False
+    return any(getattr(node, "meta", {}).get("shardplan_op") == value
+               for rep in reps for call in graph.traced.calls.get(rep, [])[:1] for node in call.args[:1])
 
 
 def param_only_values(graph: OpGraph) -> frozenset[int]:
@@ -316,7 +322,7 @@ def _group_norm(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
     positions, so a rank holding whole groups (tp divides the groups; channels split in
     contiguous blocks hold whole groups) normalizes them alone, told the local group count
     (its module's ``num_groups``: :func:`.assemble.group_norm_attributes`).
-    RetNet's and RWKV's norm over heads: ``GroupNorm(heads, heads * head_dim)`` on
+    RetNet's norm over heads: ``GroupNorm(heads, heads * head_dim)`` on
     ``[b * t, heads * head_dim]`` after attention split by heads. Without weights only (an
     affine one is a weight module)."""
     if len(op.inputs) != 1 or op.node.op != "call_module":

@@ -258,8 +258,9 @@ class ViewFix(_Strict):
     """One view of a module's code that spells a global width: its dim ``dim`` is divided by
     ``parts`` (tp, or a kv-group count) on one rank's shard.
 
-    With ``seq_dim`` it is the ``call``-th view the module's forward makes (every view and
-    reshape with explicit sizes counted, ``-1`` or not), sized by a length read off a
+    With ``seq_dim`` it is the ``call``-th view the module's own source file makes while its
+    forward runs (every view and reshape with explicit sizes counted, ``-1`` or not; a
+    library helper's views are not, as they may differ by device), sized by a length read off a
     sequence shard (``B, T, C = x.shape`` of an input under sequence parallel, then
     ``q.view(B, T, H, C // H)`` of the gathered q): dim ``seq_dim`` is multiplied by
     ``seq_parts`` as well. Such a view holds as many elements as its tensor, so it does not
