@@ -210,6 +210,14 @@ class ExitPlacements(dict):
         return self.get(value, "R")
 
 
+def handed_placement(placements: dict[int, str], value: int | None, target: str | None) -> str:
+    """The placement of ``value`` as the block ``target`` is handed it (:class:`ExitPlacements`;
+    with plain placements, or no target, as placed)."""
+    if isinstance(placements, ExitPlacements) and target is not None:
+        return placements.handed(value, target)
+    return placements.get(value, "R")
+
+
 def _local_args(call, placements: dict[int, str], tp: int, target: str | None = None) -> tuple[tuple, dict]:
     """The call's example arguments as one rank holds them (a Shard(d) input is 1/tp on d);
     with ``target``, as that block is handed them (:class:`ExitPlacements`)."""
@@ -218,9 +226,7 @@ def _local_args(call, placements: dict[int, str], tp: int, target: str | None = 
             # on meta as the copy's weights are: a model built on a real device hands its
             # blocks real buffers (a RoPE table), which a meta block cannot mix with
             return tree_map_only(torch.Tensor, _on_meta, value)
-        v = getattr(node, "meta", {}).get("shardplan_op")
-        p = placements.handed(v, target) if isinstance(placements, ExitPlacements) and target is not None else (
-            placements.get(v, "R"))
+        p = handed_placement(placements, getattr(node, "meta", {}).get("shardplan_op"), target)
         if shard_dim(p) is None:
             return _on_meta(value)
         return torch.empty(_local_shape(value.shape, p, tp), dtype=value.dtype, device="meta")

@@ -29,7 +29,7 @@ from ..plan.model import CutFix, LengthFix, LocalAttributes, LocalViews, Plan, S
 from .emit import shard
 from .localcheck import (
     LocalShapeError, _ViewRecorder, _check_mesh, _expected_views, _local_args, _meta_copy, _sub_plan, _targets,
-    _track_modules, _view_ops, check_local_shapes, stand_in_for,
+    _track_modules, _view_ops, check_local_shapes, handed_placement, stand_in_for,
 )
 from .localviews import CUT_FUNCTIONS, FACTORIES, WholeRead, discover_fixes, factory_sizes, read_cut
 
@@ -205,8 +205,9 @@ def _reads_sequence_shards(graph: OpGraph, placements: dict[int, str], fqn: str)
     calls = graph.traced.calls.get(graph.traced.folded.get(fqn, fqn)) or []
     for call in calls[:1]:
         for node in list(call.args) + list(call.kwargs.values()):
-            v = getattr(node, "meta", {}).get("shardplan_op") if hasattr(node, "meta") else None
-            if v in graph.values and len(graph.values[v].shape) >= 3 and shard_dim(placements.get(v, "R")) == 1:
+            v = getattr(node, "meta", {}).get("shardplan_op")
+            # as the block is handed it: a value cut onto sequence shards where a module before it returns
+            if v in graph.values and len(graph.values[v].shape) >= 3 and shard_dim(handed_placement(placements, v, fqn)) == 1:
                 return True
     return False
 

@@ -72,7 +72,11 @@ class _FixViews(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _called_by_torch_distributed():
+        caller = _caller_file()
+        if caller is not None and caller.startswith(_TORCH_DISTRIBUTED):
+            # DTensor's own code (a redistribute's ``narrow`` that unpads a gathered tensor, made
+            # only at some lengths), not the module's: neither counted nor fixed, so the counts
+            # are the code's own at every length
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if self.choose_length is not None and name in FACTORIES:
@@ -87,7 +91,7 @@ class _FixViews(TorchFunctionMode):
             sizes = _sizes(args[1:])
             # counted where the module's own file makes them: a library helper's views may differ
             # by device (transformers' sdpa repeats kv heads on meta, not on CPU)
-            if sizes is not None and self.choose_seq is not None and _caller_file() == self.own_file:
+            if sizes is not None and self.choose_seq is not None and caller == self.own_file:
                 self.views += 1
                 fix = self.choose_seq(self.views - 1, sizes, args[0].numel())
                 rescaled = rescale(sizes, fix) if fix is not None else None
@@ -156,16 +160,6 @@ def _caller_file() -> str | None:
     while frame is not None and (frame.f_code.co_filename in _WRAPPERS or frame.f_code.co_filename == __file__):
         frame = frame.f_back
     return frame.f_code.co_filename if frame is not None else None
-
-
-def _called_by_torch_distributed() -> bool:
-    """The call comes from DTensor's own code (a redistribute's ``narrow`` that unpads a
-    gathered tensor, made only at some lengths), not from the module's: it is neither
-    counted nor fixed, so the counts are the code's own at every length."""
-    frame = sys._getframe(2)
-    while frame is not None and (frame.f_code.co_filename in _WRAPPERS or frame.f_code.co_filename == __file__):
-        frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.startswith(_TORCH_DISTRIBUTED)
 
 
 # Cuts by a width: ``x.split(C, dim)`` / ``torch.split(x, [a, b], dim)`` (the sizes),
