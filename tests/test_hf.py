@@ -348,10 +348,25 @@ def test_tiny_tp_matches_unsharded_on_gloo(family: Family, gloo_results) -> None
     print(f"\n{family.id}: " + "  ".join(f"{c}={r0[c]['max_abs']:.1e}" for c in workers.CATEGORIES))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "mixtral", "gpt_oss", "ministral"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "mixtral", "gpt_oss", "ministral", "roberta"])
 def test_hf_tiny_specs_simulate_with_the_predicted_collectives(model_type, capsys):
     """hf-tiny:<type> builds the type's own classes at TINY sizes, so simulate runs them
-    (Ministral's default config leaves ``head_dim`` unset, which its attention reads as given)."""
+    (Ministral's default config leaves ``head_dim`` unset, which its attention reads as given;
+    RoBERTa numbers positions from its padding index + 1, so its example is 126 tokens long,
+    not the 128 its table has rows: index 128 was out of range on the ranks)."""
+    from shardplan.cli import main
+
+    assert main(["simulate", f"hf-tiny:{model_type}", "--mesh", "tp=2"]) == 0
+    assert "DIFFERS" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v4", "muse_spark_text"])
+def test_export_traced_experts_calling_a_child_are_one_call_with_their_routing_weights(model_type, capsys):
+    """Only torch.export traces these. Their expert banks call a parameter-free child
+    (``act_fn``) between the two matmuls: the leaf's ops were cut in two calls there, each
+    priced an all-reduce (11 predicted, 9 counted). DeepSeek-V4's router returns its integer
+    indices before its float weights, so the weights were taken to need no gradient and
+    their backward all-reduce went unpredicted."""
     from shardplan.cli import main
 
     assert main(["simulate", f"hf-tiny:{model_type}", "--mesh", "tp=2"]) == 0
@@ -655,6 +670,35 @@ def test_sequence_parallel_beside_weightless_norms_and_rope_before_the_layers_ma
     assert (styles["model.layers.0.self_attn.q_proj"], styles["model.embed_tokens"]) == ("colwise", "embedding_rowwise")
     assert next(r for r in result.plan.rules if r.module == "model.embed_tokens").output_layouts == "Shard(1)"
     assert not result.plan.warnings, result.plan.warnings
+
+
+@pytest.mark.parametrize(("model_type", "final", "inner"), [
+    ("eurobert", "norm", "layers.1.post_attention_layernorm"),
+    ("t5", "encoder.final_layer_norm", "encoder.block.1.layer.1.layer_norm"),
+])
+def test_a_model_returning_its_final_norm_keeps_sequence_parallel_and_matches_on_gloo(
+        model_type: str, final: str, inner: str) -> None:
+    """EuroBERT's base model returns its final norm's output, T5 its encoder's (through
+    dropout, as ``encoder_last_hidden_state``), with no head to gather the sequence shards on
+    entry: the norm stays on shards and gathers where it returns (one all-gather), so the
+    user gets whole hidden states. Before, sequence_parallel=True raised."""
+    result = verify(f"hf-tiny:{model_type}", nproc=2, seq_len=16, timeout_s=300, sequence_parallel=True)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    norm = next(r for r in result.plan.rules if r.module == final)
+    assert (norm.style, norm.output_layouts) == ("sequence_parallel", "Replicate"), norm
+    assert result.plan.module_styles()[inner] == "sequence_parallel"
+
+
+def test_a_stack_the_forward_never_calls_leaves_the_code_between_the_blocks_checked() -> None:
+    """Phi-4-multimodal holds audio and image encoders (repeated blocks) that text inputs
+    never run. The check of the code between the decoder's layers stood in for them too,
+    found no call, and skipped that code without a word: positions made from the
+    sequence-split embedding covered half the sequence and the fake group crashed. Uncalled
+    stacks are left out; the code is checked and the embedding handed on as a DTensor."""
+    result = verify("hf-tiny:phi4_multimodal", nproc=2, seq_len=16, timeout_s=300, sequence_parallel=True)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    handed = [r for r in result.plan.regions if r.module == "model.embed_tokens" and r.input == "output"]
+    assert handed and not handed[0].use_local_output, result.plan.regions
 
 
 @pytest.mark.parametrize("model_type, tp, seq", [("qwen3", 2, 16), ("qwen3", 8, 2048), ("gemma4_text", 2, 16),

@@ -337,14 +337,19 @@ class _Rewriter:
         return found
 
     def _leaf(self, node: torch.fx.Node) -> str | None:
+        """The weight leaf whose call ran ``node``: the outermost one on its module stack, so
+        the ops of a parameter-free child the leaf calls (DeepSeek-V4's experts calling their
+        ``act_fn`` between the two matmuls) stay in the leaf's one call."""
         stack = node.meta.get("nn_module_stack") or {}
-        fqn = next(reversed(stack.values()))[0] if stack else ""
+        return next((fqn for fqn, _ in stack.values() if self._is_leaf(fqn)), None)
+
+    def _is_leaf(self, fqn: str) -> bool:
         if fqn not in self.leaf_of:
             try:
                 self.leaf_of[fqn] = bool(fqn) and is_weight_leaf(self.model.get_submodule(fqn))
             except AttributeError:
                 self.leaf_of[fqn] = False
-        return fqn if self.leaf_of[fqn] else None
+        return self.leaf_of[fqn]
 
     def _placeholder(self, node: torch.fx.Node) -> torch.fx.Node:
         new = self.graph.placeholder(node.name)

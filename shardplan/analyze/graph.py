@@ -388,6 +388,9 @@ def grad_inputs(op: Op) -> list[int]:
 def _set_requires_grad(graph: OpGraph) -> None:
     """Inputs and constants need no gradient; anything computed from a trainable weight does,
     unless the op carries none (data-free, or a result that is not floating point)."""
+    # a call returning a tuple is one value typed by its first tensor: DeepSeek-V4's router
+    # returns its integer indices first, so its float weights are judged where taken out
+    tuples: set[int] = set()
     for op in graph.ops:
         if _writes(op) and any(v in graph.requires_grad for v in op.inputs[1:]):
             # ``out[:, t] = y`` with y needing one (RWKV's zeros_like filled step by step): the
@@ -398,7 +401,10 @@ def _set_requires_grad(graph: OpGraph) -> None:
         trainable = (op.kind in ("module", "folded") and any(
             p.requires_grad for p in graph.model.get_submodule(op.target).parameters()
         )) or (op.kind == "const" and _trainable_attribute(graph.model, op.target))
-        carried = any(v in graph.requires_grad for v in grad_inputs(op))
+        carried = any(v in graph.requires_grad for v in grad_inputs(op)) or (
+            op.target == "getitem" and op.inputs[:1] and op.inputs[0] in tuples)
+        if (trainable or carried) and isinstance(op.node.meta.get("val") if op.node is not None else None, (tuple, list)):
+            tuples.add(op.output)
         dtype = graph.values[op.output].dtype
         if (trainable or carried) and (dtype is None or dtype.is_floating_point or dtype.is_complex):
             graph.requires_grad.add(op.output)

@@ -50,7 +50,7 @@ from .packed_colwise import PackedColwise
 from .tied_style import tied_reads
 from .styles import (
     AsLinear, Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, LocalVocabParallel, MoEExpertsParallel,
-    ReplicateParallel, SharedInput, combine, local_during_forward, placement, runs_on_local_tensors,
+    Both, ReplicateParallel, SharedInput, combine, local_during_forward, placement, runs_on_local_tensors,
 )
 
 __all__ = [
@@ -98,7 +98,11 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False, scala
     if rule.style == "norm_sharded":
         return NormSharded()
     if rule.style in ("sequence_parallel", "replicated_with_grad_allreduce"):
-        return SequenceParallel(sequence_dim=(inp or Shard(1)).dim, use_local_output=True)
+        dim = (inp or Shard(1)).dim
+        if isinstance(out, Replicate):  # a returned norm's output gathered for the user
+            return Both(SequenceParallel(sequence_dim=dim, use_local_output=False),
+                        PrepareModuleOutput(output_layouts=Shard(dim), desired_output_layouts=Replicate()))
+        return SequenceParallel(sequence_dim=dim, use_local_output=True)
     if rule.style == "moe_tp_experts":
         return MoEExpertsParallel(reduce_output=not isinstance(out, Partial))
     if rule.style == "moe_whole_experts":

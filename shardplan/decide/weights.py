@@ -494,6 +494,8 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
         # split with them whether or not sequence parallel was asked for
         name = "sequence_parallel" if d == 1 and len(x.shape) == 3 else "replicated_with_grad_allreduce"
         out.append(_on_shards(op, graph, module, d, tp, name=name))
+        if name == "sequence_parallel" and _returned(graph, op):
+            out.append(_gathered_on_return(out[-1], graph.values[op.output].nbytes, d))
     for k in sorted(folded_values(graph, tp).get(op.inputs[0], ())) if sp and len(x.shape) == 2 else []:
         # tokens flattened with the sequence split (OPT's [b * s, h], :mod:`.folded`): per token
         if x.shape[0] % (k * tp) == 0:
@@ -507,6 +509,27 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
             act_bytes=x.nbytes, layouts={"weight": "R", "input": "R"},
         ))
     return out + (_grouped_norm(x, module, pbytes, tp) if op.inputs[0] in grouped_values(graph, tp) else [])
+
+
+def _returned(graph: OpGraph, op: Op, depth: int = 3) -> bool:
+    """The model returns the module's output as it is, or through ops of one input that keep
+    its shape (a base model's final norm; T5's encoder returns it through dropout)."""
+    for c in graph.consumers.get(op.output, []):
+        user = graph.ops[c]
+        if user.kind == "output" or (depth and user.kind == "function" and user.inputs == [op.output]
+                                     and user.output is not None
+                                     and graph.values[user.output].shape == graph.values[op.output].shape
+                                     and _returned(graph, user, depth - 1)):
+            return True
+    return False
+
+
+def _gathered_on_return(s: Strategy, nbytes: int, d: int) -> Strategy:
+    """A norm on sequence shards whose output the model returns (an encoder's or a base
+    decoder's final norm, with no head to gather it on entry): all-gathered where the norm
+    returns, so the user gets whole hidden states as from one process. Backward, the whole
+    gradient every rank holds is sliced back onto its shard: no collective."""
+    return replace(s, output="R", fwd=(("all_gather", nbytes),), layouts={**s.layouts, "output": "R"})
 
 
 def _producer(graph: OpGraph, op: Op) -> Op:

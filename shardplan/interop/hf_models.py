@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 __all__ = ["TINY", "shrink_config", "build_hf_model", "positional", "example_args", "hf_config", "hf_build", "transformers_module",
-           "config_dtype", "max_positions"]
+           "config_dtype", "max_positions", "usable_positions"]
 
 
 def transformers_module() -> Any:
@@ -156,6 +156,18 @@ def max_positions(config: Any) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None
+
+
+def usable_positions(model: nn.Module, config: Any) -> int | None:
+    """:func:`max_positions` less the rows a position table keeps below its first position:
+    RoBERTa's family numbers positions from ``padding_idx + 1`` (its position embedding's
+    padding row), so a table of 128 holds 126 tokens."""
+    positions = max_positions(config)
+    if positions is None:
+        return None
+    offsets = [m.padding_idx + 1 for m in model.modules() if isinstance(m, nn.Embedding)
+               and m.num_embeddings == positions and m.padding_idx is not None and m.padding_idx >= 0]
+    return positions - max(offsets, default=0)
 
 
 def _has(config: Any, name: str) -> bool:
@@ -320,7 +332,7 @@ def build_hf_model(
     if torch.device(device).type != "meta":
         model.float()
     if tiny:
-        positions = max_positions(cfg)
+        positions = usable_positions(model, cfg)
         if isinstance(positions, int):
             seq_len = min(seq_len, positions)
     inputs, kwargs = _example_inputs(model, cfg, device=device, batch_size=batch_size, seq_len=seq_len, seed=seed)

@@ -42,7 +42,7 @@ from torch import nn
 
 from ..analyze.trace import portable_path, user_frame
 from ..interop.hf_models import (
-    config_dtype, example_args, hf_build, hf_config, max_positions, shrink_config, transformers_module,
+    config_dtype, example_args, hf_build, hf_config, shrink_config, transformers_module, usable_positions,
 )
 
 __all__ = ["resolve_model", "SPEC_HELP"]
@@ -207,7 +207,7 @@ def _hf_model(
     # (hf-tiny: is for running on CPU, where models stay fp32)
     dtype = config_dtype(cfg) if torch.device(device).type == "meta" and not tiny else None
     model = hf_build(tf, cfg, spec, device=device, dtype=dtype)
-    max_pos = max_positions(cfg) or _HF_SEQ_LEN
+    max_pos = usable_positions(model, cfg) or _HF_SEQ_LEN
     # batch 2, as presets and plan_model; an encoder-decoder's decoder ids, a ViT's pixels
     inputs = example_args(model, cfg, device=device, batch_size=batch_size or 2, seq_len=seq_len or min(_HF_SEQ_LEN, max_pos))
     return model, inputs, spec
