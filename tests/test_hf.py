@@ -723,3 +723,15 @@ def test_per_head_norms_without_sequence_parallel_match_one_process_on_gloo() ->
     result = verify("hf-tiny:qwen3", nproc=2, seq_len=16, timeout_s=300, sequence_parallel=False)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
     assert result.plan.module_styles()["model.layers.0.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+
+
+def test_attention_kept_whole_by_a_mask_with_a_row_per_head_says_so() -> None:
+    """Doge's dynamic mask is computed from all kv heads' values by a Linear over them, and
+    holds a row per head: attention runs whole to match it. The warning blamed the query's
+    norm; it names the mask and the line that makes it (issue 30: warnings tell the truth)."""
+    from shardplan.tools.sources import resolve_model
+
+    model, inputs, _ = resolve_model("hf-tiny:doge", device="meta", batch_size=2, seq_len=16)
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, explain=False)
+    whole = [w for w in plan.warnings if "attention runs whole" in w]
+    assert whole and all("its mask holds a row per head" in w and "modeling_doge.py" in w for w in whole), whole

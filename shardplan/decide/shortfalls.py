@@ -138,12 +138,35 @@ def _unsplit_heads(graph: OpGraph, solution: Solution, tp: int, pmap: Any) -> li
         source = _producer_module(graph, op.inputs[0])
         if source is None or solution.strategies[source.index].name == "colwise_gather_output":
             continue  # no projection, or its gather is said already
-        why = _blocking_op(graph, source, tp) if source.module_kind in ("linear", "conv1d") else ""
+        why = _whole_mask(graph, solution, op) or (
+            _blocking_op(graph, source, tp) if source.module_kind in ("linear", "conv1d") else "")
         out.append(f"{patterned(op.owner, graph, pmap)[0]}: attention runs whole on every rank: "
                    f"`scaled_dot_product_attention` ({_user_line(op.node)}) takes its query whole, "
                    f"{patterned(source.target, graph, pmap)[0]} being {solution.strategies[source.index].name}"
                    + (f": {why}" if why else ""))
     return out
+
+
+_REPEATS = _ON_THE_WAY | {"expand", "unsqueeze", "repeat_interleave", "repeat", "squeeze", "flatten"}
+
+
+def _whole_mask(graph: OpGraph, solution: Solution, op) -> str:
+    """The mask of an attention, when it holds a row per head and stays whole: q, k and v
+    then stay whole to match it (Doge's dynamic mask, computed from all kv heads' values
+    by a Linear over them), whatever their projections could take."""
+    from ..analyze.trace import _user_line
+
+    if len(op.inputs) < 4:
+        return ""
+    q, mask = graph.values[op.inputs[0]].shape, graph.values[op.inputs[3]].shape
+    if len(q) != 4 or len(mask) != 4 or mask[1] != q[1] or q[1] == 1 or solution.placements.get(op.inputs[3], "R") != "R":
+        return ""
+    maker = graph.ops[graph.values[op.inputs[3]].producer]
+    while maker.kind == "function" and maker.inputs and maker.target in _REPEATS:  # repeat_kv's helper: not where it is made
+        maker = graph.ops[graph.values[maker.inputs[0]].producer]
+    where = _user_line(maker.node) if maker.node is not None else ""
+    return (f"its mask holds a row per head ({list(mask)}, made by `{maker.target}`"
+            + (f" at {where}" if where else "") + ") and is computed whole, so the heads stay whole to match it")
 
 
 def _producer_module(graph: OpGraph, value: int, depth: int = 12):
