@@ -143,7 +143,15 @@ def expert_params(module: nn.Module) -> ExpertParams | None:
         found = _three_weight_bank(weights)
     else:
         (a, pa), (b, pb) = weights.items()
-        found = _up_down(a, pa, b, pb) or _up_down(b, pb, a, pa)
+        readings = _readings(a, pa, b, pb) + _readings(b, pb, a, pa)
+        hint = _hidden_hint(module)
+        # [E, A, B] + [E, B, A] reads four ways by shape alone: the width the module's own
+        # router takes (or its hidden_dim) says which dim is the tokens' width; a square bank
+        # (A == B) still reads two ways, and its code says which: ``x @ w[e]`` the bmm layout
+        fitting = [r for r in readings if hint is not None and weights[r.up].shape[3 - r.up_dim] == hint] or readings
+        if len(fitting) > 1 and _bmm_in_source(type(module)):
+            fitting = [r for r in fitting if r.up_dim == 2] or fitting
+        found = fitting[0] if fitting else None
     if found is None:
         return None
     found = replace(found, interleaved=found.packed and _interleaved(module))
@@ -246,14 +254,41 @@ def _with_biases(ep: ExpertParams, weights: dict, biases: dict) -> ExpertParams 
 
 
 def _up_down(up: str, pu: torch.Tensor, down: str, pd: torch.Tensor, gate: str | None = None) -> ExpertParams | None:
+    found = _readings(up, pu, down, pd, gate)
+    return found[0] if found else None
+
+
+def _readings(up: str, pu: torch.Tensor, down: str, pd: torch.Tensor, gate: str | None = None) -> list[ExpertParams]:
+    """``up`` and ``down`` read as the F.linear layout, the bmm layout, or both (square)."""
     if pu.shape[0] != pd.shape[0]:
-        return None
+        return []
     packable = gate is None  # a separate gate means up is not packed
+    found = []
     if pd.shape[1] == pu.shape[2] and (pu.shape[1] == pd.shape[2] or packable and pu.shape[1] == 2 * pd.shape[2]):
-        return ExpertParams(up, down, pu.shape[1] == 2 * pd.shape[2], 1, 2, gate)
+        found.append(ExpertParams(up, down, pu.shape[1] == 2 * pd.shape[2], 1, 2, gate))
     if pd.shape[2] == pu.shape[1] and (pu.shape[2] == pd.shape[1] or packable and pu.shape[2] == 2 * pd.shape[1]):
-        return ExpertParams(up, down, pu.shape[2] == 2 * pd.shape[1], 2, 1, gate)
-    return None
+        found.append(ExpertParams(up, down, pu.shape[2] == 2 * pd.shape[1], 2, 1, gate))
+    return found
+
+
+@functools.lru_cache(maxsize=256)
+def _bmm_in_source(cls: type) -> bool:
+    """The class multiplies its weights as ``x @ w`` (bmm, matmul), not ``F.linear(x, w)``."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return False
+    return "linear(" not in source and any(t in source for t in (" @ ", "matmul(", "bmm("))
+
+
+def _hidden_hint(module: nn.Module) -> int | None:
+    """The tokens' width as the module says it: its router's ``in_features`` (a bank with its
+    router inside), else an int ``hidden_dim``/``hidden_size`` attribute (Hugging Face's banks)."""
+    router = next((m for m in module.children() if isinstance(m, nn.Linear)), None)
+    if router is not None:
+        return router.in_features
+    value = next((getattr(module, n) for n in ("hidden_dim", "hidden_size", "dim") if hasattr(module, n)), None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _three_weight_bank(params: dict[str, torch.Tensor]) -> ExpertParams | None:

@@ -84,6 +84,17 @@ class Traced:
         return self.model.get_submodule(fqn)
 
 
+def _rebind_in_place(kind: str, target: Any, args: tuple, rv: torch.fx.Proxy, meta: Any) -> None:
+    """``out.add_(y)`` returns ``out`` changed: the code reads the result through the proxy it
+    already holds, so that proxy now stands for the op's node (SSA, as torch.export's
+    functionalization gives). Otherwise every later reader read the value from before the
+    write: Llama 4's ``out = shared_expert(x); out.add_(routed)`` returned the shared
+    expert's output alone, and the plan placed the block's return on that."""
+    if (kind == "call_method" and isinstance(target, str) and target.endswith("_") and not target.startswith("__")
+            and args and isinstance(args[0], torch.fx.Proxy) and isinstance(meta, torch.Tensor)):
+        args[0].node = rv.node
+
+
 def owns_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
@@ -97,7 +108,25 @@ def is_weight_leaf(module: nn.Module) -> bool:
     if isinstance(module, nn.MultiheadAttention) or listed_heads(module) is not None:
         return True
     return owns_params(module) and (
-        not any(owns_params(m) for _, m in module.named_modules() if m is not module) or _raw_weights_with_norms(module))
+        not any(owns_params(m) for _, m in module.named_modules() if m is not module) or _raw_weights_with_norms(module)
+        or bank_with_router(module) is not None)
+
+
+def bank_with_router(module: nn.Module) -> list[str] | None:
+    """The router's parameter names when ``module`` owns a bank of experts as raw 3-D
+    weights (:func:`~.graph.expert_params`) and its only weighted child is the Linear that
+    scores its E experts (a user's MoE: ``self.router = nn.Linear(h, E)`` beside
+    ``self.w_up = nn.Parameter(torch.empty(E, h, f))``): one op, as an expert bank is, its
+    router run whole inside it. None otherwise. (Which 3-D weight is which is
+    :func:`~.graph.expert_params`'s to read; here, two or three of E experts each.)"""
+    weighted = [(n, m) for n, m in module.named_modules() if m is not module and owns_params(m)]
+    if len(weighted) != 1 or not isinstance(weighted[0][1], nn.Linear):
+        return None
+    name, router = weighted[0]
+    banks = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+    if len(banks) not in (2, 3) or any(p.shape[0] != router.out_features for p in banks):
+        return None
+    return [f"{name}.{p}" for p, _ in router.named_parameters()]
 
 
 def _raw_weights_with_norms(module: nn.Module) -> bool:
@@ -296,6 +325,7 @@ class _ShardTracer(MetaTracer):
             self.notes.append(UPPER_BOUND_NOTE)
         rv.install_tensor_meta(meta)
         rv.node.meta["val"] = meta
+        _rebind_in_place(kind, target, args, rv, meta)
         return rv
 
     def _compute_meta(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:

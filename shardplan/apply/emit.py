@@ -104,7 +104,8 @@ def _style(rule: Rule, *, conv1d: bool = False, own_forward: bool = False, scala
                         PrepareModuleOutput(output_layouts=Shard(dim), desired_output_layouts=Replicate()))
         return SequenceParallel(sequence_dim=dim, use_local_output=True)
     if rule.style == "moe_tp_experts":
-        return MoEExpertsParallel(reduce_output=not isinstance(out, Partial))
+        return MoEExpertsParallel(reduce_output=not isinstance(out, Partial),
+                                  sequence_dim=inp.dim if isinstance(inp, Shard) else None)
     if rule.style == "moe_whole_experts":
         return WholeExperts(reduce_output=not isinstance(out, Partial))
     if rule.style == "attention_heads":

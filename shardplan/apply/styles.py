@@ -216,25 +216,37 @@ class MoEExpertsParallel(ParallelStyle):
     same on every rank, the sum's backward being the identity) is the one-process gradient.
     ``reduce_output=False`` (``output_layouts: Partial``) hands the partial sums on as they
     are, for the MoE block's return to reduce-scatter onto sequence shards.
+    ``sequence_dim=d`` (``input_layouts``/``output_layouts: Shard(d)``): a bank that takes
+    the tokens as ``[b, s, h]`` itself (its router inside) under sequence parallel, as
+    Megatron's MLP does: the sequence shards all-gathered on entry (their gradient
+    reduce-scattered back, which also sums each rank's share) and the partial sums
+    reduce-scattered onto them where it returns (their gradient all-gathered).
     """
 
-    def __init__(self, *, reduce_output: bool = True) -> None:
+    def __init__(self, *, reduce_output: bool = True, sequence_dim: int | None = None) -> None:
         super().__init__()
         self.reduce_output = reduce_output
+        self.sequence_dim = sequence_dim
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         from ..analyze.graph import expert_params
+        from ..analyze.trace import bank_with_router
 
         ep = expert_params(module)
-        split = expert_tp_placements(module)
+        # a router inside the bank runs whole: Replicate, its gradient each rank's share (Partial)
+        router = bank_with_router(module) or []
+        split = expert_tp_placements(module) + [(name, Replicate()) for name in router]
         for name, where in split:
-            param = distribute_tensor(getattr(module, name).detach(), device_mesh, [where], src_data_rank=self.src_data_rank)
-            module.register_parameter(name, nn.Parameter(param, requires_grad=getattr(module, name).requires_grad))
+            owner, leaf = _owner(module, name)
+            param = distribute_tensor(getattr(owner, leaf).detach(), device_mesh, [where], src_data_rank=self.src_data_rank)
+            owner.register_parameter(leaf, nn.Parameter(param, requires_grad=getattr(owner, leaf).requires_grad))
         names = tuple(name for name, _ in split if name != ep.down_bias)
         group = device_mesh.get_group().group_name
-        enter = partial(_experts_enter, names=names, group=group, once=ep.down_bias, tp=device_mesh.size())
+        seq = (device_mesh, self.sequence_dim) if self.sequence_dim is not None else None
+        enter = partial(_experts_enter, names=names, group=group, once=ep.down_bias, tp=device_mesh.size(),
+                        partial_grads=tuple(router), seq=seq)
         module.register_forward_pre_hook(enter, with_kwargs=True)
-        module.register_forward_hook(partial(_experts_leave, group=group if self.reduce_output else None))
+        module.register_forward_hook(partial(_experts_leave, group=group if self.reduce_output else None, seq=seq))
         return module
 
 
@@ -294,18 +306,25 @@ def packed_placement(*, parts: int | Sequence[int], dim: int) -> _StridedShard:
     return PackedShard(dim, parts=parts)
 
 
-def _experts_enter(module, args, kwargs, *, names, group, once, tp):
+def _experts_enter(module, args, kwargs, *, names, group, once, tp, partial_grads=(), seq=None):
     # run on local shards; to_local is differentiable, so gradients reach the DTensor params
-    _swap_to_local(module, args, names=names)
+    _swap_to_local(module, args, names=names, partial_grads=partial_grads)
     if once:  # the down bias: bias / tp on each rank, so the all-reduce adds it once
         module._shardplan_params[once] = module._parameters[once]
         module._parameters[once] = _ScaleForward.apply(module._parameters[once].to_local(), 1.0 / tp)
+    if seq is not None:  # Shard(d) -> Replicate: all-gather; its backward reduce-scatters the Partial gradient
+        mesh, dim = seq
+        return (DTensor.from_local(args[0], mesh, [Shard(dim)], run_check=False).redistribute(mesh, [Replicate()])
+                .to_local(grad_placements=[Partial()]), *args[1:]), kwargs
     wrap = lambda x: _CopyToTP.apply(x, group) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad else x  # noqa: E731
     return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
 
 
-def _experts_leave(module, args, output, *, group):
+def _experts_leave(module, args, output, *, group, seq=None):
     _restore_params(module, args, output)
+    if seq is not None:  # Partial -> Shard(d): reduce-scatter; its backward all-gathers the gradient
+        mesh, dim = seq
+        return DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(dim)]).to_local()
     return _ReduceFromTP.apply(output, group) if group is not None else output
 
 

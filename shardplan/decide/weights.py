@@ -393,9 +393,11 @@ def _experts(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool = Fals
     # the layout read off the shapes alone must give the hidden width the bank returns: an
     # unpacked bank [E, A, B] + [E, B, A] reads both ways, and a misread splits H, not I
     if inner % tp == 0 and not (ep.interleaved and inner * 2 // tp % 2) and hidden == width:
-        out += [Strategy("moe_tp_experts", tuple("R" for _ in op.inputs), o, fwd=(("all_reduce", y.nbytes),) * (o == "R"),
-                         bwd=grads, param_bytes=_experts_param_bytes(module, ep.down_bias, tp), flops=flops / tp,
-                         mem_bytes=traffic, act_bytes=y.nbytes, layouts=_experts_layouts("experts", o)) for o in outputs]
+        inside = [Strategy("moe_tp_experts", tuple("R" for _ in op.inputs), o, fwd=(("all_reduce", y.nbytes),) * (o == "R"),
+                           bwd=grads, param_bytes=_experts_param_bytes(module, ep.down_bias, tp), flops=flops / tp,
+                           mem_bytes=traffic, act_bytes=y.nbytes,
+                           layouts={**_experts_layouts("experts", o), **_router_grads(module)}) for o in outputs]
+        out += inside + (_experts_on_sequence(op, graph, inside[0], tp) if sp else [])
     if bank is not None and bank.experts % tp == 0 and tp > 1:  # the calls WholeExperts takes
         busiest = busiest_share(rows, tp)
         out += [Strategy("moe_whole_experts", tuple("R" for _ in op.inputs), o, fwd=(("all_reduce", y.nbytes),) * (o == "R"),
@@ -411,6 +413,32 @@ def busiest_share(rows: int, ranks: int) -> float:
     if ranks <= 1 or rows <= 0:
         return 1.0
     return min(float(ranks), 1.0 + math.sqrt(2 * math.log(ranks)) * math.sqrt((ranks - 1) / rows))
+
+
+def _experts_on_sequence(op: Op, graph: OpGraph, s: Strategy, tp: int) -> list[Strategy]:
+    """A bank that takes the tokens as ``[b, s, h]`` itself (its router inside) under sequence
+    parallel, as Megatron's MLP: the sequence shards gathered on entry, the partial sums
+    reduce-scattered back onto them where it returns; backward, the input's gradient
+    reduce-scattered (summing each rank's share), the output's all-gathered."""
+    x, y = graph.values[op.inputs[0]], graph.values[op.output]
+    if len(op.inputs) != 1 or len(x.shape) != 3 or x.shape[1] % tp or y.shape != x.shape:
+        return []
+    grad = (("reduce_scatter", x.nbytes),) if op.inputs[0] in graph.requires_grad else ()
+    return [replace(s, inputs=("S1",), output="S1", fwd=(("all_gather", x.nbytes), ("reduce_scatter", y.nbytes)),
+                    bwd=(("all_gather", y.nbytes),) + grad, act_bytes=y.nbytes / tp,
+                    layouts={**{k: v for k, v in s.layouts.items() if k != "output"}, "input": "S1", "output": "S1"})]
+
+
+def _router_grads(module: nn.Module) -> dict[str, tuple]:
+    """A bank with its router inside (:func:`~shardplan.analyze.trace.bank_with_router`): the
+    router runs whole on every rank, but the routing weights' gradient comes back from each
+    rank's share of the experts' features, so the router's weight gradient is each rank's
+    share too, summed with the other Partial gradients when backward ends."""
+    from ..analyze.trace import bank_with_router
+
+    names = bank_with_router(module) or []
+    sizes = tuple(module.get_parameter(n).numel() * module.get_parameter(n).element_size() for n in names)
+    return {"partial_grads": tuple(names), "partial_bytes": sizes} if names else {}
 
 
 def _experts_layouts(weight: str, output: str) -> dict[str, str]:

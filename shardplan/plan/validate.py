@@ -266,10 +266,11 @@ def check_findings(plan: Any, model: Any, *, where: Any = None) -> list[str]:
 
 def _read_by_their_parent(covered: set[str], modules: dict[str, Any], dtensor_weights: set[str]) -> set[str]:
     """Children whose parameters their parent's call reads itself (``nn.MultiheadAttention``'s
-    ``out_proj``; the norms inside a ``dtensor_weights`` module): the parent's rule covers them."""
-    from ..analyze.graph import module_kind
+    ``out_proj``; the norms inside a ``dtensor_weights`` module; the router inside an expert
+    bank): the parent is one op of the graph, and its rule covers them."""
+    from ..analyze.trace import is_weight_leaf
 
-    parents = [fqn for fqn in covered if module_kind(modules[fqn]) in ("attention", "listed_heads") or fqn in dtensor_weights]
+    parents = [fqn for fqn in covered if is_weight_leaf(modules[fqn]) or fqn in dtensor_weights]
     return {f"{p}.{name}" for p in parents for name, _ in modules[p].named_modules() if name}
 
 
