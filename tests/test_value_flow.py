@@ -156,3 +156,29 @@ def test_formatting_a_value_of_meta_weights_keeps_tracing() -> None:
         model = Logs()
     traced = trace_model(model, (torch.ones(2, 8),))
     assert any(n.op == "call_module" and n.target == "lin" for n in traced.graph.nodes)
+
+
+class SharedPlusRouted(nn.Module):
+    """Llama 4's return: ``out = shared(x); out.add_(routed)``, the caller reading ``out``."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.shared, self.routed = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        out = self.shared(x)
+        out.add_(self.routed(x))
+        return out * 2
+
+
+def test_a_value_changed_in_place_is_read_as_changed() -> None:
+    """``out.add_(y)`` returns ``out`` changed; fx hands back a new node but the code goes on
+    with the proxy it holds, so every later reader read ``out`` as it was before the add."""
+    from shardplan.analyze.graph import build_graph
+
+    graph = build_graph(trace_model(SharedPlusRouted(), (torch.randn(2, 4, 32),)))
+    add_ = next(op for op in graph.ops if op.target == "add_")
+    readers = [graph.ops[c].target for c in graph.consumers.get(add_.output, [])]
+    assert readers == ["mul"], readers
+    shared = next(op for op in graph.ops if op.target == "shared")
+    assert [graph.ops[c].target for c in graph.consumers[shared.output]] == ["add_"]
