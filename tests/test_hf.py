@@ -735,3 +735,18 @@ def test_attention_kept_whole_by_a_mask_with_a_row_per_head_says_so() -> None:
     plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, explain=False)
     whole = [w for w in plan.warnings if "attention runs whole" in w]
     assert whole and all("its mask holds a row per head" in w and "modeling_doge.py" in w for w in whole), whole
+
+
+def test_planning_twice_in_one_process_gives_the_same_plan() -> None:
+    """The local check's fake world ends with ``destroy_process_group``, which empties the
+    process-group registry; the probe group DTensor runs module code on was gone for the
+    next plan in the same process, and Hy-V4's ``hc_head`` planned ``dtensor_weights``
+    once, then ``replicate`` (planning must not depend on what ran before it)."""
+    from shardplan.tools.sources import resolve_model
+
+    plans = []
+    for _ in range(2):
+        model, inputs, _ = resolve_model("hf-tiny:hy_v4", device="meta", batch_size=2, seq_len=128)
+        plans.append(shardplan.plan_model(model, {"tp": 2}, example_inputs=inputs, explain=False))
+    assert plans[0].rules == plans[1].rules and plans[0].warnings == plans[1].warnings
+    assert next(r for r in plans[1].rules if r.module == "model.hc_head").style == "dtensor_weights"

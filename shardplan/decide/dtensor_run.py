@@ -142,7 +142,25 @@ def probe_mesh(tp: int) -> Any:
         except (ImportError, AttributeError, RuntimeError, TypeError):
             group = None
         _PROBES[tp] = (mesh, group)  # the group is held: the registry does not keep it alive
+    _registered(tp)
     return _PROBES[tp][0]
+
+
+def _registered(tp: int) -> None:
+    """Register the probe's group again where ``destroy_process_group`` emptied the registry
+    (the local check's fake world ends so): a second plan in the same process found no group,
+    its code run on DTensors raised, and its plan differed from the first (Hy-V4's
+    ``hc_head`` planned ``dtensor_weights``, then ``replicate``)."""
+    group = _PROBES[tp][1]
+    if group is None:
+        return
+    from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
+
+    name = f"shardplan_probe_{tp}"
+    try:
+        _resolve_process_group(name)
+    except (RuntimeError, ValueError, KeyError):
+        _register_process_group(name, group)
 
 
 # funcol op -> (kind, whether its first argument is the whole tensor; else a shard gathered)
