@@ -348,12 +348,14 @@ def test_tiny_tp_matches_unsharded_on_gloo(family: Family, gloo_results) -> None
     print(f"\n{family.id}: " + "  ".join(f"{c}={r0[c]['max_abs']:.1e}" for c in workers.CATEGORIES))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "mixtral", "gpt_oss", "ministral", "roberta"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "mixtral", "gpt_oss", "ministral", "roberta", "hy_v4"])
 def test_hf_tiny_specs_simulate_with_the_predicted_collectives(model_type, capsys):
     """hf-tiny:<type> builds the type's own classes at TINY sizes, so simulate runs them
     (Ministral's default config leaves ``head_dim`` unset, which its attention reads as given;
     RoBERTa numbers positions from its padding index + 1, so its example is 126 tokens long,
-    not the 128 its table has rows: index 128 was out of range on the ranks)."""
+    not the 128 its table has rows: index 128 was out of range on the ranks; Hy-V4's
+    ``hc_head``, run on DTensors, leaves its whole input's gradient split over its streams,
+    which ``from_local``'s backward all-gathers: priced now)."""
     from shardplan.cli import main
 
     assert main(["simulate", f"hf-tiny:{model_type}", "--mesh", "tp=2"]) == 0

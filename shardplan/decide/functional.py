@@ -284,13 +284,18 @@ def _dtensor_output(op: Op, module: nn.Module, placements: dict[str, str], tp: i
                    and p.grad.placements[0].is_partial()]
         summed = tuple(isinstance(t.grad, DTensor) and t.grad.placements[0].is_partial()
                        for t in tree_flatten((args, kwargs))[0] if isinstance(t, DTensor))
+        # an input entered whole whose gradient the code leaves split (Hy-V4's hc_head: split
+        # over its hyper-connection streams): from_local's backward all-gathers it to Replicate
+        regathered = tuple(("all_gather", t.numel() * t.element_size()) for t in tree_flatten((args, kwargs))[0]
+                           if isinstance(t, DTensor) and t.placements[0].is_replicate() and isinstance(t.grad, DTensor)
+                           and t.grad.placements[0].is_shard())
     if not isinstance(out, DTensor) or len(out.placements) != 1 or any(k != "all_reduce" for k, _ in fwd.comms):
         return None
     p = out.placements[0]
     if p.is_partial() and p.reduce_op != "sum":
         return None
     where = "P" if p.is_partial() else f"S{p.dim}" if p.is_shard() else "R"
-    return _Run(where, partial, tuple(fwd.comms), tuple(bwd.comms), summed)
+    return _Run(where, partial, tuple(fwd.comms), tuple(bwd.comms) + regathered, summed)
 
 
 def _placed(p: torch.Tensor, placement: str, mesh: Any) -> torch.Tensor:
