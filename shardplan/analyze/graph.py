@@ -208,11 +208,16 @@ def router_like(module: nn.Module) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _topk_in_source(cls: type) -> bool:
+def _class_source(cls: type) -> str:
+    """Per class: reading its source costs ~25 ms, once per layer otherwise; "" where none."""
     try:
-        return "topk" in inspect.getsource(cls)
+        return inspect.getsource(cls)
     except (OSError, TypeError):
-        return False
+        return ""
+
+
+def _topk_in_source(cls: type) -> bool:
+    return "topk" in _class_source(cls)
 
 
 def _interleaved(module: nn.Module) -> bool:
@@ -224,14 +229,8 @@ def _interleaved(module: nn.Module) -> bool:
     return _strided_gate_in_source(type(module))
 
 
-@functools.lru_cache(maxsize=256)
 def _strided_gate_in_source(cls: type) -> bool:
-    """Per class: reading and searching its source costs ~25 ms, once per layer otherwise."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return False
-    return re.search(r"\[\s*\.\.\.\s*,\s*0?\s*::\s*2\s*\]", source) is not None
+    return re.search(r"\[\s*\.\.\.\s*,\s*0?\s*::\s*2\s*\]", _class_source(cls)) is not None
 
 
 def _with_biases(ep: ExpertParams, weights: dict, biases: dict) -> ExpertParams | None:
@@ -271,13 +270,9 @@ def _readings(up: str, pu: torch.Tensor, down: str, pd: torch.Tensor, gate: str 
     return found
 
 
-@functools.lru_cache(maxsize=256)
 def _bmm_in_source(cls: type) -> bool:
     """The class multiplies its weights as ``x @ w`` (bmm, matmul), not ``F.linear(x, w)``."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return False
+    source = _class_source(cls)
     return "linear(" not in source and any(t in source for t in (" @ ", "matmul(", "bmm("))
 
 
