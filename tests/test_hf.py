@@ -395,7 +395,7 @@ def test_hf_tiny_mla_keeps_its_own_head_sizes_and_a_sparse_layer():
 @pytest.mark.parametrize(("model_type", "module", "style"), [
     ("qwen2_moe", "model.layers.*.mlp.shared_expert_gate", "rowwise_split_input"),  # [1, hidden]
     # [2, hidden]: whole, or split on its features (colwise), never by its 2 rows
-    ("roberta", "roberta.embeddings.token_type_embeddings", ("replicate", "colwise")),
+    ("roberta", "roberta.embeddings.token_type_embeddings", ("replicate", "colwise", "colwise_gather_output")),
 ])
 def test_fewer_rows_than_ranks_are_not_split_by_rows(model_type: str, module: str, style: str) -> None:
     """A weight with fewer output rows than tp=4 ranks is never split by them (ranks would hold
@@ -409,6 +409,21 @@ def test_fewer_rows_than_ranks_are_not_split_by_rows(model_type: str, module: st
     model, inputs, kwargs = hf.build_hf_model(model_type, tiny=True, device="cpu", seed=0)
     result = simulate(model, plan, inputs, kwargs)
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
+def test_a_table_with_fewer_rows_than_ranks_does_not_carry_its_split_down_the_residual_stream() -> None:
+    """BERT's token-type table has 2 rows: at tp=4 it can only be split on its features, and
+    added to the other embeddings that split ran down the whole residual stream (q/k/v
+    rowwise, every attention whole, output dense colwise; real BERT-base at tp=4 too), with no
+    warning, since every weight was sharded. The table's features are now gathered where it
+    returns (``colwise_gather_output``), and attention is split by heads."""
+    result = verify("hf-tiny:bert", nproc=4, seq_len=16, timeout_s=300)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    styles = result.plan.module_styles()
+    assert styles["bert.embeddings.token_type_embeddings"] == "colwise_gather_output", styles
+    layer = "bert.encoder.layer.0.attention."
+    assert [styles[layer + m] for m in ("self.query", "self.key", "self.value", "output.dense")] == \
+        ["colwise"] * 3 + ["rowwise"], styles
 
 
 @pytest.mark.parametrize("model_type", ["granite", "cohere"])
@@ -689,6 +704,27 @@ def test_a_model_returning_its_final_norm_keeps_sequence_parallel_and_matches_on
     norm = next(r for r in result.plan.rules if r.module == final)
     assert (norm.style, norm.output_layouts) == ("sequence_parallel", "Replicate"), norm
     assert result.plan.module_styles()[inner] == "sequence_parallel"
+
+
+def test_a_moe_returning_flattened_tokens_keeps_sequence_parallel_and_matches_on_gloo() -> None:
+    """Llama 4's MoE flattens the tokens it receives and returns them so (``[b * s, h]``, summed
+    over its top-k rows: a partial sum of partial sums); its layer views them back by the
+    residual's shape. Under sequence parallel they are reduce-scattered where the MoE returns,
+    viewed as the ``[b, s, h]`` it received, so each rank's rows flatten its own sequence shard
+    (``tokens_of``), at the batch of the call (3 here; planned at 2). Before, no norm could be
+    on sequence shards and sequence_parallel=True raised."""
+    result = verify("hf-tiny:llama4_text", nproc=2, batch_size=3, seq_len=16, timeout_s=300, sequence_parallel=True)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    styles = result.plan.module_styles()
+    assert styles["model.layers.0.post_attention_layernorm"] == styles["model.norm"] == "sequence_parallel", styles
+    assert (styles["model.layers.0.self_attn.q_proj"], styles["model.layers.0.self_attn.o_proj"]) == ("colwise", "rowwise")
+    exit_ = [r for r in result.plan.regions if r.module.endswith("feed_forward") and r.input == "output"]
+    assert [(r.tokens_of, r.desired_input_layouts, r.output_index) for r in exit_] == [(0, "Shard(1)", 0)], exit_
+    model, inputs, kwargs = hf.build_hf_model("llama4_text", tiny=True)
+    plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=inputs, example_kwargs=kwargs, sequence_parallel=True)
+    model, inputs, kwargs = hf.build_hf_model("llama4_text", tiny=True, device="cpu", seed=0)
+    counted = simulate(model, plan, inputs, kwargs)
+    assert counted.matches, f"counted {dict(counted.counted)} != predicted {counted.predicted}"
 
 
 def test_a_stack_the_forward_never_calls_leaves_the_code_between_the_blocks_checked() -> None:

@@ -17,7 +17,7 @@ LAYERS = {"models": 0, "analyze": 1, "plan": 2, "decide": 3, "apply": 4, "api": 
           "cli": 8, "__main__": 9, "__init__": 9}
 TP_STYLE_MODULES = {"shardplan.apply.emit", "shardplan.apply.styles", "shardplan.apply.head_styles",
                     "shardplan.apply.attention_style", "shardplan.apply.experts_ep", "shardplan.apply.packed_colwise",
-                    "shardplan.apply.dtensor_style", "shardplan.apply.listed_style"}
+                    "shardplan.apply.dtensor_style", "shardplan.apply.listed_style", "shardplan.apply.token_style"}
 
 
 def _module_name(path: Path) -> str:

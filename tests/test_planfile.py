@@ -81,6 +81,21 @@ def test_a_file_of_many_repeated_rules_is_checked_fast_and_the_repeats_named(tmp
     assert findings[-1] == f"... and {len(data['rules']) - 12 - 20} more rules that repeat a module pattern"
 
 
+def test_tokens_of_scatters_only_a_partial_output_onto_the_sequence() -> None:
+    """``tokens_of`` (a module's flattened tokens reduce-scattered) qualifies a module's exit,
+    Partial -> Shard(1), and names an argument."""
+    from shardplan.plan.model import Region
+
+    exit_ = Region(module="layers.*.moe", input="output", num_inputs=0, input_layouts="Partial",
+                   desired_input_layouts="Shard(1)", use_local_output=True, tokens_of=0, output_index=0, num_outputs=2)
+    assert exit_.tokens_of == 0
+    with pytest.raises(ValueError, match=r"tokens_of 0 with input 'output', Partial -> Shard\(0\): tokens_of reduce-scatters"):
+        Region(module="layers.*.moe", input="output", num_inputs=0, input_layouts="Partial",
+               desired_input_layouts="Shard(0)", tokens_of=0)
+    with pytest.raises(ValueError, match=r"tokens_of 'x' with input 0, Shard\(1\) -> Replicate"):
+        Region(module="layers.*.moe", input=0, num_inputs=1, input_layouts="Shard(1)", tokens_of="x")
+
+
 def test_a_fold_cuts_only_a_whole_input() -> None:
     """``fold`` (heads folded into the batch) qualifies a slice, Replicate -> Shard(d) at an input."""
     from shardplan.plan.model import Region

@@ -48,6 +48,7 @@ from .head_styles import (
 )
 from .packed_colwise import PackedColwise
 from .tied_style import tied_reads
+from .token_style import TokenScatter
 from .styles import (
     AsLinear, Conv1DColwise, Conv1DRowwise, ContainerParams, CopyOutput, LocalVocabParallel, MoEExpertsParallel,
     Both, ReplicateParallel, SharedInput, combine, local_during_forward, placement, runs_on_local_tensors,
@@ -163,6 +164,8 @@ def _region_style(region: Region) -> ParallelStyle:
     layout, desired = placement(region.input_layouts), placement(region.desired_input_layouts)
     if region.fold is not None:  # heads folded into the batch: the rank's heads of every row
         return FoldedSlice(input=region.input, dim=desired.dim, fold=region.fold)
+    if region.tokens_of is not None:  # partial sums over tokens the module flattened itself
+        return TokenScatter(tokens_of=region.tokens_of, output_index=region.output_index, num_outputs=region.num_outputs)
     if region.input == "output" and region.output_index is not None:  # one element of a returned tuple
         layouts, wanted = [None] * region.num_outputs, [None] * region.num_outputs
         layouts[region.output_index], wanted[region.output_index] = layout, desired

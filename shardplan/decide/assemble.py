@@ -22,7 +22,7 @@ from ..plan.model import LocalAttributes, Region, Rule, brace_ranges
 from .folded import parts_of
 from .placements import shard_dim
 from .regions import Entry, PartialBlock, partial_grad_params
-from .scatter import exits, is_cut, is_gather, is_scatter, scatter_target
+from .scatter import exits, flattened_from, is_cut, is_gather, is_scatter, scatter_target
 from .slices import is_slice, slice_target
 from .solve import Solution
 from .strategies import placement_str
@@ -265,9 +265,12 @@ def regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
             want, at = _layout(scatter_target(e.kind)), exits(graph)[e.value]
             why = (f"its partial sums reduce-scattered onto sequence shards ({want}) where it returns" if is_scatter(e.kind)
                    else f"its whole output cut onto sequence shards ({want}) where it returns, a local slice")
+            tokens = flattened_from(graph, e.value, parts_of(scatter_target(e.kind))) if is_scatter(e.kind) else None
+            if tokens is not None:  # the module's own [b, s] flattened: Shard(1) of them, whatever b
+                want, why = "Shard(1)", why.replace("(Shard(0))", "(Shard(1) of the tokens it flattened)")
             regions += [Region(module=module, input="output", num_inputs=0,
                                input_layouts="Partial" if is_scatter(e.kind) else "Replicate",
-                               desired_input_layouts=want, use_local_output=True,
+                               desired_input_layouts=want, use_local_output=True, tokens_of=tokens,
                                output_index=at.index, num_outputs=at.count if at.index is not None else None, why=why)
                         for site, _ in e.sites for module in patterned(site.module, graph, pmap)]
             continue

@@ -5,7 +5,7 @@ Contract
 ``scatter_exits(graph)`` maps each value that is the one output of a module call (called
 once, or a folded stack's representative) to that module; ``scatter_twins(op, graph,
 strategies)`` gives an op reading such a value, for each of its strategies that reads it as
-``Shard(d)``, a twin that reads it ``P`` (a partial sum, as the module's code leaves it) with
+``Shard(d)`` (or as tokens the module flattened, ``S0p{b}``), a twin that reads it ``P`` (a partial sum, as the module's code leaves it) with
 the entry ``P>S{d}``. ``scatter_rows`` keeps the program honest: the conversion happens once,
 where the module returns, so when it is chosen no reader of the value may take it as a plain
 partial sum. The region turns into ``PrepareModuleOutput(output_layouts=Partial(),
@@ -38,10 +38,13 @@ from .placements import Strategy
 from .propagation import metadata_only
 from .slices import entry_twins, received_values
 
-__all__ = ["Exit", "scatter_exits", "scatter_twins", "scatter_rows", "is_scatter", "scatter_target", "gather_entries",
+__all__ = ["Exit", "flattened_from", "scatter_exits", "scatter_twins", "scatter_rows", "is_scatter", "scatter_target", "gather_entries",
            "gather_twins", "gather_rows", "is_gather", "is_cut", "cut_twins", "cut_rows", "exits"]
 
-_SCATTER = re.compile(r"P>(S\d+)")
+# ``P>S0p{b}``: tokens the module flattened itself (Llama 4's MoE returns ``[b * s, h]``, which
+# its layer views by the residual's shape): each rank's sequence shard of every row, in the
+# order its own ``[b, s / tp, h]`` flattens to, so the view back gives ``Shard(1)``
+_SCATTER = re.compile(r"P>(S\d+|S0p\d+)")
 # a whole value cut onto sequence shards where its module returns it: a block that ran whole
 # (its code sizes by the whole sequence) handing its output back to the residual stream, a
 # position-embedding module made of buffers. Replicate -> Shard is a local slice; backward
@@ -102,9 +105,34 @@ def exits(graph: OpGraph) -> dict[int, Exit]:
     return cached
 
 
+def flattened_from(graph: OpGraph, value: int, runs: int) -> int | str | None:
+    """The argument of the module returning ``value`` whose ``[b, s, ...]`` its rows flatten
+    (``b == runs``, ``b * s`` rows: Llama 4's MoE returns ``[b * s, h]`` of the ``[b, s, h]`` it
+    receives): its positional index or keyword; None when ``runs`` is 1 (a plain shard) or no
+    argument fits."""
+    if runs < 2:
+        return None
+    call = graph.traced.calls[exits(graph)[value].module][0]
+    rows = graph.values[value].shape[0]
+    for key, node in [*enumerate(call.args), *call.kwargs.items()]:
+        v = getattr(node, "meta", {}).get("shardplan_op") if hasattr(node, "meta") else None
+        shape = graph.values[v].shape if v in graph.values else ()
+        if len(shape) >= 3 and shape[0] == runs and shape[0] * shape[1] == rows:
+            return key
+    return None
+
+
 def scatter_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Strategy]:
     exits = scatter_exits(graph)
-    return entry_twins(strategies, [i for i, v in enumerate(op.inputs) if v in exits], reads="P")
+    slots = [i for i, v in enumerate(op.inputs) if v in exits]
+    flat = [t for t in entry_twins(strategies, slots, reads="P", shard=r"S0p\d+")
+            if all(flattened_from(graph, v, _runs(e)) is not None for v, e in zip(op.inputs, t.entry) if is_scatter(e))]
+    return entry_twins(strategies, slots, reads="P") + flat
+
+
+def _runs(entry: str) -> int:
+    """``b`` of ``P>S0p{b}``."""
+    return int(scatter_target(entry).partition("p")[2] or 1)
 
 
 def cut_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Strategy]:

@@ -169,14 +169,14 @@ def inner_cuts(graph: OpGraph, chosen: dict[int, Strategy]) -> dict[str, list[In
 
 
 def entry_twins(strategies: list[Strategy], slots: list[int], *, reads: str, arrow: str = ">",
-                folded: bool = False) -> list[Strategy]:
+                folded: bool = False, shard: str | None = None) -> list[Strategy]:
     """For each strategy that reads input ``i`` (in ``slots``) as ``Shard(d)``, a twin that
     reads it ``reads`` (``R``: a whole value cut; ``P``: a partial sum reduce-scattered) with
     the entry ``{reads}{arrow}S{d}`` that makes it the shard there (``>``: where a module
     receives it or, a partial sum, returns it; ``^``: a whole value where its module returns it).
     ``folded``: a folded ``S{d}p{k}`` read qualifies too (a whole value cut needs no collective
-    whatever blocks it is cut in)."""
-    shard = re.compile(r"S\d+(?:p\d+)?" if folded else r"S\d+")
+    whatever blocks it is cut in). ``shard``: the pattern of the reads that qualify instead."""
+    shard = re.compile(shard or (r"S\d+(?:p\d+)?" if folded else r"S\d+"))
     out = []
     for s in strategies:
         for i in slots:

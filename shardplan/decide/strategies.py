@@ -440,7 +440,9 @@ def _reduce(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
     if dims is None:
         return [Strategy("", ("P",), "P")] if op.target in REDUCE_SUM else []
     keep = bool(op.node.kwargs.get("keepdim", False)) or op.target in ("softmax", "log_softmax", "cumsum")
-    result = []
+    # a sum of partial sums is the partial sum of the sum, whichever dims it adds up (Llama 4's
+    # MoE sums its top-k expert outputs, each a partial sum over the ranks' experts)
+    result = [Strategy("", ("P",), "P")] if op.target in REDUCE_SUM else []
     for d, n in enumerate(src):
         if n % tp or n < tp:
             continue

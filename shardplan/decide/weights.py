@@ -329,6 +329,16 @@ def _embedding(op: Op, graph: OpGraph, module: nn.Embedding, tp: int, sp: bool) 
             ))
     if module.embedding_dim % tp == 0 and ins:
         out.append(Strategy("colwise", ins, f"S{last}", param_bytes=pbytes / tp, act_bytes=y.nbytes / tp, layouts={"weight": "S1"}))
+        # its features gathered where it returns: a table with fewer rows than ranks (BERT's 2
+        # token types at tp=4) added to the vocabulary-parallel tokens, whose features split
+        # tp ways would otherwise carry the split down the whole residual stream (q/k/v rowwise,
+        # every attention whole). Backward slices the whole gradient: no collective. Not for a
+        # table with its own forward (Muse Spark's norm after the lookup would run on split
+        # features), nor where the vocabulary can be split (torchtitan's and Hugging Face's
+        # layout, which Hugging Face's tp_plan can state)
+        if module.num_embeddings < tp and type(module).forward is nn.Embedding.forward:
+            out.append(Strategy("colwise_gather_output", ins, "R", fwd=(("all_gather", y.nbytes),), param_bytes=pbytes / tp,
+                                act_bytes=y.nbytes, layouts={"weight": "S1"}))
     out += _sliced_replicate(op, graph, module, tp) if sp else []
     return out
 

@@ -167,6 +167,10 @@ class Region(_Strict):
     # (Bloom's ALiBi, ``[b * heads, 1, keys]``, fold = heads) give each rank its heads of every
     # run, the layout ``_StridedShard(d, split_factor=b)`` holds, whatever the batch
     fold: Annotated[int, Field(strict=True, ge=2)] | None = None
+    # input: output, Partial -> Shard(1) of tokens the module flattened: the output's rows are
+    # this argument's ``[b, s]`` (Llama 4's MoE returns ``[b * s, h]``); viewed so, reduce-scattered
+    # along the sequence, flattened back: each rank's sequence shard of every row, whatever ``b``
+    tokens_of: Annotated[int, Field(strict=True, ge=0)] | str | None = None
     # input: output of a module returning a tuple: the element converted, of how many
     output_index: Annotated[int, Field(strict=True, ge=0)] | None = None
     num_outputs: Annotated[int, Field(strict=True, ge=1)] | None = None
@@ -191,6 +195,15 @@ class Region(_Strict):
             raise ValueError(f"fold {self.fold} with input {self.input!r}, {self.input_layouts} -> "
                              f"{self.desired_input_layouts}: a fold cuts a module's whole input (Replicate -> Shard(d)); "
                              "drop fold or give those layouts")
+        return self
+
+    @model_validator(mode="after")
+    def _tokens_of_a_partial_output(self) -> "Region":
+        if self.tokens_of is not None and (self.input != "output" or self.input_layouts != "Partial"
+                                           or self.desired_input_layouts != "Shard(1)"):
+            raise ValueError(f"tokens_of {self.tokens_of!r} with input {self.input!r}, {self.input_layouts} -> "
+                             f"{self.desired_input_layouts}: tokens_of reduce-scatters a module's flattened tokens "
+                             "(input: output, Partial -> Shard(1)); drop tokens_of or give those layouts")
         return self
 
     @model_validator(mode="after")
