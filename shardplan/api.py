@@ -372,13 +372,17 @@ def _solve_explained(graph: OpGraph, ctx: SolveContext):
     solution = solve(graph, ctx)
     if ctx.opts is None or ctx.opts.sequence_parallel is not True or _sequence_parallel(graph, solution):
         return solution
-    kept = [op.target for op in graph.ops if op.kind == "module" and solution.strategies[op.index].off_sequence]
+    kept = [op for op in graph.ops if op.kind == "module" and solution.strategies[op.index].off_sequence]
     if not kept:
         return solution
+    names = ", ".join(op.target for op in kept[:3])
+    odd = [graph.values[v].shape for op in kept for v in op.inputs[:1]
+           if v in graph.values and len(graph.values[v].shape) == 3 and graph.values[v].shape[1] % ctx.tp]
+    why = (f"their sequence of {odd[0][1]} tokens, {list(odd[0])}, does not split {ctx.tp} ways: sequence parallel "
+           "needs a length that tp divides" if odd else f"a value between them cannot be split along the sequence; {names} stay whole")
     raise PlanningError(
         f"sequence_parallel=True has no valid plan at tp={ctx.tp}: no placement puts any norm on sequence shards "
-        f"(a value between them cannot be split along the sequence; {', '.join(kept[:3])} stay whole). "
-        "Use sequence_parallel=None (--sequence-parallel auto) to let it choose"
+        f"({why}). Use sequence_parallel=None (--sequence-parallel auto) to let it choose"
     )
 
 

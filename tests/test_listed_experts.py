@@ -18,6 +18,9 @@ import torch
 import shardplan
 from shardplan.tools.launch import run_on_gloo
 from tests import _listed_workers as w
+from shardplan.tools.simulate import simulate
+from shardplan.tools.verify import verify
+from tests.portability import user_moe
 from tests.portability.listed_experts import gated_moe as GATED
 
 MISTRAL, DEEPSEEK, HIT, NAMED, SEQUENTIAL = (f"tests.portability.listed_experts:{n}" for n in (
@@ -74,7 +77,6 @@ def test_simulated_collectives_equal_the_prediction(spec: str, mesh: dict, fsdp:
     """One dispatch per layer call whatever the loop skipped: the count exchange and four row
     exchanges; the tp collectives of each rank's E/ep experts, once each; the layer's other
     tp collectives twice (the record pass); under FSDP each held expert its own unit."""
-    from shardplan.tools.simulate import simulate
 
     model, inputs = w._build(spec), _inputs(spec)
     plan = shardplan.plan_model(model, mesh=mesh, example_inputs=inputs, explain=False)
@@ -200,7 +202,6 @@ def test_verify_and_the_cli_build_a_model_whose_trace_needs_its_weights_on_the_c
     """DeepSeek's layer counts its tokens per expert from the router's output: on meta
     weights there are no values, so the CLI and verify build the (small) model again on the
     CPU to plan it, instead of stopping at "build the model on CPU" with no way to."""
-    from shardplan.tools.verify import verify
 
     result = verify(DEEPSEEK, nproc=4, mesh={"ep": 2, "tp": 2}, seq_len=16, timeout_s=300)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
@@ -213,7 +214,6 @@ def test_a_router_read_only_by_argmax_gets_no_gradient_and_no_backward_collectiv
     """Top-1 by ``argmax`` with no routing weight: no gradient reaches the router, so its
     style's backward collective (an all-gather of its input's gradient) never runs; the
     estimate counts what the fake group counts."""
-    from shardplan.tools.simulate import simulate
 
     model, inputs = w._build(HIT), _inputs(HIT)
     plan = shardplan.plan_model(model, mesh={"tp": 2}, example_inputs=inputs, explain=False)
@@ -273,7 +273,6 @@ def test_a_router_module_with_a_raw_weight_and_grouped_top_k_routes_the_list() -
     the routing top-3) returns the chosen experts, not E scores: the list was not found and
     ep was refused. It is a router now, and k is the top-k over the E experts (3), not the
     first top-k of the layer (the groups' 2). On 2 gloo ranks it matches one process."""
-    from shardplan.tools.verify import verify
 
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     plan = shardplan.plan_model(GATED(), {"ep": 2}, example_inputs=(tokens,), explain=False)
@@ -321,8 +320,31 @@ def test_deepseeks_reference_layer_plans_on_meta_and_keeps_the_block_split(devic
 
 
 def test_deepseeks_reference_layer_matches_one_process_on_gloo() -> None:
-    from shardplan.tools.verify import verify
 
     result = verify("tests.portability.listed_experts:counted_gate_moe", nproc=2, mesh={"ep": 2}, seq_len=16,
                     timeout_s=300)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+USER_MOE = "tests.portability.user_moe:user_moe"
+
+
+def test_a_users_moe_summing_experts_into_zeros_keeps_sequence_parallel_and_matches_on_gloo() -> None:
+    """A MoE written from scratch (``out = zeros_like(flat)``, ``out.index_add_(0, rows,
+    expert(flat[rows]) * w)``, a shared expert added, ``view(B, T, C)`` back): zeros are a
+    partial sum, ``index_add_`` of partial sums is one, so the experts' sums are
+    reduce-scattered once where the MoE returns. Before, sequence_parallel=True raised: top-k's
+    integer indices were marked as needing their gradient summed, which no comparison reads."""
+    result = verify(USER_MOE, nproc=2, seq_len=32, timeout_s=300, sequence_parallel=True)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    styles = result.plan.module_styles()
+    assert styles["blocks.0.ffn_norm"] == styles["blocks.0.attn_norm"] == "sequence_parallel", styles
+    assert (styles["blocks.0.moe.experts.0.w1"], styles["blocks.0.moe.experts.0.w2"]) == ("colwise", "rowwise"), styles
+    exit_ = [r for r in result.plan.regions if r.module == "blocks.*.moe" and r.input == "output"]
+    assert [(r.input_layouts, r.desired_input_layouts) for r in exit_] == [("Partial", "Shard(1)")], result.plan.regions
+    with torch.device("meta"):
+        model = user_moe.user_moe_no_skip()
+    tokens = torch.zeros(2, 32, dtype=torch.long)
+    plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=(tokens.to("meta"),), sequence_parallel=True)
+    counted = simulate(user_moe.user_moe_no_skip(), plan, (tokens,))
+    assert counted.matches, f"counted {dict(counted.counted)} != predicted {counted.predicted}"

@@ -114,6 +114,21 @@ def test_inline_blocks_under_sequence_parallel_match_one_process_on_gloo(spec: s
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
 
 
+@pytest.mark.parametrize("spec", ["tests.portability.natural:last_token", "tests.portability.natural:mean_pooled",
+                                  "tests.portability.natural:tied_functional"])
+def test_an_output_read_across_the_sequence_keeps_sequence_parallel_and_matches_on_gloo(spec: str) -> None:
+    """``lm_head(h[:, -1])`` and ``h.mean(dim=1)`` read the final norm's output across the
+    sequence, ``F.linear(h, self.tok.weight)`` multiplies it in the model's own code: that norm
+    stays on sequence shards and all-gathers where it returns. Before, no norm of the model
+    could be on sequence shards (sequence_parallel=True raised)."""
+    result = verify(spec, nproc=2, timeout_s=300, sequence_parallel=True)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+    styles = result.plan.module_styles()
+    assert styles["blocks.0.norm1"] == styles["blocks.1.norm2"] == styles["norm"] == "sequence_parallel", styles
+    assert next(r for r in result.plan.rules if r.module == "norm").output_layouts == "Replicate"
+    assert (styles["blocks.0.attn.qkv"], styles["blocks.0.attn.o"]) == ("packed_colwise", "rowwise"), styles
+
+
 def test_a_mask_cut_by_a_length_read_off_sequence_shards_drops_sequence_parallel_not_the_heads() -> None:
     """nanoGPT's path without flash cuts its causal buffer by ``T`` (``bias[:, :, :T, :T]``):
     on sequence shards that is T / tp rows of the mask beside whole-sequence scores. No view

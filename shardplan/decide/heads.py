@@ -135,8 +135,9 @@ def partial_grad_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strateg
         if any(p not in ("R", "P") and shard_dim(p) is None for p in s.inputs):
             continue
         ins = tuple("Rp" if p == "R" and v in graph.requires_grad else p for p, v in zip(s.inputs, op.inputs))
-        if "Rp" in ins:
-            out.append(Strategy(s.name, ins, "Rp" if s.output == "R" else s.output))
+        if "Rp" in ins:  # a value no gradient reaches (top-k's indices) is plainly whole
+            whole = s.output == "R" and op.output in graph.requires_grad
+            out.append(Strategy(s.name, ins, "Rp" if whole else s.output))
     if op.target in BROADCASTS and len(op.inputs) >= 1:
         src = _shape_of(graph, op.inputs[0])
         lead = len(out_shape) - len(src)

@@ -78,6 +78,11 @@ MULTIPLICATIVE = {"mul", "truediv", "div", "imul", "itruediv", "__mul__", "__tru
 BROADCAST = {"where", "maximum", "minimum", "pow", "eq", "ne", "lt", "gt", "le", "ge", "and_", "or_", "floordiv", "lerp"}
 # ops whose every output entry reads its own input entry only (not its position: triu, tril)
 _PER_ENTRY = (UNARY | LINEAR_UNARY) - {"triu", "tril"}
+# a MoE written by hand sums its experts' partial sums into zeros at the routed rows
+# (``out = zeros_like(x); out.index_add_(0, rows, expert(x[rows]) * w)``): zeros on every rank
+# are a partial sum of zeros, and adding rows at whole indices is linear in both operands
+ZEROS = {"zeros_like", "new_zeros"}
+ADD_AT = {"index_add", "index_add_", "scatter_add", "scatter_add_"}
 VIEWS = VIEW_OPS
 PERMUTES = {"transpose", "permute", "t", "movedim", "swapaxes", "swapdims"}
 REDUCE_SUM = {"sum"}
@@ -172,7 +177,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
         ({"new_empty", "new_zeros", "new_ones", "new_full"}, _new_tensor),
     ]
     grouped_in = any(v in grouped_values(graph, tp) for v in op.inputs)
-    strategies = [_all(op, "R")]
+    strategies = [_all(op, "R")] + _partial_sums(op)
     for names, rule in rules:
         if name in names or (op.node.op == "call_module" and name in names):
             strategies += rule(op, graph, tp, out_shape)
@@ -637,6 +642,15 @@ def _spans(item: slice, size: int) -> bool:
         return True
     bounds = (item.start, item.stop, item.step)
     return all(b is None or isinstance(b, int) for b in bounds) and range(*item.indices(size)) == range(size)
+
+
+def _partial_sums(op: Op) -> list[Strategy]:
+    """Partial sums the ops of :data:`ZEROS` and :data:`ADD_AT` make or keep."""
+    if op.target in ZEROS:
+        return [Strategy("", (ANY,) * len(op.inputs), "P")]
+    if op.target in ADD_AT and len(op.inputs) == 3:  # self, index, source
+        return [Strategy("", ("P", "R", "P"), "P")]
+    return []
 
 
 def _new_tensor(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:

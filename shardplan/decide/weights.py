@@ -532,7 +532,7 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
         # split with them whether or not sequence parallel was asked for
         name = "sequence_parallel" if d == 1 and len(x.shape) == 3 else "replicated_with_grad_allreduce"
         out.append(_on_shards(op, graph, module, d, tp, name=name))
-        if name == "sequence_parallel" and _returned(graph, op):
+        if name == "sequence_parallel" and _read_whole(graph, op):
             out.append(_gathered_on_return(out[-1], graph.values[op.output].nbytes, d))
     for k in sorted(folded_values(graph, tp).get(op.inputs[0], ())) if sp and len(x.shape) == 2 else []:
         # tokens flattened with the sequence split (OPT's [b * s, h], :mod:`.folded`): per token
@@ -549,24 +549,38 @@ def _norm(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> list[
     return out + (_grouped_norm(x, module, pbytes, tp) if op.inputs[0] in grouped_values(graph, tp) else [])
 
 
-def _returned(graph: OpGraph, op: Op, depth: int = 3) -> bool:
-    """The model returns the module's output as it is, or through ops of one input that keep
-    its shape (a base model's final norm; T5's encoder returns it through dropout)."""
+_ACROSS = frozenset({"getitem", "select", "narrow", "index_select", "mean", "sum", "amax", "max", "logsumexp"})
+# a product in the model's own code (a tied head ``F.linear(x, self.embed.weight)``): no style of
+# its own gathers the tokens on entry
+_PRODUCTS = frozenset({"linear", "matmul", "__matmul__", "mm", "einsum"})
+
+
+def _read_whole(graph: OpGraph, op: Op, depth: int = 3) -> bool:
+    """The model returns the module's output, or code reads it across the sequence (an op of
+    :data:`_ACROSS` that drops or cuts dim 1: ``x[:, 0]``, ``x.mean(dim=1)``) or multiplies it
+    (:data:`_PRODUCTS`), as it is or through ops of one input that keep its shape (T5's encoder
+    returns it through dropout). Modules reading it gather it on their own entry."""
+    seq = graph.values[op.output].shape[1]
     for c in graph.consumers.get(op.output, []):
         user = graph.ops[c]
-        if user.kind == "output" or (depth and user.kind == "function" and user.inputs == [op.output]
-                                     and user.output is not None
-                                     and graph.values[user.output].shape == graph.values[op.output].shape
-                                     and _returned(graph, user, depth - 1)):
+        shape = graph.values[user.output].shape if user.output in graph.values else None
+        across = user.target in _ACROSS and shape is not None and (len(shape) < 2 or shape[1] != seq)
+        if user.kind == "output" or (user.kind == "function" and (across or user.target in _PRODUCTS)):
+            return True
+        if (depth and user.kind == "function" and user.inputs == [op.output] and shape == graph.values[op.output].shape
+                and _read_whole(graph, user, depth - 1)):
             return True
     return False
 
 
 def _gathered_on_return(s: Strategy, nbytes: int, d: int) -> Strategy:
-    """A norm on sequence shards whose output the model returns (an encoder's or a base
-    decoder's final norm, with no head to gather it on entry): all-gathered where the norm
-    returns, so the user gets whole hidden states as from one process. Backward, the whole
-    gradient every rank holds is sliced back onto its shard: no collective."""
+    """A norm on sequence shards whose output is all-gathered where the norm returns: the
+    model returns it (an encoder's or a base decoder's final norm, with no head to gather it
+    on entry), so the user gets whole hidden states as from one process, or code after it
+    reads across the sequence (a ViT's ``head(x[:, 0])``, mean pooling, the last token's
+    logits ``x[:, -1]``). Backward, the whole gradient every rank holds (each reader completes
+    its own) is sliced back onto its shard: no collective. Where a Linear can gather on entry
+    instead, that is cheaper (its backward reduce-scatters rather than all-reduces)."""
     return replace(s, output="R", fwd=(("all_gather", nbytes),), layouts={**s.layouts, "output": "R"})
 
 

@@ -140,6 +140,46 @@ class SplitAttentionLM(nn.Module):
         return self.lm_head(self.norm(self.blocks(self.tok(idx))))
 
 
+class LastTokenLM(SplitAttentionLM):
+    """Logits of the last position only, as generation and reward heads take them."""
+
+    def forward(self, idx):
+        return self.lm_head(self.norm(self.blocks(self.tok(idx)))[:, -1, :])
+
+
+class MeanPooledClassifier(SplitAttentionLM):
+    """A sequence classifier: the final norm's output averaged over the tokens."""
+
+    def __init__(self, classes: int = 10, **sizes) -> None:
+        super().__init__(**sizes)
+        self.lm_head = nn.Linear(self.lm_head.in_features, classes)
+
+    def forward(self, idx):
+        return self.lm_head(self.norm(self.blocks(self.tok(idx))).mean(dim=1))
+
+
+class TiedFunctionalLM(SplitAttentionLM):
+    """Logits from the embedding's own weight, written as a call (Gemma-style research code)."""
+
+    def forward(self, idx):
+        return F.linear(self.norm(self.blocks(self.tok(idx))), self.tok.weight)
+
+
+def tied_functional() -> TiedFunctionalLM:
+    torch.manual_seed(0)
+    return TiedFunctionalLM()
+
+
+def last_token() -> LastTokenLM:
+    torch.manual_seed(0)
+    return LastTokenLM()
+
+
+def mean_pooled() -> MeanPooledClassifier:
+    torch.manual_seed(0)
+    return MeanPooledClassifier()
+
+
 def inline() -> InlineLM:
     torch.manual_seed(0)
     return InlineLM()
