@@ -9,6 +9,7 @@ by argmax, the residual inside the MoE module), and a loop with ``index_add_``."
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -26,6 +27,7 @@ from tests.portability.listed_experts import gated_moe as GATED
 MISTRAL, DEEPSEEK, HIT, NAMED, SEQUENTIAL = (f"tests.portability.listed_experts:{n}" for n in (
     "mistral_moe", "deepseek_moe", "hit_moe", "named_moe", "sequential_moe"))
 INDEX_ADD = "tests.portability.routed_experts:moe_lm"
+USER_MOE = "tests.portability.user_moe:user_moe"
 VOCAB = {MISTRAL: 96, DEEPSEEK: 96, HIT: 96, INDEX_ADD: 128, NAMED: 96, SEQUENTIAL: 96}
 EXPERTS = {MISTRAL: 4, DEEPSEEK: 8, HIT: 4, INDEX_ADD: 4, NAMED: 4, SEQUENTIAL: 4}
 
@@ -326,22 +328,26 @@ def test_deepseeks_reference_layer_matches_one_process_on_gloo() -> None:
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
 
 
-USER_MOE = "tests.portability.user_moe:user_moe"
 
 
-def test_a_users_moe_summing_experts_into_zeros_keeps_sequence_parallel_and_matches_on_gloo() -> None:
+@pytest.mark.parametrize("spec, moe", [(USER_MOE, "blocks.*.moe"), (MISTRAL, "layers.*.feed_forward")])
+def test_a_users_moe_summing_experts_into_zeros_keeps_sequence_parallel_and_matches_on_gloo(spec: str, moe: str) -> None:
     """A MoE written from scratch (``out = zeros_like(flat)``, ``out.index_add_(0, rows,
-    expert(flat[rows]) * w)``, a shared expert added, ``view(B, T, C)`` back): zeros are a
-    partial sum, ``index_add_`` of partial sums is one, so the experts' sums are
-    reduce-scattered once where the MoE returns. Before, sequence_parallel=True raised: top-k's
-    integer indices were marked as needing their gradient summed, which no comparison reads."""
-    result = verify(USER_MOE, nproc=2, seq_len=32, timeout_s=300, sequence_parallel=True)
+    expert(flat[rows]) * w)``, a shared expert added, ``view(B, T, C)`` back) or as mistral's
+    reference (``results[rows] += w * expert(x[rows])``, ``results.view_as(inputs)``): zeros
+    are a partial sum, and adding or writing partial sums at whole rows keeps one, so the
+    experts' sums are reduce-scattered once where the MoE returns. Before, sequence_parallel=True
+    raised: top-k's integer indices, and the input ``type_as``/``view_as`` read for its dtype
+    and shape, were marked as needing their gradient summed."""
+    result = verify(spec, nproc=2, seq_len=32, timeout_s=300, sequence_parallel=True)
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
-    styles = result.plan.module_styles()
-    assert styles["blocks.0.ffn_norm"] == styles["blocks.0.attn_norm"] == "sequence_parallel", styles
-    assert (styles["blocks.0.moe.experts.0.w1"], styles["blocks.0.moe.experts.0.w2"]) == ("colwise", "rowwise"), styles
-    exit_ = [r for r in result.plan.regions if r.module == "blocks.*.moe" and r.input == "output"]
+    styles = {re.sub(r"\.\d+\.", ".*.", m): s for m, s in result.plan.module_styles().items()}
+    assert "sequence_parallel" == styles[moe.rpartition(".")[0] + ".ffn_norm"], styles
+    assert (styles[moe + ".experts.*.w1"], styles[moe + ".experts.*.w2"]) == ("colwise", "rowwise"), styles
+    exit_ = [r for r in result.plan.regions if r.module == moe and r.input == "output"]
     assert [(r.input_layouts, r.desired_input_layouts) for r in exit_] == [("Partial", "Shard(1)")], result.plan.regions
+    if spec != USER_MOE:
+        return
     with torch.device("meta"):
         model = user_moe.user_moe_no_skip()
     tokens = torch.zeros(2, 32, dtype=torch.long)

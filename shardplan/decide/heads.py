@@ -122,6 +122,9 @@ def _repeat_interleave(op: Op, src, n: int, rep: int) -> list[Strategy]:
 # becomes a reduce-scatter, a norm's weight gradient is all-reduced when backward ends.
 
 
+_SHAPE_SOURCE = frozenset({"type_as", "view_as", "reshape_as", "expand_as"})
+
+
 def partial_grad_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strategy], out_shape) -> list[Strategy]:
     """``Rp`` twins: a strategy reading gradient-needing values whole (``R``) reads them ``Rp``
     instead, its output ``Rp`` when it was ``R``; the broadcast of an ``Rp`` value into a
@@ -134,7 +137,10 @@ def partial_grad_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strateg
             continue
         if any(p not in ("R", "P") and shard_dim(p) is None for p in s.inputs):
             continue
-        ins = tuple("Rp" if p == "R" and v in graph.requires_grad else p for p, v in zip(s.inputs, op.inputs))
+        # ``w.type_as(x)``, ``y.view_as(x)`` read ``x`` for its dtype or shape: no gradient reaches it
+        shape_only = {1} if op.target in _SHAPE_SOURCE else set()
+        ins = tuple("Rp" if p == "R" and v in graph.requires_grad and i not in shape_only else p
+                    for i, (p, v) in enumerate(zip(s.inputs, op.inputs)))
         if "Rp" in ins:  # a value no gradient reaches (top-k's indices) is plainly whole
             whole = s.output == "R" and op.output in graph.requires_grad
             out.append(Strategy(s.name, ins, "Rp" if whole else s.output))

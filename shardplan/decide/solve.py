@@ -38,7 +38,7 @@ from ..analyze.graph import Op, OpGraph
 from .scatter import cut_rows, gather_rows, is_cut, is_gather, is_scatter, scatter_rows, scatter_target
 from .slices import is_inner_cut, is_slice, slice_rows
 from .placements import ANY, shard_dim
-from .strategies import MATMUL, Strategy, op_strategies
+from .strategies import MATMUL, Strategy, op_strategies, sums_rows
 from .weights import read_elsewhere
 from .tied import weight_read_elsewhere
 
@@ -229,7 +229,7 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
         if op.index not in cache:
             cache[op.index] = op_strategies(op, graph, tp=ctx.tp, opts=ctx.opts)
         strategies[op.index] = cache[op.index] if ctx.whole_experts else \
-            [s for s in cache[op.index] if s.name != "moe_whole_experts"]
+            [s for s in cache[op.index] if s.name != "moe_whole_experts" and not sums_rows(op, s)]
     prog = _Program(graph, ctx, strategies, {}, {}, {})
     for op_index, options in strategies.items():
         for i in range(len(options)):

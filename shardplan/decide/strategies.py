@@ -116,8 +116,10 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
             folded = [packed(d, k) for k in sorted(folded_values(graph, tp).get(op.inputs[0], ()))
                       for d, n in enumerate(_shape(graph, op.inputs[0])) if n % (k * tp) == 0]
             return [Strategy("", (p,), None) for p in _candidates(_shape(graph, op.inputs[0]), tp) + folded]
-        # a write into a sharded tensor (t[:, :, i] = v) stays on each rank's shard
-        return [_all(op, "R", None)] + [Strategy("", ins, None) for ins in in_place_strategies(op, graph, tp=tp)]
+        # a write into a sharded tensor (t[:, :, i] = v) stays on each rank's shard; partial
+        # sums written at whole indices into partial sums (mistral's ``out[rows] += y``)
+        partial = [Strategy("", ("P", "R", "P"), None)] if op.target == "setitem" and len(op.inputs) == 3 else []
+        return [_all(op, "R", None)] + [Strategy("", ins, None) for ins in in_place_strategies(op, graph, tp=tp)] + partial
     return _function_strategies(op, graph, tp, opts)
 
 
@@ -411,6 +413,7 @@ def _view(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
         # ``x.reshape_as(q)`` reads q for its shape: split as the output is, its local shape is
         # the local target (RoFormer's rotate-half ``stack([-q[..., 1::2], ...]).reshape_as(q)``)
         result += [Strategy("", (s.inputs[0], s.output), s.output) for s in result if s.output.startswith("S")]
+        result.append(Strategy("", ("P", "R"), "P"))  # mistral's MoE: ``results.view_as(inputs)``, summed later
     return result
 
 
@@ -644,12 +647,22 @@ def _spans(item: slice, size: int) -> bool:
     return all(b is None or isinstance(b, int) for b in bounds) and range(*item.indices(size)) == range(size)
 
 
+def sums_rows(op: Op, s: Strategy) -> bool:
+    """``s`` keeps a hand-written MoE's partial sums at routed rows (:func:`_partial_sums`,
+    ``setitem`` and ``view_as`` of them). Over an ep axis a list of experts is run by its
+    dispatch, whose replay of the loop the program does not price on partial sums."""
+    rows = op.target in ZEROS | ADD_AT | {"setitem", "view_as"} or (op.target == "getitem" and len(op.inputs) > 1)
+    return rows and "P" in (s.output, *s.inputs)
+
+
 def _partial_sums(op: Op) -> list[Strategy]:
     """Partial sums the ops of :data:`ZEROS` and :data:`ADD_AT` make or keep."""
     if op.target in ZEROS:
         return [Strategy("", (ANY,) * len(op.inputs), "P")]
     if op.target in ADD_AT and len(op.inputs) == 3:  # self, index, source
         return [Strategy("", ("P", "R", "P"), "P")]
+    if op.target == "getitem" and len(op.inputs) > 1:  # rows of a partial sum at whole indices (out[rows])
+        return [Strategy("", ("P",) + ("R",) * (len(op.inputs) - 1), "P")]
     return []
 
 
