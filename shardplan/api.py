@@ -373,11 +373,12 @@ def _solve_explained(graph: OpGraph, ctx: SolveContext):
     if ctx.opts is None or ctx.opts.sequence_parallel is not True or _sequence_parallel(graph, solution):
         return solution
     kept = [op for op in graph.ops if op.kind == "module" and solution.strategies[op.index].off_sequence]
-    if not kept:
+    norms = kept or [op for op in graph.ops if op.kind == "module" and op.module_kind == "norm"]
+    shapes = [graph.values[v].shape for op in norms for v in op.inputs[:1] if v in graph.values and len(graph.values[v].shape) == 3]
+    odd = [x for x in shapes if x[1] > 1 and x[1] % ctx.tp] if shapes and all(x[1] % ctx.tp for x in shapes) else []
+    if not kept and not odd:  # (norms with no sequence-shard style at all: at odd lengths, said so)
         return solution
-    names = ", ".join(op.target for op in kept[:3])
-    odd = [graph.values[v].shape for op in kept for v in op.inputs[:1]
-           if v in graph.values and len(graph.values[v].shape) == 3 and graph.values[v].shape[1] % ctx.tp]
+    names = ", ".join(op.target for op in norms[:3])
     why = (f"their sequence of {odd[0][1]} tokens, {list(odd[0])}, does not split {ctx.tp} ways: sequence parallel "
            "needs a length that tp divides" if odd else f"a value between them cannot be split along the sequence; {names} stay whole")
     raise PlanningError(

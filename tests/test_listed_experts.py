@@ -354,3 +354,20 @@ def test_a_users_moe_summing_experts_into_zeros_keeps_sequence_parallel_and_matc
     plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=(tokens.to("meta"),), sequence_parallel=True)
     counted = simulate(user_moe.user_moe_no_skip(), plan, (tokens,))
     assert counted.matches, f"counted {dict(counted.counted)} != predicted {counted.predicted}"
+
+
+def test_a_users_moe_sums_its_experts_once_where_it_returns_without_sequence_parallel() -> None:
+    """Without sequence parallel the same MoE all-reduced each expert's output (forward 14
+    all-reduces at tp=4: one per expert and layer, the shared expert's, attention's); its
+    experts' partial sums now flow through ``index_add_`` and are all-reduced once where the
+    block returns (``P>R``), and the counted collectives equal the prediction."""
+    with torch.device("meta"):
+        model = user_moe.user_moe_no_skip()
+    tokens = torch.zeros(2, 32, dtype=torch.long)
+    plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=(tokens.to("meta"),))
+    assert "sequence_parallel" not in plan.module_styles().values()
+    exit_ = [(r.input_layouts, r.desired_input_layouts) for r in plan.regions if r.module == "blocks.*.moe"]
+    assert exit_ == [("Partial", "Replicate")], plan.regions
+    assert plan.estimate.collectives["forward"].all_reduce == 6, plan.estimate.collectives
+    counted = simulate(user_moe.user_moe_no_skip(), plan, (tokens,))
+    assert counted.matches, f"counted {dict(counted.counted)} != predicted {counted.predicted}"

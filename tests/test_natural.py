@@ -755,3 +755,13 @@ def test_a_norm_whose_code_gathers_split_features_is_kept_whole() -> None:
     assert _block_styles(plan, "attn.0.")["q_norm"] == "replicate"
     assert any(w.startswith("attn.0.q_norm: replicated: its code on features split tp ways makes") and
                "all_gather" in w for w in plan.warnings), plan.warnings
+
+
+def test_sequence_parallel_at_a_length_tp_does_not_divide_says_so() -> None:
+    """A ViT's 16 patches and a class token make 17 positions: no norm can be on sequence
+    shards at tp=2, and the refusal says the length is why, not a value of the code."""
+    with torch.device("meta"):
+        model = natural.split_attention()
+    tokens = torch.zeros(2, 17, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match=r"their sequence of 17 tokens, \[2, 17, 128\], does not split 2 ways"):
+        shardplan.plan_model(model, {"tp": 2}, example_inputs=(tokens,), sequence_parallel=True)

@@ -22,7 +22,7 @@ from ..plan.model import LocalAttributes, Region, Rule, brace_ranges
 from .folded import parts_of
 from .placements import shard_dim
 from .regions import Entry, PartialBlock, partial_grad_params
-from .scatter import exits, flattened_from, is_cut, is_gather, is_scatter, scatter_target
+from .scatter import exits, flattened_from, is_cut, is_gather, is_scatter, is_sum, scatter_target
 from .slices import is_slice, slice_target
 from .solve import Solution
 from .strategies import placement_str
@@ -263,7 +263,9 @@ def regions(graph: OpGraph, entries: list[Entry]) -> list[Region]:
             continue
         if is_scatter(e.kind) or is_cut(e.kind):  # onto sequence shards where the module returns
             want, at = _layout(scatter_target(e.kind)), exits(graph)[e.value]
-            why = (f"its partial sums reduce-scattered onto sequence shards ({want}) where it returns" if is_scatter(e.kind)
+            why = ("its partial sums all-reduced where it returns, once for all the branches that add them up"
+                   if is_sum(e.kind) else
+                   f"its partial sums reduce-scattered onto sequence shards ({want}) where it returns" if is_scatter(e.kind)
                    else f"its whole output cut onto sequence shards ({want}) where it returns, a local slice")
             tokens = flattened_from(graph, e.value, parts_of(scatter_target(e.kind))) if is_scatter(e.kind) else None
             if tokens is not None:  # the module's own [b, s] flattened: Shard(1) of them, whatever b

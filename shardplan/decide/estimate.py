@@ -27,7 +27,7 @@ from ..plan.model import Collectives, Estimate, MeshInfo
 from .assemble import repeats
 from .fsdp import DataParallelEvent, data_parallel_events, fsdp_units, unit_of
 from .regions import Entry, PartialBlock, partial_grad_params
-from .scatter import is_cut, is_gather, is_scatter
+from .scatter import is_cut, is_gather, is_scatter, is_sum
 from .solve import comm_time as op_comm_time
 from .solve import BUCKETED_GRAD_STYLES, Solution, SolveContext, _model_dtype_bytes, _tied_second_owners, strategy_time
 
@@ -101,6 +101,8 @@ def entry_events(graph: OpGraph, e: Entry) -> Counter:
         times = e.num_collectives * graph.ops[graph.values[e.value].producer].multiplicity
     if is_gather(e.kind):  # gathered where its module receives it; the whole gradient sliced back
         events[("forward", "all_gather", n, 0)] += times
+    elif is_sum(e.kind):  # Partial -> Replicate where the module returns; the whole gradient is every rank's
+        events[("forward", "all_reduce", n, 0)] += times
     elif is_scatter(e.kind):  # Partial -> Shard(seq) where the module returns; its gradient all-gathered back
         events[("forward", "reduce_scatter", n, 0)] += times
         if needs_grad:

@@ -38,13 +38,15 @@ from .placements import Strategy
 from .propagation import metadata_only
 from .slices import entry_twins, received_values
 
-__all__ = ["Exit", "flattened_from", "scatter_exits", "scatter_twins", "scatter_rows", "is_scatter", "scatter_target", "gather_entries",
+__all__ = ["Exit", "flattened_from", "sum_twins", "is_sum", "scatter_exits", "scatter_twins", "scatter_rows", "is_scatter", "scatter_target", "gather_entries",
            "gather_twins", "gather_rows", "is_gather", "is_cut", "cut_twins", "cut_rows", "exits"]
 
 # ``P>S0p{b}``: tokens the module flattened itself (Llama 4's MoE returns ``[b * s, h]``, which
 # its layer views by the residual's shape): each rank's sequence shard of every row, in the
 # order its own ``[b, s / tp, h]`` flattens to, so the view back gives ``Shard(1)``
-_SCATTER = re.compile(r"P>(S\d+|S0p\d+)")
+# ``P>R``: summed whole where the module returns (one all-reduce for a hand-written MoE whose
+# experts' partial sums its loop adds up, rather than one per expert)
+_SCATTER = re.compile(r"P>(S\d+|S0p\d+|R)")
 # a whole value cut onto sequence shards where its module returns it: a block that ran whole
 # (its code sizes by the whole sequence) handing its output back to the residual stream, a
 # position-embedding module made of buffers. Replicate -> Shard is a local slice; backward
@@ -128,6 +130,22 @@ def scatter_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[St
     flat = [t for t in entry_twins(strategies, slots, reads="P", shard=r"S0p\d+")
             if all(flattened_from(graph, v, _runs(e)) is not None for v, e in zip(op.inputs, t.entry) if is_scatter(e))]
     return entry_twins(strategies, slots, reads="P") + flat
+
+
+def sum_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Strategy]:
+    """For each strategy of an op (not a weight module's style) reading a module's returned
+    value whole, a twin reading it ``P`` with the entry ``P>R``: summed where the module
+    returns (``PrepareModuleOutput(Partial -> Replicate)``, one all-reduce forward; backward
+    the whole gradient is every rank's share). Offered with or without sequence parallel."""
+    if op.kind == "module":
+        return []
+    exits = scatter_exits(graph)
+    return entry_twins(strategies, [i for i, v in enumerate(op.inputs) if v in exits], reads="P", shard="R")
+
+
+def is_sum(entry: str | None) -> bool:
+    """``P>R``: a partial sum all-reduced where its module returns."""
+    return entry == "P>R"
 
 
 def _runs(entry: str) -> int:

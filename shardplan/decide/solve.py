@@ -35,7 +35,7 @@ import numpy as np
 from . import cost
 from .milp import MilpModel, MilpView
 from ..analyze.graph import Op, OpGraph
-from .scatter import cut_rows, gather_rows, is_cut, is_gather, is_scatter, scatter_rows, scatter_target
+from .scatter import cut_rows, gather_rows, is_cut, is_gather, is_scatter, is_sum, scatter_rows, scatter_target
 from .slices import is_inner_cut, is_slice, slice_rows
 from .placements import ANY, shard_dim
 from .strategies import MATMUL, Strategy, op_strategies, sums_rows
@@ -176,6 +176,9 @@ def entry_time(entry: str, nbytes: int, ctx: SolveContext, *, needs_grad: bool =
         # that cuts it; a value nothing reads split (RoPE tables no layer of this config uses)
         # is left whole rather than cut for nothing
         return max(ctx.hardware.module_overhead_s, _HOOK_S)
+    if is_sum(entry):  # a partial sum all-reduced where its module returns (a hook: ties go to a Linear's own)
+        return cost.collective_time("all_reduce", nbytes, group_size=ctx.tp, link=ctx.link) + max(
+            ctx.hardware.module_overhead_s, _HOOK_S)
     if is_scatter(entry):  # a partial sum reduce-scattered where its module returns; its gradient all-gathered
         return cost.collective_time("reduce_scatter", nbytes, group_size=ctx.tp, link=ctx.link) + (
             cost.collective_time("all_gather", nbytes, group_size=ctx.tp, link=ctx.link) if needs_grad else 0.0)

@@ -46,7 +46,7 @@ from .placements import (
     split_parts, split_widths, view_groups, view_parts,
 )
 from .propagation import dtensor_strategies, in_place_strategies, metadata_only
-from .scatter import cut_twins, exits, gather_twins, is_cut, scatter_twins
+from .scatter import cut_twins, exits, gather_twins, is_cut, scatter_twins, sum_twins
 from .slices import inner_cut_twins, slice_twins
 from .tails import tail_strategies
 from .packing import packed_chains, slice_partition
@@ -215,6 +215,7 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
         strategies.append(Strategy("", (packed(last, chained),), packed(last, chained)))
     if tp > 1:  # a whole bias its module makes, cut where it is read
         strategies += inner_cut_twins(op, graph, strategies)
+    strategies += sum_twins(op, graph, strategies)  # a partial sum all-reduced where its module returns
     if getattr(opts, "sequence_parallel", None) is not False:
         strategies += scatter_twins(op, graph, strategies)  # a partial sum reduce-scattered where its module returns
         strategies += cut_twins(op, graph, strategies)  # a whole value cut where its module returns

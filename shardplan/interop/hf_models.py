@@ -205,6 +205,10 @@ def _shrink_mla(config: Any, sizes: Mapping[str, int]) -> None:
 
 def shrink_config(config: Any, sizes: Mapping[str, int] = TINY) -> Any:
     """Shrink ``config`` (and its sub-configs) in place to the tiny sizes; returns it."""
+    if getattr(config, "allow_global_per_layer_attribute_access", None) is False:
+        # a config whose layers may differ (transformers 5.x ``per_layer_config``) refuses reads
+        # of its global sizes; the tiny model sets them alike for every layer
+        config.allow_global_per_layer_attribute_access = True
     for names, key in _SIZES:
         for name in names:
             if not _has(config, name):
