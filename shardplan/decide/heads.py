@@ -137,13 +137,14 @@ def partial_grad_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strateg
             continue
         if any(p not in ("R", "P") and shard_dim(p) is None for p in s.inputs):
             continue
-        # ``w.type_as(x)``, ``y.view_as(x)`` read ``x`` for its dtype or shape: no gradient reaches it
-        shape_only = {1} if op.target in _SHAPE_SOURCE else set()
-        ins = tuple("Rp" if p == "R" and v in graph.requires_grad and i not in shape_only else p
-                    for i, (p, v) in enumerate(zip(s.inputs, op.inputs)))
-        if "Rp" in ins:  # a value no gradient reaches (top-k's indices) is plainly whole
-            whole = s.output == "R" and op.output in graph.requires_grad
-            out.append(Strategy(s.name, ins, "Rp" if whole else s.output))
+        ins = tuple("Rp" if p == "R" and v in graph.requires_grad else p for p, v in zip(s.inputs, op.inputs))
+        # ``w.type_as(x)``, ``y.view_as(x)`` read ``x`` for its dtype or shape, whichever way it is
+        # whole: no gradient reaches it (mistral's MoE reads its gathered input so)
+        shape_read = [ins[:1] + ("R",) + ins[2:]] if op.target in _SHAPE_SOURCE and ins[1:2] == ("Rp",) else []
+        for read in [ins] + shape_read:
+            if "Rp" in read:  # a value no gradient reaches (top-k's indices) is plainly whole
+                whole = s.output == "R" and op.output in graph.requires_grad
+                out.append(Strategy(s.name, read, "Rp" if whole else s.output))
     if op.target in BROADCASTS and len(op.inputs) >= 1:
         src = _shape_of(graph, op.inputs[0])
         lead = len(out_shape) - len(src)

@@ -5,8 +5,9 @@ Contract
 ``scatter_exits(graph)`` maps each value that is the one output of a module call (called
 once, or a folded stack's representative) to that module; ``scatter_twins(op, graph,
 strategies)`` gives an op reading such a value, for each of its strategies that reads it as
-``Shard(d)`` (or as tokens the module flattened, ``S0p{b}``), a twin that reads it ``P`` (a partial sum, as the module's code leaves it) with
-the entry ``P>S{d}``. ``scatter_rows`` keeps the program honest: the conversion happens once,
+``Shard(d)`` (or as tokens the module flattened, ``S0p{b}``), a twin that reads it ``P`` (a
+partial sum, as the module's code leaves it) with the entry ``P>S{d}``; ``sum_twins`` does
+the same for a whole read, ``P>R`` (one all-reduce where the module returns). ``scatter_rows`` keeps the program honest: the conversion happens once,
 where the module returns, so when it is chosen no reader of the value may take it as a plain
 partial sum. The region turns into ``PrepareModuleOutput(output_layouts=Partial(),
 desired_output_layouts=Shard(d), use_local_output=True)`` on the module: one reduce-scatter
@@ -38,8 +39,8 @@ from .placements import Strategy
 from .propagation import metadata_only
 from .slices import entry_twins, received_values
 
-__all__ = ["Exit", "flattened_from", "sum_twins", "is_sum", "scatter_exits", "scatter_twins", "scatter_rows", "is_scatter", "scatter_target", "gather_entries",
-           "gather_twins", "gather_rows", "is_gather", "is_cut", "cut_twins", "cut_rows", "exits"]
+__all__ = ["Exit", "flattened_from", "sum_twins", "is_sum", "scatter_exits", "scatter_twins", "scatter_rows", "is_scatter",
+           "scatter_target", "gather_entries", "gather_twins", "gather_rows", "is_gather", "is_cut", "cut_twins", "cut_rows", "exits"]
 
 # ``P>S0p{b}``: tokens the module flattened itself (Llama 4's MoE returns ``[b * s, h]``, which
 # its layer views by the residual's shape): each rank's sequence shard of every row, in the
