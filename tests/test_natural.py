@@ -105,8 +105,29 @@ def test_a_position_encoding_module_hands_its_output_cut_onto_sequence_shards() 
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
 
 
+@pytest.mark.parametrize("builder", [natural.learned_positions, natural.fixed_positions])
+def test_a_position_table_sliced_in_the_model_code_is_cut_where_the_first_block_receives_the_sum(builder) -> None:
+    """``tok(idx) + self.pos_emb[:, :T]`` in the model's own forward: no module returns the
+    sum, so the first block receives it whole and cuts it onto sequence shards there (a local
+    slice, its gradient all-gathered back), as Megatron scatters after its embeddings. The
+    later blocks, folded copies of the first, receive the shards as they are. Before, every
+    norm of the model stayed whole (sequence_parallel=True raised)."""
+    plan = _sp_plan(builder, 2, sequence_parallel=True)
+    styles = plan.module_styles()
+    norms = {k: v for k, v in styles.items() if k.rpartition(".")[2] in ("norm1", "norm2", "norm")}
+    assert set(norms.values()) == {"sequence_parallel"}, styles
+    assert (styles["blocks.1.attn.qkv"], styles["blocks.1.attn.o"]) == ("packed_colwise", "rowwise"), plan.warnings
+    cuts = [(r.module, r.input, r.desired_input_layouts) for r in plan.regions if r.input_layouts == "Replicate"
+            and r.input != "output"]
+    assert cuts == [("blocks.0", 0, "Shard(1)")], plan.regions  # the first block only
+    assert not plan.warnings, plan.warnings
+    result = simulate(builder(), plan, (torch.randint(0, 256, (2, 16)),))
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+
+
 @pytest.mark.parametrize("spec", ["tests.portability.natural:inline", "tests.portability.natural:inline_mqa",
-                                  "tests.portability.natural:inline_made_mask", "tests.portability.natural:sinusoidal"])
+                                  "tests.portability.natural:inline_made_mask", "tests.portability.natural:sinusoidal",
+                                  "tests.portability.natural:learned_positions", "tests.portability.natural:inline_positions"])
 def test_inline_blocks_under_sequence_parallel_match_one_process_on_gloo(spec: str) -> None:
     result = verify(spec, nproc=2, timeout_s=300, sequence_parallel=True)
     norm = "blocks.0.ln1" if "inline" in spec and not spec.endswith("mqa") else "blocks.0.norm1"

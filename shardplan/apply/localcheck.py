@@ -210,6 +210,25 @@ class ExitPlacements(dict):
         return self.get(value, "R")
 
 
+def cut_on_entry(graph: OpGraph, plan: Any, fqn: str) -> dict[int, str]:
+    """Values the plan cuts onto shards where block ``fqn`` (or its representative) receives
+    them whole, value -> ``S{d}``: a region ``Replicate -> Shard(d)`` on its input, as the
+    first block cuts the stream the model's top-level code hands it (``tok(idx) + pe[:, :T]``)."""
+    rep = graph.traced.folded.get(fqn, fqn)
+    calls = graph.traced.calls.get(rep) or []
+    found: dict[int, str] = {}
+    for r in plan.regions if plan is not None and calls else ():
+        want = r.desired_input_layouts or ""
+        if r.module not in (fqn, rep) or r.input == "output" or r.input_layouts != "Replicate" or not want.startswith("Shard("):
+            continue
+        call = calls[0]
+        node = call.args[r.input] if isinstance(r.input, int) and r.input < len(call.args) else call.kwargs.get(r.input)
+        value = getattr(node, "meta", {}).get("shardplan_op") if node is not None else None
+        if value is not None:
+            found[value] = f"S{want[len('Shard('):-1]}"
+    return found
+
+
 def handed_placement(placements: dict[int, str], value: int | None, target: str | None) -> str:
     """The placement of ``value`` as the block ``target`` is handed it (:class:`ExitPlacements`;
     with plain placements, or no target, as placed)."""

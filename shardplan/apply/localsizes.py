@@ -29,7 +29,7 @@ from ..plan.model import CutFix, LengthFix, LocalAttributes, LocalViews, Plan, S
 from .emit import shard
 from .localcheck import (
     LocalShapeError, _ViewRecorder, _check_mesh, _expected_views, _local_args, _meta_copy, _sub_plan, _targets,
-    _track_modules, _view_ops, check_local_shapes, handed_placement, stand_in_for,
+    _track_modules, _view_ops, check_local_shapes, cut_on_entry, handed_placement, stand_in_for,
 )
 from .localviews import CUT_FUNCTIONS, FACTORIES, WholeRead, discover_fixes, factory_sizes, read_cut
 
@@ -162,7 +162,7 @@ def _discover_views(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn:
     expected = _expected_views(graph, placements, fqn, plan.tp).get(fqn, [])
     cuts = _expected_cuts(graph, placements, fqn, plan.tp)
     found: list[tuple[list[ViewFix], list[CutFix], list[SliceFix], list[LengthFix]]] = []
-    seq_parts = plan.tp if _reads_sequence_shards(graph, placements, fqn) else None
+    seq_parts = plan.tp if _reads_sequence_shards(graph, placements, fqn, plan) else None
     seq_expected = [local_shape(graph.values[op.output].shape, placements.get(op.output, "R"), plan.tp)
                     for op in _view_ops(graph, placements, fqn, plan.tp) if op.owner == fqn] if seq_parts else []
     seq_cuts = _traced_cuts(graph, fqn) if seq_parts else []
@@ -199,15 +199,19 @@ def _traced_factories(graph: OpGraph, fqn: str) -> list[tuple[str, list[int]]]:
     return out
 
 
-def _reads_sequence_shards(graph: OpGraph, placements: dict[int, str], fqn: str) -> bool:
+def _reads_sequence_shards(graph: OpGraph, placements: dict[int, str], fqn: str, plan: Plan) -> bool:
     """``fqn`` is handed an activation on sequence shards (``S(1)`` of a 3-d or larger
-    value): a length its code reads off it (``B, T, C = x.shape``) is 1/tp of the sequence."""
+    value), or cuts one onto them where it receives it: a length its code reads off it
+    (``B, T, C = x.shape``) is 1/tp of the sequence."""
     calls = graph.traced.calls.get(graph.traced.folded.get(fqn, fqn)) or []
+    cut = cut_on_entry(graph, plan, fqn)
     for call in calls[:1]:
         for node in list(call.args) + list(call.kwargs.values()):
             v = getattr(node, "meta", {}).get("shardplan_op")
-            # as the block is handed it: a value cut onto sequence shards where a module before it returns
-            if v in graph.values and len(graph.values[v].shape) >= 3 and shard_dim(handed_placement(placements, v, fqn)) == 1:
+            # as the block is handed it (a value cut onto sequence shards where a module before
+            # it returns), or as its own entry cuts it
+            if v in graph.values and len(graph.values[v].shape) >= 3 and shard_dim(
+                    cut.get(v) or handed_placement(placements, v, fqn)) == 1:
                 return True
     return False
 

@@ -39,7 +39,7 @@ from ..analyze.values import nonzero_at_upper_bound, scalars_on_meta_as_zero
 from ..plan.model import Plan, expand_pattern
 from .emit import shard
 from .localcheck import (
-    LocalShapeError, _at_or_under, _check_mesh, _culprit, _local_args, _meta_copy, _said, _targets, _track_modules,
+    LocalShapeError, _at_or_under, cut_on_entry, _check_mesh, _culprit, _local_args, _meta_copy, _said, _targets, _track_modules,
     _user_frame, renamed_plan,
 )
 
@@ -112,7 +112,10 @@ def _shapes(value: Any) -> Any:
 
 def _stand_in(graph: OpGraph, fqn: str, placements: dict[int, str], tp: int, plan: Plan | None) -> _StandIn:
     call = graph.traced.calls[graph.traced.folded.get(fqn, fqn)][0]
-    expected = _shapes(_local_args(call, {**placements, **_gathered_around(graph, fqn, plan)}, tp))
+    # a folded copy is handed what its representative's entry cut leaves: the stream the
+    # first block receives whole and cuts reaches every later block as the shard
+    cut = cut_on_entry(graph, plan, fqn) if fqn in graph.traced.folded else {}
+    expected = _shapes(_local_args(call, {**placements, **_gathered_around(graph, fqn, plan), **cut}, tp))
 
     def spec(node: Any) -> Any:
         value = graph.values[node.meta["shardplan_op"]]

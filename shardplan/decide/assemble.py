@@ -23,7 +23,7 @@ from .folded import parts_of
 from .placements import shard_dim
 from .regions import Entry, PartialBlock, partial_grad_params
 from .scatter import exits, flattened_from, is_cut, is_gather, is_scatter, is_sum, scatter_target
-from .slices import is_slice, slice_target
+from .slices import is_slice, received_once, slice_target
 from .solve import Solution
 from .strategies import placement_str
 from .weights import read_elsewhere
@@ -300,10 +300,16 @@ def _slice_regions(graph: OpGraph, e: Entry, pmap) -> list[Region]:
     # the plan names the run, which the batch size does not change
     fold = graph.values[e.value].shape[shard_dim(target)] // blocks if blocks > 1 else None
     within = f" of every run of {fold} rows" if fold else ""
+    if e.value in graph.requires_grad:  # the residual stream, onto sequence shards
+        why = (f"the stream its code hands in, cut onto sequence shards ({want}): a local slice, "
+               "its gradient all-gathered back")
+    else:
+        why = f"read beside values split tp ways: each rank cuts its part ({want}{within}), no collective"
+    # the first of a folded stack only: the copies receive the block before's output, already cut
+    once = received_once(graph, e.value)
     return [Region(module=module, input="output" if site.input is None else site.input, num_inputs=site.num_inputs,
-                   input_layouts="Replicate", desired_input_layouts=want, fold=fold, use_local_output=True,
-                   why=f"read beside values split tp ways: each rank cuts its part ({want}{within}), no collective")
-            for site, _ in e.sites for module in patterned(site.module, graph, pmap)]
+                   input_layouts="Replicate", desired_input_layouts=want, fold=fold, use_local_output=True, why=why)
+            for site, _ in e.sites for module in ([site.module] if once else patterned(site.module, graph, pmap))]
 
 
 def block_regions(graph: OpGraph, blocks: list[PartialBlock]) -> list[Region]:

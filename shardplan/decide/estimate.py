@@ -28,6 +28,7 @@ from .assemble import repeats
 from .fsdp import DataParallelEvent, data_parallel_events, fsdp_units, unit_of
 from .regions import Entry, PartialBlock, partial_grad_params
 from .scatter import is_cut, is_gather, is_scatter, is_sum
+from .slices import is_slice, received_once
 from .solve import comm_time as op_comm_time
 from .solve import BUCKETED_GRAD_STYLES, Solution, SolveContext, _model_dtype_bytes, _tied_second_owners, strategy_time
 
@@ -107,6 +108,10 @@ def entry_events(graph: OpGraph, e: Entry) -> Counter:
         events[("forward", "reduce_scatter", n, 0)] += times
         if needs_grad:
             events[("backward", "all_gather", n, 0)] += times
+    elif is_slice(e.kind):  # a whole value cut where its module receives it; a gradient all-gathered back
+        if needs_grad:
+            at = graph.values[e.value].producer if received_once(graph, e.value) else e.consumers[0]
+            events[("backward", "all_gather", n, 0)] += len(e.sites) * graph.ops[at].multiplicity
     elif is_cut(e.kind):  # a whole value cut where its module returns; its gradient all-gathered back
         if needs_grad:
             events[("backward", "all_gather", n, 0)] += times

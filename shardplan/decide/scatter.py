@@ -115,14 +115,19 @@ def flattened_from(graph: OpGraph, value: int, runs: int) -> int | str | None:
     argument fits."""
     if runs < 2:
         return None
-    call = graph.traced.calls[exits(graph)[value].module][0]
-    rows = graph.values[value].shape[0]
-    for key, node in [*enumerate(call.args), *call.kwargs.items()]:
-        v = getattr(node, "meta", {}).get("shardplan_op") if hasattr(node, "meta") else None
-        shape = graph.values[v].shape if v in graph.values else ()
-        if len(shape) >= 3 and shape[0] == runs and shape[0] * shape[1] == rows:
-            return key
-    return None
+    cache = graph.strategy_cache.setdefault("flattened from", {})  # asked by the strategies, then the regions
+    if (value, runs) not in cache:
+        call = graph.traced.calls[exits(graph)[value].module][0]
+        rows = graph.values[value].shape[0]
+        found = None
+        for key, node in [*enumerate(call.args), *call.kwargs.items()]:
+            v = getattr(node, "meta", {}).get("shardplan_op") if hasattr(node, "meta") else None
+            shape = graph.values[v].shape if v in graph.values else ()
+            if len(shape) >= 3 and shape[0] == runs and shape[0] * shape[1] == rows:
+                found = key
+                break
+        cache[(value, runs)] = found
+    return cache[(value, runs)]
 
 
 def scatter_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Strategy]:

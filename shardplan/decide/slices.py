@@ -11,9 +11,13 @@ it; the region turns into ``PrepareModuleInput(input_layouts=Replicate(),
 desired_input_layouts=Shard(d), use_local_output=True)`` on the module: Replicate ->
 Shard is a local slice, no collective, and the module's code then sees its rank's part.
 
-Only values no gradient flows into qualify (an ALiBi bias made from the mask: MPT's
-``position_bias`` of ``[heads, 1, keys]``, added to scores split by heads), so the slice
-has no backward; a value with a gradient would need its gradient all-gathered back.
+A value no gradient flows into may be cut on any dim (an ALiBi bias made from the mask:
+MPT's ``position_bias`` of ``[heads, 1, keys]``, added to scores split by heads): the slice
+has no backward. A value with a gradient is cut only onto sequence shards (``Shard(1)``):
+the residual stream a model's top-level code makes (``tok(idx) + self.pe[:, :T]``) cut
+where the first block receives it, as Megatron scatters after its embeddings; backward
+all-gathers its gradient. Where the folded copies of that block receive another value
+(the block before's output, :func:`received_once`), the cut is the representative's only.
 
 ``inner_cut_twins(op, graph, strategies)`` does the same for a value the module's own code
 makes (ALiBi slopes computed in the attention's forward from ``self.n_heads``, or read from
@@ -37,7 +41,7 @@ from ..analyze.trace import is_weight_leaf
 from .placements import Strategy
 from .propagation import metadata_only
 
-__all__ = ["received_values", "slice_entries", "slice_twins", "entry_twins", "slice_rows", "is_slice", "slice_target", "place",
+__all__ = ["received_values", "received_once", "slice_entries", "slice_twins", "entry_twins", "slice_rows", "is_slice", "slice_target", "place",
            "inner_cut_twins", "is_inner_cut", "inner_cuts", "InnerCut"]
 
 # ``S{d}p{k}``: heads folded into the batch (Bloom's ALiBi of ``[b * heads, 1, keys]`` beside
@@ -87,7 +91,7 @@ def received_values(graph: OpGraph) -> dict[int, tuple[str, ...]]:
                 continue
             call = calls[0]
             for a in list(call.args) + list(call.kwargs.values()):
-                v = getattr(a, "meta", {}).get("shardplan_op") if hasattr(a, "meta") else None
+                v = _value_of(a)
                 if v not in graph.values:
                     continue
                 producer = graph.ops[graph.values[v].producer]
@@ -102,10 +106,49 @@ def slice_entries(graph: OpGraph) -> dict[int, tuple[str, ...]]:
     return {v: m for v, m in received_values(graph).items() if v not in graph.requires_grad}
 
 
-def slice_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Strategy]:
-    entries = slice_entries(graph)
-    slots = [i for i, v in enumerate(op.inputs) if any(_inside(op.owner, m) for m in entries.get(v, ()))]
-    return entry_twins(strategies, slots, reads="R", folded=True)
+def slice_twins(op: Op, graph: OpGraph, strategies: list[Strategy], *, sequence: bool = True) -> list[Strategy]:
+    """Twins reading a received value whole and cutting it where its module receives it: a
+    value no gradient reaches on any dim its readers split (a bias by heads); a value with a
+    gradient only onto sequence shards (``Shard(1)``, with ``sequence``): the residual stream
+    a model's own top-level code makes (``tok(idx) + self.pe[:, :T]``), cut where the first
+    block receives it, Megatron's scatter after the embeddings, its gradient all-gathered."""
+    received = received_values(graph)
+    whole = [i for i, v in enumerate(op.inputs) if v not in graph.requires_grad
+             and any(_inside(place(op), m) for m in received.get(v, ()))]
+    # a block's, not a weight module's: a norm cutting its own input would leave the other
+    # readers of the stream (the residual add) whole
+    rows = [i for i, v in enumerate(op.inputs) if v in graph.requires_grad and sequence and len(graph.values[v].shape) == 3
+            and any(_inside(place(op), m) for m in received.get(v, ()) if _block(graph, m))]
+    return entry_twins(strategies, whole, reads="R", folded=True) + entry_twins(strategies, rows, reads="R", shard="S1")
+
+
+def _block(graph: OpGraph, fqn: str) -> bool:
+    """A module holding weight modules (not a weight module, not a parameter-free dropout)."""
+    mod = graph.model.get_submodule(fqn)
+    return not is_weight_leaf(mod) and any(True for _ in mod.parameters())
+
+
+def received_once(graph: OpGraph, value: int) -> bool:
+    """``value`` enters a representative block whose folded copies receive other values in
+    its place (the residual stream: the first block takes the embeddings, each later one the
+    block before's output): a cut there is made once, on the representative only, and the
+    copies' inputs arrive as the cut leaves it."""
+    cached = graph.strategy_cache.setdefault("received once", {})
+    if value not in cached:
+        cached[value] = any(_other_at_copies(graph, m, value) for m in received_values(graph).get(value, ()))
+    return cached[value]
+
+
+def _other_at_copies(graph: OpGraph, module: str, value: int) -> bool:
+    rep = graph.traced.calls[module][0]
+    keys = [k for k, n in [*enumerate(rep.args), *rep.kwargs.items()] if _value_of(n) == value]
+    copies = [op.node for op in graph.ops if op.kind == "folded" and graph.traced.folded.get(op.target) == module]
+    return any(_value_of(c.args[k] if isinstance(k, int) and k < len(c.args) else c.kwargs.get(k)) != value
+               for c in copies for k in keys)
+
+
+def _value_of(node: Any) -> int | None:
+    return getattr(node, "meta", {}).get("shardplan_op") if hasattr(node, "meta") else None
 
 
 def inner_cut_twins(op: Op, graph: OpGraph, strategies: list[Strategy]) -> list[Strategy]:
@@ -198,7 +241,7 @@ def slice_rows(prog: Any, rows: list, lo: list, hi: list) -> None:
     for (value, entry), col in prog.entry_of.items():
         if not is_slice(entry):
             continue
-        modules = slice_entries(graph).get(value, ())
+        modules = received_values(graph).get(value, ())
         for c in graph.consumers.get(value, []):
             op = graph.ops[c]
             if op.kind == "folded" or metadata_only(op) or not any(_inside(place(op), m) for m in modules):

@@ -36,7 +36,7 @@ from . import cost
 from .milp import MilpModel, MilpView
 from ..analyze.graph import Op, OpGraph
 from .scatter import cut_rows, gather_rows, is_cut, is_gather, is_scatter, is_sum, scatter_rows, scatter_target
-from .slices import is_inner_cut, is_slice, slice_rows
+from .slices import is_inner_cut, is_slice, received_once, slice_rows, slice_target
 from .placements import ANY, shard_dim
 from .strategies import MATMUL, Strategy, op_strategies, sums_rows
 from .weights import read_elsewhere
@@ -172,10 +172,12 @@ _HOOK_S = 1e-7  # a region's hook where no hardware profile says what one costs:
 
 def entry_time(entry: str, nbytes: int, ctx: SolveContext, *, needs_grad: bool = True) -> float:
     if is_slice(entry) or is_inner_cut(entry):
-        # a whole value no gradient reaches, cut locally: no collective, but a hook on the module
-        # that cuts it; a value nothing reads split (RoPE tables no layer of this config uses)
-        # is left whole rather than cut for nothing
-        return max(ctx.hardware.module_overhead_s, _HOOK_S)
+        # a whole value cut locally: no collective, but a hook on the module that cuts it; a
+        # value nothing reads split (RoPE tables no layer of this config uses) is left whole
+        # rather than cut for nothing. The stream cut onto sequence shards all-gathers its
+        # gradient; where a module returns it, cutting there (R^S1) is the same, and wins the tie
+        return max(ctx.hardware.module_overhead_s, _HOOK_S) + (
+            cost.collective_time("all_gather", nbytes, group_size=ctx.tp, link=ctx.link) + _HOOK_S if needs_grad else 0.0)
     if is_sum(entry):  # a partial sum all-reduced where its module returns (a hook: ties go to a Linear's own)
         return cost.collective_time("all_reduce", nbytes, group_size=ctx.tp, link=ctx.link) + max(
             ctx.hardware.module_overhead_s, _HOOK_S)
@@ -245,8 +247,10 @@ def _build(graph: OpGraph, ctx: SolveContext) -> _Program:
                 if entry and (value, entry) not in prog.entry_of:
                     prog.entry_of[(value, entry)] = prog.num_vars
                     needs_grad = value in graph.requires_grad and value in graph.grad_reaches
-                    # a conversion where a module returns runs once per call of that module
-                    at = graph.ops[graph.values[value].producer] if _at_exit(entry) else op
+                    # a conversion where a module returns runs once per call of that module; the
+                    # stream cut where the first of a folded stack receives it, once
+                    once = _at_exit(entry) or (is_slice(entry) and received_once(graph, value))
+                    at = graph.ops[graph.values[value].producer] if once else op
                     prog.entry_cost[(value, entry)] = entry_time(
                         entry, graph.values[value].nbytes, ctx, needs_grad=needs_grad) * at.multiplicity
                     prog.num_vars += 1
@@ -419,10 +423,11 @@ def _arrives_as(prog: _Program, producer: int, value: int, p: str) -> list[tuple
     inputs do)."""
     cols = [(prog.var_of[(producer, i)], 1.0) for i, s in enumerate(prog.strategies[producer]) if s.output == p]
     for (v, entry), col in prog.entry_of.items():
-        if v != value or not (is_cut(entry) or is_scatter(entry)):
+        first = is_slice(entry) and received_once(prog.graph, v)  # cut where the first block receives it
+        if v != value or not (is_cut(entry) or is_scatter(entry) or first):
             continue
-        before = "R" if is_cut(entry) else "P"
-        if scatter_target(entry) == p:
+        before = "R" if is_cut(entry) or first else "P"
+        if (slice_target(entry) if first else scatter_target(entry)) == p:
             cols.append((col, 1.0))
         elif before == p:
             cols.append((col, -1.0))

@@ -47,7 +47,7 @@ from .placements import (
 )
 from .propagation import dtensor_strategies, in_place_strategies, metadata_only
 from .scatter import cut_twins, exits, gather_twins, is_cut, scatter_twins, sum_twins
-from .slices import inner_cut_twins, slice_twins
+from .slices import inner_cut_twins, is_slice, slice_twins
 from .tails import tail_strategies
 from .packing import packed_chains, slice_partition
 from .weights import module_strategies
@@ -106,6 +106,7 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
         if getattr(opts, "sequence_parallel", None) is not False:
             # a router reading the tokens before they are flattened; a norm after a MoE block
             found += gather_twins(op, graph, found, tp) + scatter_twins(op, graph, found) + cut_twins(op, graph, found)
+            found += slice_twins(op, graph, found)  # the first block's norm, cutting the stream it receives
         return found
     if op.kind == "folded":  # placements are tied to the representative block by the solver
         return [Strategy("folded", tuple(ANY for _ in op.inputs), None)]
@@ -116,10 +117,9 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
             folded = [packed(d, k) for k in sorted(folded_values(graph, tp).get(op.inputs[0], ()))
                       for d, n in enumerate(_shape(graph, op.inputs[0])) if n % (k * tp) == 0]
             return [Strategy("", (p,), None) for p in _candidates(_shape(graph, op.inputs[0]), tp) + folded]
-        # a write into a sharded tensor (t[:, :, i] = v) stays on each rank's shard; partial
-        # sums written at whole indices into partial sums (mistral's ``out[rows] += y``)
-        partial = [Strategy("", ("P", "R", "P"), None)] if op.target == "setitem" and len(op.inputs) == 3 else []
-        return [_all(op, "R", None)] + [Strategy("", ins, None) for ins in in_place_strategies(op, graph, tp=tp)] + partial
+        # a write into a sharded tensor (t[:, :, i] = v) stays on each rank's shard
+        return [_all(op, "R", None)] + [Strategy("", ins, None) for ins in in_place_strategies(op, graph, tp=tp)] + \
+            _partial_sums(op)
     return _function_strategies(op, graph, tp, opts)
 
 
@@ -208,7 +208,8 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
         strategies += tail_strategies(op, graph, tp, out_shape)
     if under_partial_grad_owner(op.owner, graph, tp):
         strategies += partial_grad_twins(op, graph, tp, strategies, out_shape)
-    strategies += slice_twins(op, graph, strategies)  # a whole bias cut where its module receives it
+    # a whole bias, or the stream the first block receives, cut where its module receives it
+    strategies += slice_twins(op, graph, strategies, sequence=getattr(opts, "sequence_parallel", None) is not False)
     chained = packed_chains(graph, tp).get(op.index)
     if chained:  # an elementwise op between a packed projection and its cut (OLMo's clamp_ of qkv)
         last = len(out_shape) - 1
@@ -260,7 +261,8 @@ def _partial_gradient(op: Op, graph: OpGraph, s: Strategy) -> bool:
     # encoding's output) is read as its rank's slice, whose gradient is whole for that slice:
     # the cut's backward all-gathers the slices. (Inside the blocks such a cut is left to the
     # partial sums' own reduce-scatter, which moves half the bytes of an all-reduce and a cut.)
-    cut = [bool(s.entry) and i < len(s.entry) and is_cut(s.entry[i]) and _before_blocks(graph, v)
+    # The same for the stream a block receives whole and cuts (slice_twins).
+    cut = [bool(s.entry) and i < len(s.entry) and ((is_cut(s.entry[i]) and _before_blocks(graph, v)) or is_slice(s.entry[i]))
            for i, v in enumerate(op.inputs)]
     return any(p == "R" and v in graph.requires_grad and v not in param_only_values(graph) and not cut[i]
                for i, (p, v) in enumerate(zip(s.inputs, op.inputs)))
@@ -414,7 +416,6 @@ def _view(op: Op, graph: OpGraph, tp: int, out_shape) -> list[Strategy]:
         # ``x.reshape_as(q)`` reads q for its shape: split as the output is, its local shape is
         # the local target (RoFormer's rotate-half ``stack([-q[..., 1::2], ...]).reshape_as(q)``)
         result += [Strategy("", (s.inputs[0], s.output), s.output) for s in result if s.output.startswith("S")]
-        result.append(Strategy("", ("P", "R"), "P"))  # mistral's MoE: ``results.view_as(inputs)``, summed later
     return result
 
 
@@ -649,21 +650,27 @@ def _spans(item: slice, size: int) -> bool:
 
 
 def sums_rows(op: Op, s: Strategy) -> bool:
-    """``s`` keeps a hand-written MoE's partial sums at routed rows (:func:`_partial_sums`,
-    ``setitem`` and ``view_as`` of them). Over an ep axis a list of experts is run by its
-    dispatch, whose replay of the loop the program does not price on partial sums."""
-    rows = op.target in ZEROS | ADD_AT | {"setitem", "view_as"} or (op.target == "getitem" and len(op.inputs) > 1)
-    return rows and "P" in (s.output, *s.inputs)
+    """``s`` keeps a hand-written MoE's partial sums at routed rows (:func:`_partial_sums`).
+    Over an ep axis a list of experts is run by its dispatch, whose replay of the loop the
+    program does not price on partial sums."""
+    return s in _partial_sums(op)
 
 
 def _partial_sums(op: Op) -> list[Strategy]:
-    """Partial sums the ops of :data:`ZEROS` and :data:`ADD_AT` make or keep."""
+    """The partial sums a hand-written MoE keeps at its routed rows, one rule: every op here
+    is linear in the partial sums it reads, the indices read whole. Zeros on every rank are a
+    partial sum of zeros (:data:`ZEROS`); rows added at whole indices (:data:`ADD_AT`), rows
+    taken at whole indices (``out[rows]``), rows written back (mistral's ``out[rows] += y``,
+    a ``setitem``) and ``out.view_as(x)`` (``x`` read for its shape) keep one."""
+    n = len(op.inputs)
     if op.target in ZEROS:
-        return [Strategy("", (ANY,) * len(op.inputs), "P")]
-    if op.target in ADD_AT and len(op.inputs) == 3:  # self, index, source
-        return [Strategy("", ("P", "R", "P"), "P")]
-    if op.target == "getitem" and len(op.inputs) > 1:  # rows of a partial sum at whole indices (out[rows])
-        return [Strategy("", ("P",) + ("R",) * (len(op.inputs) - 1), "P")]
+        return [Strategy("", (ANY,) * n, "P")]
+    if op.target in ADD_AT | {"setitem"} and n == 3:  # self, index, source
+        return [Strategy("", ("P", "R", "P"), None if op.target == "setitem" else "P")]
+    if op.target == "getitem" and n > 1:  # self, indices
+        return [Strategy("", ("P",) + ("R",) * (n - 1), "P")]
+    if op.target in ("view_as", "reshape_as") and n == 2:
+        return [Strategy("", ("P", "R"), "P")]
     return []
 
 

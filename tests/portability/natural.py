@@ -210,6 +210,27 @@ def inline_mqa() -> InlineLM:
     return InlineLM(dim=128, heads=8, block=InlineMQABlock)
 
 
+class InlinePositionsLM(InlineLM):
+    """The inline blocks behind a learned position table the model's forward slices by the
+    input's length, nanoGPT's first blocks with minGPT's ``pos_emb`` Parameter."""
+
+    def __init__(self, max_len: int = 64, **sizes) -> None:
+        super().__init__(**sizes)
+        self.pos_emb = nn.Parameter(0.02 * torch.randn(1, max_len, self.emb.embedding_dim))
+
+    def forward(self, idx):
+        b, t = idx.size()
+        x = self.emb(idx) + self.pos_emb[:, :t, :]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def inline_positions() -> InlinePositionsLM:
+    torch.manual_seed(0)
+    return InlinePositionsLM()
+
+
 def split_attention() -> SplitAttentionLM:
     torch.manual_seed(0)
     return SplitAttentionLM()
@@ -772,3 +793,31 @@ class SinusoidalLM(SplitAttentionLM):
 def sinusoidal() -> SinusoidalLM:
     torch.manual_seed(0)
     return SinusoidalLM()
+
+
+class LearnedPositionsLM(SplitAttentionLM):
+    """minGPT's first version: a learned position table the model's own forward slices by
+    the input's length and adds to the tokens (or, ``buffer``, a fixed sinusoidal table
+    registered on the model itself), the sum handed to the blocks."""
+
+    def __init__(self, max_len: int = 64, buffer: bool = False, **sizes) -> None:
+        super().__init__(**sizes)
+        table = 0.02 * torch.randn(1, max_len, self.tok.embedding_dim)
+        if buffer:
+            self.register_buffer("pos_emb", table)
+        else:
+            self.pos_emb = nn.Parameter(table)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos_emb[:, : idx.size(1), :]
+        return self.lm_head(self.norm(self.blocks(x)))
+
+
+def learned_positions() -> LearnedPositionsLM:
+    torch.manual_seed(0)
+    return LearnedPositionsLM()
+
+
+def fixed_positions() -> LearnedPositionsLM:
+    torch.manual_seed(0)
+    return LearnedPositionsLM(buffer=True, layers=3)
