@@ -110,7 +110,24 @@ def _max_positions(model: nn.Module) -> int | None:
             value = getattr(cfg, key, None) if cfg is not None else None
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
-    return None
+    return _table_positions(model)
+
+
+# where a user's own model keeps its positions, with no config to say how many: minGPT's
+# ``pos_emb`` Parameter [1, L, D], nanoGPT's ``wpe``, the PyTorch tutorial's ``pe`` buffer,
+# Meta's llama ``freqs_cis`` [L, hd / 2]
+_POSITION_TABLES = frozenset({"wpe", "pe", "pos", "pos_emb", "pos_embed", "pos_embedding", "pos_embeddings",
+                              "position_embedding", "position_embeddings", "positional_embedding", "freqs_cis"})
+
+
+def _table_positions(model: nn.Module) -> int | None:
+    """The fewest positions any table named as one holds (its rows: an ``nn.Embedding``'s
+    ``num_embeddings``, a tensor's second-to-last dim), or None."""
+    found = [m.num_embeddings for name, m in model.named_modules()
+             if isinstance(m, nn.Embedding) and name.rpartition(".")[2] in _POSITION_TABLES]
+    found += [t.shape[-2] for name, t in [*model.named_parameters(), *model.named_buffers()]
+              if name.rpartition(".")[2] in _POSITION_TABLES and t.dim() >= 2]
+    return min(found, default=None) or None
 
 
 def _options(opts: dict[str, Any]) -> tuple[PlanOptions, dict[str, Any]]:

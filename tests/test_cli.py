@@ -302,6 +302,16 @@ def test_inputs_are_token_ids_when_the_head_is_registered_before_the_table() -> 
     assert plan.options.seq_len == 32 and plan.module_styles()["wte"] != "replicate"
 
 
+def test_a_position_table_bounds_the_default_sequence_of_a_model_without_config() -> None:
+    """A user's model with no config: minGPT's ``pos_emb`` Parameter of 64 positions, read
+    by ``pos_emb[:, :T]``, failed at the default 2048 tokens (a broadcast error); the table's
+    rows bound the default, as ``block_size`` does."""
+    from tests.portability import natural
+
+    plan = shardplan.plan_model(natural.learned_positions(), {"tp": 2}, explain=False)
+    assert plan.options.seq_len == 64, plan.options
+
+
 def test_python_m_ends_after_flushing_a_whole_output(tmp_path: Path) -> None:
     """``entry`` leaves with ``os._exit`` once the output is flushed and ``atexit`` ran: a
     piped JSON plan arrives whole, a file written with ``-o`` is complete, and the status
