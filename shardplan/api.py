@@ -398,6 +398,9 @@ def _solve_explained(graph: OpGraph, ctx: SolveContext):
     names = ", ".join(op.target for op in norms[:3])
     why = (f"their sequence of {odd[0][1]} tokens, {list(odd[0])}, does not split {ctx.tp} ways: sequence parallel "
            "needs a length that tp divides" if odd else f"a value between them cannot be split along the sequence; {names} stay whole")
+    if odd and odd[0][0] % ctx.tp == 0 and odd[0][0] > odd[0][1]:  # fairseq's [seq, batch, hidden]
+        why += (f"; if the model runs sequence-first, its sequence is dim 0 ({odd[0][0]}), and sequence parallel "
+                 "splits dim 1 of [batch, seq, hidden] only")
     raise PlanningError(
         f"sequence_parallel=True has no valid plan at tp={ctx.tp}: no placement puts any norm on sequence shards "
         f"({why}). Use sequence_parallel=None (--sequence-parallel auto) to let it choose"

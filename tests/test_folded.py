@@ -67,3 +67,22 @@ def test_folded_attention_matches_one_process_on_gloo(name: str) -> None:
     result = verify(f"tests.portability.folded:{name}", nproc=2, timeout_s=300)
     assert "rowwise" in result.plan.module_styles().values()
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_a_time_major_fairseq_decoder_is_split_by_heads_and_counted() -> None:
+    """fairseq's own layer: ``self_attn(query=h, key=h, value=h)`` on ``[t, b, c]`` and a
+    softmax in float cast back by ``type_as``. The cast had no folded twin, so every
+    projection was gathered (q/k/v ``colwise_gather_output``) with the batch split instead
+    of the heads; and the region on ``query`` converted that slot only, so k_proj and v_proj
+    each all-reduced their input's gradient as well (13 counted, 7 predicted at tp=4)."""
+    from shardplan.tools.simulate import simulate
+
+    model = folded.fairseq_decoder()
+    plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=_tokens(), explain=False)
+    styles = plan.module_styles()
+    assert [styles[f"layers.1.self_attn.{n}"] for n in ("q_proj", "k_proj", "v_proj", "out_proj")] == \
+        ["colwise", "colwise", "colwise", "rowwise"], plan.warnings
+    result = simulate(folded.fairseq_decoder(), plan, _tokens())
+    assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
+    checked = verify("tests.portability.folded:fairseq_decoder", nproc=2, timeout_s=300)
+    assert checked.passed, checked.summary() + "\n" + "\n".join(checked.problems)

@@ -125,6 +125,22 @@ def test_a_position_table_sliced_in_the_model_code_is_cut_where_the_first_block_
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
 
 
+def test_attention_called_beside_the_stack_is_checked_and_split_by_heads() -> None:
+    """A Perceiver's two cross-attentions run in the model's forward, beside its stack of
+    latent layers. The check ran the stack and the head only, so their ``reshape(b, n,
+    self.heads, -1)`` ran on shards with the global head count, the ``-1`` halving each head:
+    wrong numbers on the ranks, and no warning. Each module outside the stack is now checked
+    as a block is, and its head count made local."""
+    plan = _sp_plan(natural.perceiver, 2)
+    styles = plan.module_styles()
+    for m in ("encode", "decode", "layers.0"):
+        assert (styles[f"{m}.to_q"], styles[f"{m}.to_kv"], styles[f"{m}.to_out"]) == ("colwise", "packed_colwise", "rowwise")
+    local = {a.module: a.values for a in plan.attributes}
+    assert local["encode"] == local["decode"] == {"heads": 2}, plan.attributes
+    result = verify("tests.portability.natural:perceiver", nproc=2, timeout_s=300, seq_len=16)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
 @pytest.mark.parametrize("spec", ["tests.portability.natural:inline", "tests.portability.natural:inline_mqa",
                                   "tests.portability.natural:inline_made_mask", "tests.portability.natural:sinusoidal",
                                   "tests.portability.natural:learned_positions", "tests.portability.natural:inline_positions"])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import shardplan
 from shardplan.cli import main
@@ -305,3 +306,30 @@ def test_sequence_parallel_around_a_block_that_runs_whole_matches_one_process() 
     rule = result.plan.rule_for("layers.0.attention.wo")
     assert (rule.style, rule.output_layouts) == ("rowwise_split_input", "Shard(1)")
     assert result.passed, "\n".join(f"{r}" for r in result.rows) + "\n" + "\n".join(result.problems)
+
+
+def test_dropout_runs_as_the_identity_in_both_models() -> None:
+    """A rank draws its dropout mask over its shard, one process over the whole tensor: the
+    masks never agree, so verify failed on any model left in training mode with dropout
+    (a BERT-style classifier at p=0.1). Both runs now take dropout as the identity: modules,
+    ``F.dropout`` and ``scaled_dot_product_attention``'s ``dropout_p``."""
+    import torch.nn.functional as F
+
+    from shardplan.tools.verify import NoDropout
+
+    class Dropping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop, self.proj = nn.Dropout(0.5), nn.Linear(8, 8)
+
+        def forward(self, x):
+            q = self.proj(self.drop(x)).view(2, 4, 2, 4).transpose(1, 2)
+            y = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5 if self.training else 0.0)
+            return F.dropout(y, p=0.5, training=self.training)
+
+    torch.manual_seed(0)
+    model, x = Dropping().train(), torch.randn(2, 4, 8)
+    with NoDropout():
+        dropped = model(x)
+    assert torch.equal(dropped, model.eval()(x))
+    assert not torch.equal(model.train()(x), dropped)  # outside the mode, dropout still drops

@@ -23,7 +23,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -179,7 +178,7 @@ def _region_style(region: Region) -> ParallelStyle:
         layouts[region.input], wanted[region.input] = layout, desired
         return SharedInput(input_layouts=tuple(layouts), desired_input_layouts=tuple(wanted),
                            use_local_output=region.use_local_output)
-    return PrepareModuleInput(
+    return SharedInput(
         input_kwarg_layouts={region.input: layout}, desired_input_kwarg_layouts={region.input: desired},
         use_local_output=region.use_local_output,
     )

@@ -70,8 +70,29 @@ def _targets(graph: OpGraph) -> list[str]:
         reps = sorted(r for r in set(graph.traced.folded.values()) if r in graph.traced.calls)  # ran in forward
         blocks = reps + _unfolded_siblings(graph, reps)
         blocks += _layers_outside(graph, blocks)
+        blocks += _modules_outside(graph, blocks) if blocks else []
         cached = graph.strategy_cache["check_targets"] = [t for b in blocks or [""] for t in _around_assumed(graph, b)]
     return cached
+
+
+def _modules_outside(graph: OpGraph, blocks: list[str]) -> list[str]:
+    """The outermost modules with weights whose own code views or reshapes (a Perceiver's
+    cross-attentions, called by the model's forward beside a ``Sequential`` head) and that no
+    block holds, nor hold one: each is checked on its own, as a block is. Unchecked, a view
+    by a global head count (``q.reshape(b, n, self.heads, -1)``) ran on shards, the ``-1``
+    absorbing the split; the code between modules is the outer check's."""
+    from ..analyze.trace import is_weight_leaf
+
+    viewing = {op.owner for op in graph.ops if op.kind == "function" and op.target in _SIZED_OPS}
+    out: list[str] = []
+    for fqn in sorted(graph.traced.calls, key=lambda f: (f.count("."), f)):
+        if not fqn or fqn in graph.traced.folded or _at_or_under(fqn, [*blocks, *out]) \
+                or any(b.startswith(fqn + ".") for b in blocks) or not any(_at_or_under(o, [fqn]) for o in viewing):
+            continue
+        mod = graph.model.get_submodule(fqn)
+        if not is_weight_leaf(mod) and any(True for _ in mod.parameters()):
+            out.append(fqn)
+    return out
 
 
 def _layers_outside(graph: OpGraph, blocks: list[str]) -> list[str]:
@@ -177,11 +198,12 @@ def _cell(cell: Any) -> Any:
 
 def _state_memo(module: nn.Module) -> dict[int, Any]:
     """A deepcopy memo that hands over, detached, the tensors a forward left on its modules as
-    plain attributes (RecurrentGemma's ``self.recurrent_states``): a tensor autograd made
-    refuses to be deep-copied, and no later forward reads the old one."""
+    plain attributes (RecurrentGemma's ``self.recurrent_states``) or wrote into its buffers
+    with autograd on (a KV cache, ``self.cache_k[:b, pos:pos + s] = k``): a tensor autograd
+    made refuses to be deep-copied, and no later forward reads its history."""
     memo: dict[int, Any] = {}
     for m in module.modules():
-        for value in vars(m).values():
+        for value in [*vars(m).values(), *m._buffers.values()]:
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.grad_fn is not None:
                 memo[id(value)] = value.detach()
     return memo

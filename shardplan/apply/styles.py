@@ -497,7 +497,8 @@ def _local_padding(padding: int | None, offset: int, rows: int) -> int | None:
 
 class SharedInput(PrepareModuleInput):
     """``PrepareModuleInput`` for a region whose value the module receives in more than one
-    slot (torchtune's ``self.attn(h, h, mask=...)``: x for q, y for k and v): every slot
+    slot (torchtune's ``self.attn(h, h, mask=...)``: x for q, y for k and v; fairseq's
+    ``self_attn(query=x, key=x, value=x)``): every slot
     holding that same tensor gets the one DTensor, so the Partial gradients of q, k and v
     add up there and one all-reduce closes the region, not one per slot."""
 
@@ -511,6 +512,10 @@ class SharedInput(PrepareModuleInput):
         args, kwargs = super()._prepare_input_kwarg_fn(inputs, kwarg_inputs, device_mesh)
         raw = inputs if isinstance(inputs, tuple) else (inputs,)
         converted = _converted(raw, args, self.input_layouts)
+        # a keyword slot too (fairseq's ``self_attn(query=x, key=x, value=x)``)
+        named = list(self.input_kwarg_layouts or {})
+        converted.update(_converted(tuple(kwarg_inputs.get(k) for k in named), tuple(kwargs.get(k) for k in named),
+                                    [self.input_kwarg_layouts[k] for k in named]))
         return (tuple(converted.get(id(a), p) for a, p in zip(raw, args)),
                 {k: converted.get(id(v), kwargs[k]) for k, v in kwarg_inputs.items()})
 

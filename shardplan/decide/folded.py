@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ..analyze.graph import Op, OpGraph
-from .placements import VIEW_OPS, Strategy, expanded_dims, packed, rank_order, shard_dim, view_groups
+from .placements import ANY, VIEW_OPS, Strategy, expanded_dims, packed, rank_order, shard_dim, view_groups
 
 __all__ = ["folded_values", "folded_view", "folded_view_strategies", "folded_variants", "folded_factory_strategies",
            "parts_of", "folded_module_twins", "rank_order_twins"]
@@ -186,7 +186,8 @@ def folded_variants(op: Op, graph: OpGraph, tp: int, strategies: list[Strategy],
 
 
 def _twin(s: Strategy, k: int, shapes: list[tuple[int, ...]], out_shape: tuple[int, ...], tp: int) -> Strategy | None:
-    places = list(zip(s.inputs, shapes)) + [(s.output, out_shape)]
+    # an input read for its dtype or shape alone (``ANY``: ``type_as``'s second) stays as it is
+    places = [(p, shape) for p, shape in [*zip(s.inputs, shapes), (s.output, out_shape)] if p != ANY]
     if s.name or any(p not in ("R",) and not re.fullmatch(r"S\d+", p or "") for p, _ in places):
         return None  # Partial, grouped, packed and weight strategies have no folded twin
     if any(p != "R" and shard_dim(p) >= len(shape) for p, shape in places):
@@ -196,7 +197,7 @@ def _twin(s: Strategy, k: int, shapes: list[tuple[int, ...]], out_shape: tuple[i
         return None
 
     def fold(p: str) -> str:
-        return p if p == "R" else packed(shard_dim(p), k)
+        return p if p in ("R", ANY) else packed(shard_dim(p), k)
 
     return Strategy("", tuple(fold(p) for p in s.inputs), fold(s.output))
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Collection
 
 from torch import nn
 
@@ -106,19 +106,22 @@ def slice_entries(graph: OpGraph) -> dict[int, tuple[str, ...]]:
     return {v: m for v, m in received_values(graph).items() if v not in graph.requires_grad}
 
 
-def slice_twins(op: Op, graph: OpGraph, strategies: list[Strategy], *, sequence: bool = True) -> list[Strategy]:
+def slice_twins(op: Op, graph: OpGraph, strategies: list[Strategy], *, sequence: bool = True,
+                returned: Collection[int] = ()) -> list[Strategy]:
     """Twins reading a received value whole and cutting it where its module receives it: a
     value no gradient reaches on any dim its readers split (a bias by heads); a value with a
     gradient only onto sequence shards (``Shard(1)``, with ``sequence``): the residual stream
     a model's own top-level code makes (``tok(idx) + self.pe[:, :T]``), cut where the first
-    block receives it, Megatron's scatter after the embeddings, its gradient all-gathered."""
+    block receives it, Megatron's scatter after the embeddings, its gradient all-gathered;
+    not a value a module returns (``returned``: cut where it returns instead)."""
     received = received_values(graph)
     whole = [i for i, v in enumerate(op.inputs) if v not in graph.requires_grad
              and any(_inside(place(op), m) for m in received.get(v, ()))]
     # a block's, not a weight module's: a norm cutting its own input would leave the other
-    # readers of the stream (the residual add) whole
+    # readers of the stream (the residual add) whole; and only a value no module returns (a
+    # module's return is cut where it returns, scatter.cut_twins)
     rows = [i for i, v in enumerate(op.inputs) if v in graph.requires_grad and sequence and len(graph.values[v].shape) == 3
-            and any(_inside(place(op), m) for m in received.get(v, ()) if _block(graph, m))]
+            and v not in returned and any(_inside(place(op), m) for m in received.get(v, ()) if _block(graph, m))]
     return entry_twins(strategies, whole, reads="R", folded=True) + entry_twins(strategies, rows, reads="R", shard="S1")
 
 

@@ -106,7 +106,7 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
         if getattr(opts, "sequence_parallel", None) is not False:
             # a router reading the tokens before they are flattened; a norm after a MoE block
             found += gather_twins(op, graph, found, tp) + scatter_twins(op, graph, found) + cut_twins(op, graph, found)
-            found += slice_twins(op, graph, found)  # the first block's norm, cutting the stream it receives
+            found += slice_twins(op, graph, found, returned=exits(graph))  # the first block's norm, cutting the stream
         return found
     if op.kind == "folded":  # placements are tied to the representative block by the solver
         return [Strategy("folded", tuple(ANY for _ in op.inputs), None)]
@@ -209,7 +209,8 @@ def _function_strategies(op: Op, graph: OpGraph, tp: int, opts: Any = None) -> l
     if under_partial_grad_owner(op.owner, graph, tp):
         strategies += partial_grad_twins(op, graph, tp, strategies, out_shape)
     # a whole bias, or the stream the first block receives, cut where its module receives it
-    strategies += slice_twins(op, graph, strategies, sequence=getattr(opts, "sequence_parallel", None) is not False)
+    strategies += slice_twins(op, graph, strategies, sequence=getattr(opts, "sequence_parallel", None) is not False,
+                              returned=exits(graph))
     chained = packed_chains(graph, tp).get(op.index)
     if chained:  # an elementwise op between a packed projection and its cut (OLMo's clamp_ of qkv)
         last = len(out_shape) - 1

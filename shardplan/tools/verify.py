@@ -26,7 +26,8 @@ seq_len=None, max_params=MAX_PARAMS, **plan_options) -> VerifyResult``
   converts both to float32 if they are not, applies the plan to one copy with
   :func:`shardplan.apply.emit.apply_plan`, runs the same example inputs through both (made once,
   in the parent: the preset's own fixed batch, else random inputs shaped as
-  ``plan_model`` infers them, ``seq_len`` 16 unless given), and compares
+  ``plan_model`` infers them, ``seq_len`` 16 unless given; dropout as the identity in both,
+  :class:`NoDropout`, since a rank's mask of its shard cannot equal one process's), and compares
 
   ==========  =====================================================================
   ``weights`` every parameter after ``apply_plan``, gathered, vs the reference: exact
@@ -64,6 +65,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..plan.model import Plan
 
@@ -165,6 +167,25 @@ class VerifyResult:
         what = ", ".join(failed) + (" and " if failed and self.problems else "") + (
             f"{len(self.problems)} problem(s)" if self.problems else "")
         return f"FAIL: {head} differs from the unsharded model: {what}"
+
+
+class NoDropout(TorchFunctionMode):
+    """Dropout as the identity, in both models: a rank drops other elements of its shard than
+    one process drops of the whole tensor (another shape, another draw), so the masks could
+    never agree; the plan's math is what is compared. ``scaled_dot_product_attention`` runs
+    with ``dropout_p=0``."""
+
+    _DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+                           "feature_alpha_dropout", "dropout_", "feature_dropout"})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in self._DROPOUTS and args and isinstance(args[0], torch.Tensor):
+            return args[0]
+        if name == "scaled_dot_product_attention" and kwargs.get("dropout_p"):
+            kwargs = {**kwargs, "dropout_p": 0.0}
+        return func(*args, **kwargs)
 
 
 # --------------------------------------------------------------------------- comparison
@@ -479,10 +500,12 @@ def _verify_rank(rank: int, world_size: int, spec: str, plan_yaml: str, inputs: 
     # one random stream each, from one seed: random ops on whole values (a Gumbel router in
     # training mode, phimoe's sparsemixer) draw the same numbers in both models
     torch.manual_seed(_FORWARD_SEED)
-    out_ref = _output_tensor(ref(*inputs))
+    with NoDropout():
+        out_ref = _output_tensor(ref(*inputs))
     mine = _rows(inputs, rows)
     torch.manual_seed(_FORWARD_SEED)
-    out_tp = _output_tensor(tp(*mine))
+    with NoDropout():
+        out_tp = _output_tensor(tp(*mine))
     res["output"] = compare([("output", out_tp, out_ref.chunk(rows[1])[rows[0]])], *tols["output"])
     loss_ref, loss_tp = _loss(out_ref, inputs), _loss(out_tp, mine, rows)
     res["loss"] = compare([("loss", _data_mean(loss_tp.detach(), mesh, rows), loss_ref)], *tols["loss"])

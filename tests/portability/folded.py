@@ -137,3 +137,57 @@ def expanded_mask_model() -> TokenLM:
 
 def fairseq_model() -> TokenLM:
     return _lm(FairseqAttention)
+
+
+class FairseqSelfAttention(FairseqAttention):
+    """fairseq's attention as its layers call it: time-major in and out, ``query``, ``key``
+    and ``value`` passed by keyword (the same tensor), the mask as an argument, and the
+    softmax taken in float and cast back with ``type_as``."""
+
+    def forward(self, query, key, value, attn_mask=None):
+        tgt_len, bsz, embed_dim = query.size()
+        q = self.q_proj(query) * self.scaling
+        k, v = self.k_proj(key), self.v_proj(value)
+        q = q.contiguous().view(tgt_len, bsz * self.num_heads, self.head_dim).transpose(0, 1)
+        k = k.contiguous().view(-1, bsz * self.num_heads, self.head_dim).transpose(0, 1)
+        v = v.contiguous().view(-1, bsz * self.num_heads, self.head_dim).transpose(0, 1)
+        attn_weights = torch.bmm(q, k.transpose(1, 2)) + attn_mask.unsqueeze(0)
+        attn_probs = F.softmax(attn_weights.float(), dim=-1).type_as(attn_weights)
+        attn = torch.bmm(attn_probs, v).transpose(0, 1).contiguous().view(tgt_len, bsz, embed_dim)
+        return self.out_proj(attn)
+
+
+class FairseqLayer(nn.Module):
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.self_attn, self.self_attn_layer_norm = FairseqSelfAttention(dim, heads), nn.LayerNorm(dim)
+        self.fc1, self.fc2, self.final_layer_norm = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim), nn.LayerNorm(dim)
+
+    def forward(self, x, self_attn_mask):
+        h = self.self_attn_layer_norm(x)
+        x = x + self.self_attn(query=h, key=h, value=h, attn_mask=self_attn_mask)
+        return x + self.fc2(F.relu(self.fc1(self.final_layer_norm(x))))
+
+
+class FairseqDecoder(nn.Module):
+    """A fairseq ``TransformerDecoder``: the embeddings made time-major once, ``[t, b, c]``
+    through every layer, batch-major again before the output projection."""
+
+    def __init__(self, vocab: int = 128, dim: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(FairseqLayer(dim) for _ in range(layers))
+        self.layer_norm, self.output_projection = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, prev_output_tokens):
+        x = self.embed_tokens(prev_output_tokens).transpose(0, 1)
+        t = x.size(0)
+        mask = torch.triu(torch.full((t, t), float("-inf"), device=x.device), 1)
+        for layer in self.layers:
+            x = layer(x, self_attn_mask=mask)
+        return self.output_projection(self.layer_norm(x).transpose(0, 1))
+
+
+def fairseq_decoder() -> FairseqDecoder:
+    torch.manual_seed(0)
+    return FairseqDecoder()

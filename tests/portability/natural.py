@@ -821,3 +821,51 @@ def learned_positions() -> LearnedPositionsLM:
 def fixed_positions() -> LearnedPositionsLM:
     torch.manual_seed(0)
     return LearnedPositionsLM(buffer=True, layers=3)
+
+
+class LatentAttention(nn.Module):
+    """lucidrains' Perceiver attention: a context of its own width, ``reshape(b, n, h, -1)``
+    by the module's global head count, einsum scores."""
+
+    def __init__(self, dim: int, context_dim: int, heads: int = 4, dim_head: int = 16) -> None:
+        super().__init__()
+        self.heads, self.scale = heads, dim_head ** -0.5
+        self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
+        self.to_kv = nn.Linear(context_dim, 2 * heads * dim_head, bias=False)
+        self.to_out = nn.Linear(heads * dim_head, dim)
+
+    def forward(self, x, context=None):
+        context = x if context is None else context
+        q, (k, v) = self.to_q(x), self.to_kv(context).chunk(2, dim=-1)
+        q, k, v = (t.reshape(t.shape[0], t.shape[1], self.heads, -1).permute(0, 2, 1, 3) for t in (q, k, v))
+        attn = (torch.einsum("bhid,bhjd->bhij", q, k) * self.scale).softmax(dim=-1)
+        out = torch.einsum("bhij,bhjd->bhid", attn, v)
+        return self.to_out(out.permute(0, 2, 1, 3).reshape(x.shape[0], x.shape[1], -1))
+
+
+class PerceiverLM(nn.Module):
+    """Latents cross-attend to the tokens, run a stack of self-attention, and the tokens
+    cross-attend back: the two cross-attentions are called by the model's own forward,
+    beside the stack, not in it."""
+
+    def __init__(self, vocab: int = 256, dim: int = 64, latent_dim: int = 96, latents: int = 16, depth: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.latents = nn.Parameter(torch.randn(latents, latent_dim))
+        self.encode = LatentAttention(latent_dim, dim)
+        self.layers = nn.ModuleList(LatentAttention(latent_dim, latent_dim, dim_head=24) for _ in range(depth))
+        self.decode = LatentAttention(dim, latent_dim)
+        self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, vocab))
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        lat = self.latents.unsqueeze(0).expand(idx.shape[0], -1, -1)
+        lat = self.encode(lat, context=x) + lat
+        for layer in self.layers:
+            lat = layer(lat) + lat
+        return self.head(self.decode(x, context=lat) + x)
+
+
+def perceiver() -> PerceiverLM:
+    torch.manual_seed(0)
+    return PerceiverLM()
