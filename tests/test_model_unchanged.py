@@ -391,3 +391,38 @@ def test_planning_leaves_the_process_as_it_was():
     out = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["meta", "meta", "True"], out.stdout
+
+
+class CacheBlock(Block):
+    """A block that writes what it receives into a cache buffer and reads it back, as Meta's
+    reference llama does its keys (``self.cache_k[:b, pos:pos + s] = k``) at inference."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, SEQ, DIM), persistent=False)
+
+    def forward(self, x, cos, sin):
+        self.cache[: x.shape[0], : x.shape[1]] = x
+        return super().forward(self.cache[: x.shape[0], : x.shape[1]], cos, sin)
+
+
+class KVCacheLM(TinyLM):
+    """A forward with autograd on leaves each block's cache with a history, which
+    ``copy.deepcopy`` refuses: planning crashed (``Only Tensors created explicitly by the
+    user (graph leaves) support the deepcopy protocol``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CacheBlock() for _ in range(2))
+
+    def rope(self, x, seq):
+        return rope_table(seq, DIM // HEADS, x.device)
+
+
+def test_a_cache_written_with_autograd_on_is_planned_and_left_as_it_was():
+    model = _build(KVCacheLM)
+    model(_ids())  # the user's own forward, gradients on
+    before = _state(model)
+    shardplan.plan_model(model, {"tp": 2}, example_inputs=(_ids(),), explain=False)
+    _assert_unchanged(model, before)
+    _assert_forward_as_before(model, KVCacheLM)
