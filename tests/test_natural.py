@@ -143,10 +143,11 @@ def test_attention_called_beside_the_stack_is_checked_and_split_by_heads() -> No
 
 @pytest.mark.parametrize("spec", ["tests.portability.natural:inline", "tests.portability.natural:inline_mqa",
                                   "tests.portability.natural:inline_made_mask", "tests.portability.natural:sinusoidal",
-                                  "tests.portability.natural:learned_positions", "tests.portability.natural:inline_positions"])
+                                  "tests.portability.natural:learned_positions", "tests.portability.natural:inline_positions",
+                                  "tests.portability.natural:torch_mha"])
 def test_inline_blocks_under_sequence_parallel_match_one_process_on_gloo(spec: str) -> None:
     result = verify(spec, nproc=2, timeout_s=300, sequence_parallel=True)
-    norm = "blocks.0.ln1" if "inline" in spec and not spec.endswith("mqa") else "blocks.0.norm1"
+    norm = "blocks.0.ln1" if ("inline" in spec and not spec.endswith("mqa")) or "mha" in spec else "blocks.0.norm1"
     assert result.plan.module_styles()[norm] == "sequence_parallel", result.plan.warnings
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
 

@@ -111,6 +111,10 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
     if op.kind == "folded":  # placements are tied to the representative block by the solver
         return [Strategy("folded", tuple(ANY for _ in op.inputs), None)]
     if op.output is None:
+        if op.target == "getitem" and op.node.op == "call_function":
+            # an element of a module's tuple that is not a tensor: nn.MultiheadAttention's
+            # weights with need_weights=False, ``a, _ = self.attn(h, h, h)``
+            return [Strategy("", (ANY,) * len(op.inputs), None)]
         if metadata_only(op):  # x.device, x.dtype: the same answer from any shard
             if len(op.inputs) != 1:
                 return [_all(op, "R", None)]

@@ -869,3 +869,42 @@ class PerceiverLM(nn.Module):
 def perceiver() -> PerceiverLM:
     torch.manual_seed(0)
     return PerceiverLM()
+
+
+class TorchMHABlock(nn.Module):
+    """``nn.MultiheadAttention`` in a pre-norm block of one's own, its weights unpacked and
+    dropped: ``a, _ = self.attn(h, h, h, need_weights=False, ...)``."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x, key_padding_mask=None, attn_mask=None):
+        h = self.ln1(x)
+        a, _ = self.attn(h, h, h, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=False)
+        x = x + a
+        return x + self.mlp(self.ln2(x))
+
+
+class TorchMHALM(nn.Module):
+    def __init__(self, vocab: int = 256, dim: int = 64, heads: int = 4, layers: int = 2, max_len: int = 128) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Parameter(0.02 * torch.randn(1, max_len, dim))
+        self.blocks = nn.ModuleList(TorchMHABlock(dim, heads) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, input_ids):
+        t = input_ids.size(1)
+        pad = input_ids == 0
+        causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=input_ids.device), diagonal=1)
+        x = self.tok(input_ids) + self.pos[:, :t]
+        for block in self.blocks:
+            x = block(x, key_padding_mask=pad, attn_mask=causal)
+        return self.head(self.ln_f(x))
+
+
+def torch_mha() -> TorchMHALM:
+    torch.manual_seed(0)
+    return TorchMHALM()
