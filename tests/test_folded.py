@@ -86,3 +86,13 @@ def test_a_time_major_fairseq_decoder_is_split_by_heads_and_counted() -> None:
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
     checked = verify("tests.portability.folded:fairseq_decoder", nproc=2, timeout_s=300)
     assert checked.passed, checked.summary() + "\n" + "\n".join(checked.problems)
+
+
+def test_sequence_parallel_asked_of_a_time_major_model_says_why_not() -> None:
+    """Sequence parallel splits dim 1 of ``[batch, seq, hidden]``; fairseq's layers run on
+    ``[seq, batch, hidden]``, so the refusal said "their sequence of 2 tokens" of a batch of
+    2: it now names the layout."""
+    with pytest.raises(shardplan.PlanningError, match=r"sequence of 2 tokens, \[16, 2, 64\].*runs sequence-first, "
+                                                     r"its sequence is dim 0 \(16\)"):
+        shardplan.plan_model(folded.fairseq_decoder(), {"tp": 4}, example_inputs=_tokens(), explain=False,
+                             sequence_parallel=True)
