@@ -406,10 +406,22 @@ def test_a_bare_weight_module_is_a_model_too(module):
 
 @pytest.mark.parametrize("name", ["gpt2-debug", "parallel-debug"])
 def test_sequence_parallel_plans_a_learned_position_embedding_by_slicing_it(name):
+    """``wte(idx) + wpe(arange(s))`` in the model's own forward. Every weight split first: both
+    tables rowwise, and the first block cuts their sum where it receives it. Given a memory
+    budget, replicating for speed may win: wpe whole, its ``[s, h]`` output sliced instead,
+    so wte's partial sums are reduce-scattered rather than all-reduced."""
+    inputs = get_preset(name).example_inputs(device="meta")
     plan = plan_for(name, 2, explain=False, sequence_parallel=True)
+    assert plan.rule_for("wpe").style == "embedding_rowwise"
+    cut = [(r.module, r.input_layouts, r.desired_input_layouts) for r in plan.regions if r.input == 0]
+    assert ("h.0", "Replicate", "Shard(1)") in cut, plan.regions
+    assert simulate(build_preset(name, device="meta"), plan, inputs).matches
+    plan = plan_for(name, 2, explain=False, sequence_parallel=True, memory_budget="80GB")
     wpe = plan.rule_for("wpe")
-    assert (wpe.style, wpe.output_layouts) == ("replicate", "Shard(0)")  # wpe(arange(s)) is [s, h]
-    assert simulate(build_preset(name, device="meta"), plan, get_preset(name).example_inputs(device="meta")).matches
+    # gpt2-debug slices wpe's [s, h] output; parallel-debug keeps it whole, cut with the sum
+    want = "Shard(0)" if name == "gpt2-debug" else None
+    assert (wpe.style, wpe.output_layouts) == ("replicate", want)
+    assert simulate(build_preset(name, device="meta"), plan, inputs).matches
 
 
 def test_a_stack_of_two_kinds_of_block_folds_into_one_rule_per_kind(tmp_path):
