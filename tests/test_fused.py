@@ -140,3 +140,17 @@ def test_a_parallel_block_under_sequence_parallel_matches_one_process_on_gloo() 
     result = verify("tests.portability.fused:parallel_blocks", nproc=2, seq_len=64, sequence_parallel=True, timeout_s=300)
     assert result.plan.module_styles()["layers.0.ln"] == "sequence_parallel"
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+def test_a_parallel_block_reading_its_norms_device_still_gathers_once() -> None:
+    """``.to(h.device)`` reads the norm's output for its device: that read kept the gather off
+    the norm's output, so attention and MLP each all-gathered it (GPT-J's shared norm: 6
+    all-gathers forward at 2 layers, 4 now), counted equal to predicted."""
+    from shardplan.tools.simulate import simulate
+
+    model = fused.cast_parallel_blocks()
+    tokens = (torch.zeros(2, 64, dtype=torch.long),)
+    plan = shardplan.plan_model(model, {"tp": 2}, example_inputs=tokens, explain=False, sequence_parallel=True)
+    gathers = [(r.module, r.input) for r in plan.regions if r.input_layouts == "Shard(1)"]
+    assert gathers == [("layers.*.ln", "output")], plan.regions
+    assert simulate(fused.cast_parallel_blocks(), plan, tokens).matches

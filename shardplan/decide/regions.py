@@ -120,7 +120,8 @@ def _output_site(graph: OpGraph, value: int, consumers: tuple[int, ...]):
     producer = graph.ops[graph.values[value].producer]
     if producer.kind != "module" or len(consumers) < 2 or len(graph.traced.calls.get(producer.target, [])) != 1:
         return None
-    if set(graph.consumers.get(value, [])) != set(consumers) or not isinstance(producer.node.meta.get("val"), torch.Tensor):
+    readers = {c for c in graph.consumers.get(value, []) if not metadata_only(graph.ops[c])}  # its size aside
+    if readers != set(consumers) or not isinstance(producer.node.meta.get("val"), torch.Tensor):
         return None
     return (RegionSite(producer.target, None, 0), consumers)
 

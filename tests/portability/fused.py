@@ -149,3 +149,17 @@ class ParallelBlock(nn.Module):
 def parallel_blocks() -> TokenLM:
     torch.manual_seed(0)
     return TokenLM([ParallelBlock() for _ in range(2)], dim=64, vocab=128)
+
+
+class CastParallelBlock(ParallelBlock):
+    """The same, its MLP's output moved to the norm's device (``.to(h.device)``, as code
+    written for several devices does): a read of the norm's output for its device alone."""
+
+    def forward(self, x):
+        h = self.ln(x)
+        return x + self.attn(h) + self.down(F.gelu(self.up(h))).to(h.device)
+
+
+def cast_parallel_blocks() -> TokenLM:
+    torch.manual_seed(0)
+    return TokenLM([CastParallelBlock() for _ in range(2)], dim=64, vocab=128)
