@@ -122,10 +122,11 @@ _POSITION_TABLES = frozenset({"wpe", "pe", "pos", "pos_emb", "pos_embed", "pos_e
 
 def _table_positions(model: nn.Module) -> int | None:
     """The fewest positions any table named as one holds (its rows: an ``nn.Embedding``'s
-    ``num_embeddings``, a tensor's second-to-last dim), or None."""
+    ``num_embeddings``, a tensor's longest dim before its features, ``[1, L, D]`` or the
+    tutorial's time-major ``[L, 1, D]``), or None."""
     found = [m.num_embeddings for name, m in model.named_modules()
              if isinstance(m, nn.Embedding) and name.rpartition(".")[2] in _POSITION_TABLES]
-    found += [t.shape[-2] for name, t in [*model.named_parameters(), *model.named_buffers()]
+    found += [max(t.shape[:-1]) for name, t in [*model.named_parameters(), *model.named_buffers()]
               if name.rpartition(".")[2] in _POSITION_TABLES and t.dim() >= 2]
     return min(found, default=None) or None
 

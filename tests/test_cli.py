@@ -310,6 +310,14 @@ def test_a_position_table_bounds_the_default_sequence_of_a_model_without_config(
 
     plan = shardplan.plan_model(natural.learned_positions(), {"tp": 2}, explain=False)
     assert plan.options.seq_len == 64, plan.options
+    import torch
+    from torch import nn
+
+    from shardplan.api import _table_positions
+
+    tutorial = nn.Module()  # the PyTorch tutorial's time-major table, [max_len, 1, d_model]
+    tutorial.register_buffer("pe", torch.zeros(5000, 1, 64))
+    assert _table_positions(tutorial) == 5000
 
 
 def test_python_m_ends_after_flushing_a_whole_output(tmp_path: Path) -> None:
