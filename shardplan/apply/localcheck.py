@@ -243,12 +243,16 @@ def cut_on_entry(graph: OpGraph, plan: Any, fqn: str) -> dict[int, str]:
         want = r.desired_input_layouts or ""
         if r.module not in (fqn, rep) or r.input == "output" or r.input_layouts != "Replicate" or not want.startswith("Shard("):
             continue
-        call = calls[0]
-        node = call.args[r.input] if isinstance(r.input, int) and r.input < len(call.args) else call.kwargs.get(r.input)
-        value = getattr(node, "meta", {}).get("shardplan_op") if node is not None else None
+        value = region_value(calls[0], r.input)
         if value is not None:
             found[value] = f"S{want[len('Shard('):-1]}"
     return found
+
+
+def region_value(call: Any, key: int | str) -> int | None:
+    """The value a region's ``input`` (a position or keyword) names in a recorded call."""
+    node = call.args[key] if isinstance(key, int) and key < len(call.args) else call.kwargs.get(key)
+    return getattr(node, "meta", {}).get("shardplan_op") if node is not None else None
 
 
 def handed_placement(placements: dict[int, str], value: int | None, target: str | None) -> str:

@@ -39,7 +39,7 @@ from ..analyze.values import nonzero_at_upper_bound, scalars_on_meta_as_zero
 from ..plan.model import Plan, expand_pattern
 from .emit import shard
 from .localcheck import (
-    LocalShapeError, _at_or_under, cut_on_entry, _check_mesh, _culprit, _local_args, _meta_copy, _said, _targets, _track_modules,
+    LocalShapeError, _at_or_under, cut_on_entry, region_value, _check_mesh, _culprit, _local_args, _meta_copy, _said, _targets, _track_modules,
     _user_frame, renamed_plan,
 )
 
@@ -140,9 +140,7 @@ def _gathered_around(graph: OpGraph, fqn: str, plan: Plan | None) -> dict[int, s
             calls = graph.traced.calls.get(graph.traced.folded.get(module, module))
             if not calls or not fqn.startswith(module + "."):  # a stand-in's own regions are not applied
                 continue
-            call = calls[0]
-            node = call.args[r.input] if isinstance(r.input, int) and r.input < len(call.args) else call.kwargs.get(r.input)
-            value = getattr(node, "meta", {}).get("shardplan_op") if node is not None else None
+            value = region_value(calls[0], r.input)
             if value is not None:
                 found[value] = "R"
     return found
