@@ -540,6 +540,7 @@ def _assemble(model, graph, solution, ctx, entries, blocks, *, opts, axes, tp_ax
         rules=assemble.rules(graph, solution, [], entries, blocks),
         regions=assemble.regions(graph, entries) + assemble.block_regions(graph, blocks),
         attributes=assemble.group_norm_attributes(graph, solution, ctx.tp),
+        buffers=assemble.buffers(graph, solution),
         estimate=estimate(graph, solution, entries, ctx, blocks=blocks,
                           mesh=MeshInfo(axes=axes, tp_axis=tp_axis, ep_axis=expert_axis(axes, tp_axis))),
         warnings=notes,

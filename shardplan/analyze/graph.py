@@ -32,7 +32,7 @@ from .trace import Traced, is_weight_leaf, listed_heads
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like", "router_like", "grad_inputs", "EXPERT_CONTAINERS", "LIKE_OPS", "rows_width"]
+__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like", "router_like", "grad_inputs", "EXPERT_CONTAINERS", "LIKE_OPS", "rows_width", "writes"]
 
 
 @dataclass(frozen=True)
@@ -422,7 +422,7 @@ def _set_requires_grad(graph: OpGraph) -> None:
     # returns its integer indices first, so its float weights are judged where taken out
     tuples: set[int] = set()
     for op in graph.ops:
-        if _writes(op) and any(v in graph.requires_grad for v in op.inputs[1:]):
+        if writes(op) and any(v in graph.requires_grad for v in op.inputs[1:]):
             # ``out[:, t] = y`` with y needing one (RWKV's zeros_like filled step by step): the
             # tensor written into needs a gradient from here on, for every reader after it
             graph.requires_grad.add(op.inputs[0])
@@ -446,11 +446,11 @@ def _set_grad_reaches(graph: OpGraph) -> None:
     that input does after it."""
     for op in reversed(graph.ops):
         if op.kind == "output" or (op.output is not None and op.output in graph.grad_reaches) or (
-                _writes(op) and op.inputs[0] in graph.grad_reaches):
+                writes(op) and op.inputs[0] in graph.grad_reaches):
             graph.grad_reaches.update(v for v in op.inputs if _differentiable(graph.values[v].dtype))
 
 
-def _writes(op: Op) -> bool:
+def writes(op: Op) -> bool:
     """``op`` writes into its first input (``out[rows] = y``, ``index_add_``, ``copy_``)."""
     return op.kind == "function" and (op.target == "setitem" or op.target.endswith("_")) and bool(op.inputs)
 

@@ -222,6 +222,8 @@ class _ShardTracer(MetaTracer):
         self.assumed: list[str] = []
         self._constants: dict[int, str] = {}
         self._keep: list[torch.Tensor] = []
+        # id of a model tensor the forward wrote into (a KV cache) -> the proxy later reads get
+        self._written: dict[int, torch.fx.Proxy] = {}
         self._module_paths = {id(m): n for n, m in model.named_modules()}
         # node -> its value on the example inputs, where code reads one (see .values)
         self.examples = ExampleValues(model, run_module=partial(self._module_meta, real=True),
@@ -242,6 +244,9 @@ class _ShardTracer(MetaTracer):
             if isinstance(node, torch.fx.Node) and node.op == "get_attr":
                 self._constants[id(a)] = node.target
                 self._keep.append(a)  # ids stay unique while the tensor lives
+                # its value now: forward code may rebind the attribute (``self.cache_k =
+                # self.cache_k.to(xq)``), so it is not looked up again after tracing
+                node.meta.setdefault("val", _to_meta(a))
             return node
         try:
             return super().create_arg(a)
@@ -249,6 +254,36 @@ class _ShardTracer(MetaTracer):
             # an object fx cannot spell in code (a cache dict, a class): the graph is only
             # analysed, never turned back into code, so keep the object itself
             return a
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        written = self._written.get(id(attr_val)) if isinstance(attr_val, torch.Tensor) else None
+        if written is not None and not getattr(self, "_disable_module_getattr", False):
+            return written
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def _write_into_state(self, kind: str, target: Any, args: tuple) -> tuple[str, Any, tuple] | None:
+        """``self.cache_k[:b, p:p + s] = xk`` or ``self.k_cache.index_copy_(2, pos, k)``: the
+        forward writes a traced value into a model's own tensor (a buffer). Read eagerly, that
+        tensor would be a constant to every later reader, and the keys read back from the cache
+        would not depend on the keys written: the write becomes an in-place op on the buffer's
+        ``get_attr`` value, and later reads of the buffer read that value."""
+        if not args or isinstance(args[0], torch.fx.Proxy) or not isinstance(args[0], torch.Tensor):
+            return None
+        setitem = (kind == "call_method" and target == "__setitem__") or (
+            kind == "call_function" and target in (operator.setitem, torch.Tensor.__setitem__))
+        in_place = kind == "call_method" and isinstance(target, str) and target.endswith("_") and not target.startswith("__")
+        if not (setitem or in_place) or isinstance(args[0], nn.Parameter):
+            return None
+        node = self.create_arg(args[0])
+        if not isinstance(node, torch.fx.Node) or node.op != "get_attr" or str(node.target).startswith("_tensor_constant"):
+            return None
+        state = self.proxy(node)
+        node.meta["val"] = _to_meta(args[0])
+        state.install_tensor_meta(node.meta["val"])
+        self._written[id(args[0])] = state
+        if setitem:
+            return "call_function", operator.setitem, (state, *args[1:])
+        return kind, target, (state, *args[1:])
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if id(m) not in self._module_paths:
@@ -300,6 +335,9 @@ class _ShardTracer(MetaTracer):
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         frames = _frames(sys._getframe(1))
+        written = self._write_into_state(kind, target, args) if kind in ("call_method", "call_function") else None
+        if written is not None:
+            kind, target, args = written
         if kind == "call_module" and target in self.folded:
             rv = self._folded_proxy(kind, target, args, kwargs, name, type_expr)
             rv.node.meta["shardplan_frames"] = frames
@@ -326,6 +364,8 @@ class _ShardTracer(MetaTracer):
         rv.install_tensor_meta(meta)
         rv.node.meta["val"] = meta
         _rebind_in_place(kind, target, args, rv, meta)
+        if written is not None and kind == "call_method":  # ``buf.index_copy_(...)`` returns buf changed
+            self._written[next(k for k, v in self._written.items() if v is args[0])] = rv
         return rv
 
     def _compute_meta(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
@@ -746,7 +786,8 @@ def _strip_root(graph: torch.fx.Graph, model: nn.Module, tracer: _ShardTracer) -
               if k[2:] in called or not any(c.startswith(k[2:] + ".") for c in called)}
     for node in graph.nodes:  # tensors fx captured as constants (sliced buffers, rope tables)
         if node.op == "get_attr" and "val" not in node.meta:
-            node.meta["val"] = _to_meta(getattr(tracer.root, node.target, None))
+            node.meta["val"] = _to_meta(tracer._attribute(node.target if node.target.startswith("_tensor_constant")
+                                                          else f"m.{node.target}" if node.target else "m"))
     return Traced(graph=graph, model=model, calls=calls, folded=folded, notes=list(tracer.notes),
                   assumed=list(tracer.assumed))
 

@@ -161,10 +161,10 @@ def _sub_plan(plan: Plan, prefix: str) -> Plan:
 
 
 def renamed_plan(plan: Plan, names: Callable[[str], list[str]]) -> Plan:
-    """``plan`` with each rule, region, attribute set and view fix written once per name
+    """``plan`` with each rule, region, attribute set, buffer entry and view fix written once per name
     ``names(its module pattern)`` gives (none: left out), its folds expanded."""
     update = {key: [e.model_copy(update={"module": m}) for e in getattr(plan, key) for m in names(e.module)]
-              for key in ("rules", "regions", "attributes", "local_views")}
+              for key in ("rules", "regions", "attributes", "buffers", "local_views")}
     return plan.model_copy(update={**update, "model": plan.model.model_copy(update={"repeats": {}})})
 
 

@@ -18,7 +18,8 @@ from torch import nn
 
 from . import cost
 from ..analyze.graph import OpGraph
-from ..plan.model import LocalAttributes, Region, Rule, brace_ranges
+from ..plan.model import LocalAttributes, LocalBuffers, Region, Rule, brace_ranges
+from .buffers import buffer_layouts
 from .folded import parts_of
 from .placements import shard_dim
 from .regions import Entry, PartialBlock, partial_grad_params
@@ -113,6 +114,12 @@ def rules(
     rules += [_container_rule(m, _param_layouts(graph, solution, fqn), _own(partial, fqn))
               for fqn in _containers(graph) for m in patterned(fqn, graph, pmap)]
     return rules
+
+
+def buffers(graph: OpGraph, solution: Solution) -> list[LocalBuffers]:
+    """The written buffers the solution splits (:mod:`.buffers`), named as the rules are."""
+    pmap = pattern_map(graph)
+    return buffer_layouts(graph, solution, lambda fqn: patterned(fqn, graph, pmap))
 
 
 def _own(fqns: list[str], container: str) -> list[str]:

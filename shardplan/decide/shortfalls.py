@@ -18,6 +18,7 @@ from torch import nn
 
 from ..analyze.graph import OpGraph, router_like
 from .assemble import pattern_map, patterned, unused_modules
+from .buffers import saved_buffer_warnings
 from .placements import ANY, one_slice, shard_dim
 from .scatter import is_gather
 from .solve import Solution
@@ -74,7 +75,8 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
     for fqn in unused_modules(graph):
         reader = _parameter_reader(graph, fqn)
         out.append(f"{fqn}: {reader}; replicated" if reader else f"{fqn}: owns parameters but is not called in forward; replicated")
-    return out + _whole_own_weights(graph, solution, pmap) + _unsplit_heads(graph, solution, tp, pmap)
+    return out + _whole_own_weights(graph, solution, pmap) + _unsplit_heads(graph, solution, tp, pmap) + \
+        saved_buffer_warnings(graph, tp, lambda fqn: patterned(fqn, graph, pmap))
 
 
 def _whole_own_weights(graph: OpGraph, solution: Solution, pmap: Any) -> list[str]:

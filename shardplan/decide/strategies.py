@@ -36,6 +36,7 @@ import torch.fx
 
 from ..analyze.graph import LIKE_OPS, Op, OpGraph, grad_inputs
 
+from .buffers import buffer_strategies, written_buffers
 from .folded import folded_factory_strategies, folded_values, folded_variants, folded_view_strategies, rank_order_twins
 from .tied import tied_product_twins, weight_read_elsewhere
 from .heads import grouped_conversions, grouped_values, grouped_variants, partial_grad_twins, under_partial_grad_owner
@@ -97,6 +98,8 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
         return _container_param_strategies(op, graph, tp)
     if op.kind == "const" and op.output is not None and weight_read_elsewhere(graph, op) is not None:
         return [Strategy("", (), p, layouts={"weight": p}) for p in _candidates(_shape(graph, op.output), tp)]
+    if op.kind == "const" and op.index in written_buffers(graph):
+        return buffer_strategies(op, graph, tp)
     if op.kind in ("input", "const"):
         return [Strategy("", (), "R")]
     if op.kind == "output":

@@ -176,9 +176,10 @@ def _refuse_for_hf(plan) -> None:
             what = (f"its own parameters split ({r.param_layouts})" if r.param_layouts
                     else f"partial gradients of its own parameters ({r.partial_grads})")
             raise ValueError(f"{r.module}: {r.style} with {what}, which Hugging Face's {r.style!r} does not do; {_APPLY}")
-    if plan.attributes or plan.local_views:
-        fix = plan.attributes[0] if plan.attributes else plan.local_views[0]
-        what = f"sizes {fix.values}" if plan.attributes else "views and cuts"
+    if plan.attributes or plan.buffers or plan.local_views:
+        fix = (plan.attributes or plan.buffers or plan.local_views)[0]
+        what = (f"sizes {fix.values}" if plan.attributes else f"buffer shards {fix.layouts}" if plan.buffers
+                else "views and cuts")
         raise ValueError(
             f"{fix.module}: the plan gives its code per-rank {what} that shardplan sets when applying, and Hugging "
             f"Face's loader does not (its forward would see global sizes on one rank's shards); {_APPLY}")

@@ -27,7 +27,7 @@ from .patterns import brace_members, brace_ranges, expand_braces, expand_pattern
 
 __all__ = [
     "int_attributes", "set_int_attribute",
-    "STYLES", "Rule", "Region", "LocalAttributes", "ViewFix", "CutFix", "LengthFix", "SliceFix", "LocalViews", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
+    "STYLES", "Rule", "Region", "LocalAttributes", "LocalBuffers", "ViewFix", "CutFix", "LengthFix", "SliceFix", "LocalViews", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
     "PlanOptions", "Plan", "load_plan", "load_plan_with_lines", "expand_braces", "brace_ranges", "brace_members", "fingerprint", "PlanFileError", "LAYOUT_RE", "portable", "SIGNIFICANT_DIGITS",
 ]
 
@@ -222,6 +222,18 @@ class LocalAttributes(_Strict):
 
     module: ModulePattern
     values: dict[str, Annotated[int, Field(strict=True, ge=1)]]
+    why: str = ""
+
+
+class LocalBuffers(_Strict):
+    """Tensors a module's forward writes activations into (a KV cache: ``self.cache_k[:b,
+    p:p + s] = xk``), each split as the values written into it are: when the plan is
+    applied, each rank's module holds its chunk on that dim (``Shard(2)``: its kv heads) as a
+    plain tensor, which its code writes and reads as it did the whole one. Only tensors
+    outside the state dict (non-persistent buffers, plain attributes) are split."""
+
+    module: ModulePattern
+    layouts: dict[str, Layout]
     why: str = ""
 
 
@@ -435,6 +447,7 @@ class Plan(_Strict):
     rules: list[Rule]
     regions: list[Region] = Field(default_factory=list)
     attributes: list[LocalAttributes] = Field(default_factory=list)  # omitted from files when empty
+    buffers: list[LocalBuffers] = Field(default_factory=list)  # omitted from files when empty
     local_views: list[LocalViews] = Field(default_factory=list)  # omitted from files when empty
     estimate: Estimate | None = None
     decisions: list[Decision] = Field(default_factory=list)
@@ -487,7 +500,7 @@ class Plan(_Strict):
         data = self.model_dump(mode="json", exclude_none=False)
         for key, kind in (("rules", Rule), ("regions", Region)):
             data[key] = [_set_keys(item, kind) for item in data[key]]
-        for key in ("attributes", "local_views"):
+        for key in ("attributes", "buffers", "local_views"):
             if not data[key]:
                 del data[key]
         if data["mesh"]["ep_axis"] is None:  # files without expert parallelism do not mention it

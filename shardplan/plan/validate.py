@@ -85,6 +85,30 @@ def _attribute_findings(entry: Any, modules: dict[str, Any]) -> list[str]:
     return []
 
 
+def _buffer_findings(entry: Any, modules: dict[str, Any], tp: int) -> list[str]:
+    """A ``buffers`` entry splits tensors its modules hold outside the state dict, on a dim
+    tp divides."""
+    import torch  # here: commands that only read plan files do not import torch
+
+    hits = [fqn for fqn in modules if matches(entry.module, fqn)]
+    if not hits:
+        return [f"buffers {entry.module}: matches no module of the model"]
+    for fqn in hits:
+        module = modules[fqn]
+        for name, layout in entry.layouts.items():
+            value = getattr(module, name, None)
+            where = f"buffers {entry.module}: {fqn or '<root>'}.{name}"
+            if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+                return [f"{where} is not a tensor the module holds (a buffer or a plain attribute)"]
+            if name in module._buffers and name not in module._non_persistent_buffers_set:
+                return [f"{where} is in the state dict (a persistent buffer); only non-persistent buffers and plain "
+                        "tensor attributes are split"]
+            dim = int(layout[len("Shard("):-1]) if layout.startswith("Shard(") else None
+            if dim is None or not -value.dim() <= dim < value.dim() or value.shape[dim] % tp:
+                return [f"{where} {list(value.shape)}: {layout} needs a dim of it that tp={tp} divides"]
+    return []
+
+
 def _expert_count_findings(plan: Any, modules: dict[str, Any], at: Any) -> list[str]:
     """An ``ep_experts`` rule's ``num_experts`` is the bank's E, the first dim of every
     parameter of it."""
@@ -252,6 +276,8 @@ def check_findings(plan: Any, model: Any, *, where: Any = None) -> list[str]:
             findings.append(f"{at(('regions', i, 'module'))}region {region.module}: matches no module of the model")
     for i, entry in enumerate(plan.attributes):
         findings += [at(("attributes", i, "module")) + f for f in _attribute_findings(entry, modules)]
+    for i, entry in enumerate(plan.buffers):
+        findings += [at(("buffers", i, "module")) + f for f in _buffer_findings(entry, modules, plan.tp)]
     for i, entry in enumerate(plan.local_views):
         if not any(matches(entry.module, fqn) for fqn in modules):
             findings.append(f"{at(('local_views', i, 'module'))}local_views {entry.module}: matches no module of the model")

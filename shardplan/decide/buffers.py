@@ -1,0 +1,107 @@
+"""Written buffers: a model tensor the forward writes activations into, split as they are.
+
+Contract
+--------
+Meta's reference Llama and many inference-ready research models keep a KV cache in the
+attention module (``register_buffer("cache_k", zeros(B, S_max, kv_heads, hd),
+persistent=False)`` or a plain ``self.cache_k = zeros(...)``) and write each call's keys
+into it: ``self.cache_k[:b, p:p + s] = xk``, then read ``keys = self.cache_k[:b, :p + s]``.
+With the keys split by heads, a whole cache would need them gathered to be written, so
+attention would run whole. An expert's plan (Megatron, vLLM) holds each rank's heads of the
+cache: the buffer is split on the dim the writes split (``Shard(2)``, kv heads), writes and
+reads stay on the rank's shard, and nothing is communicated.
+
+``written_buffers(graph)`` names the ``const`` reads of such tensors: a tensor attribute of
+a module that is not a parameter, not in the state dict (a non-persistent buffer or a plain
+attribute: a split persistent buffer would save a rank's shard under the global name), and
+written in forward, directly or through ``to``/``type_as`` (``self.cache_k =
+self.cache_k.to(xq)``, Meta's code). Their strategies are the placements tp divides; the
+solver keeps every write's target on one placement (:func:`.propagation.in_place_strategies`).
+``buffer_layouts`` turns the chosen ones into the plan's ``buffers`` entries, which the apply
+stage replaces by each rank's chunk (:func:`shardplan.apply.emit.set_local_buffers`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..analyze.graph import LIKE_OPS, Op, OpGraph, writes
+from ..plan.model import LocalBuffers
+from .placements import Strategy, placement_str
+from .propagation import _candidates
+
+__all__ = ["written_buffers", "buffer_strategies", "buffer_layouts", "saved_buffer_warnings"]
+
+# ops whose result is their first input's data (same values, maybe another dtype or device)
+_SAME_DATA = LIKE_OPS | {"contiguous", "float", "half", "bfloat16", "detach"}
+
+
+def written_buffers(graph: OpGraph) -> dict[int, tuple[str, str]]:
+    """``const`` op index -> (owner module FQN, attribute name) of every written buffer."""
+    return {i: where for i, (where, saved) in _written(graph).items() if not saved}
+
+
+def _written(graph: OpGraph) -> dict[int, tuple[tuple[str, str], bool]]:
+    """Every model tensor written in forward: its (owner, name) and whether it is saved."""
+    cached = graph.strategy_cache.get("written_buffers")
+    if cached is None:
+        consts = {_source_const(graph, op.inputs[0]) for op in graph.ops if writes(op)} - {None}
+        cached = graph.strategy_cache["written_buffers"] = {
+            i: found for i in sorted(consts) if (found := _held_tensor(graph, graph.ops[i].target)) is not None}
+    return cached
+
+
+def _source_const(graph: OpGraph, value: int) -> int | None:
+    op = graph.ops[graph.values[value].producer]
+    while op.kind == "function" and op.target in _SAME_DATA and op.inputs:
+        op = graph.ops[graph.values[op.inputs[0]].producer]
+    return op.index if op.kind == "const" else None
+
+
+def _held_tensor(graph: OpGraph, target: str) -> tuple[tuple[str, str], bool] | None:
+    owner, _, name = target.rpartition(".")
+    try:
+        module = graph.model.get_submodule(owner)
+    except AttributeError:
+        return None
+    if name in module._buffers:
+        return (owner, name), name not in module._non_persistent_buffers_set
+    value = module.__dict__.get(name)
+    return ((owner, name), False) if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) else None
+
+
+def saved_buffer_warnings(graph: OpGraph, tp: int, patterned: Callable[[str], list[str]]) -> list[str]:
+    """A persistent buffer written in forward stays whole (its shard would be saved under the
+    global name), so split keys are gathered to be written into it: said with the write."""
+    from ..analyze.trace import _user_line
+
+    out = []
+    for index, ((owner, name), saved) in _written(graph).items():
+        if not saved or not any(n % tp == 0 for n in graph.values[index].shape):
+            continue
+        write = next((c for c in graph.consumers.get(index, []) if writes(graph.ops[c])), None)
+        line = f" ({_user_line(graph.ops[write].node)})" if write is not None else ""
+        out.append(f"{patterned(owner)[0]}.{name}: a persistent buffer written in forward{line} is kept whole (a shard "
+                   "of it would be saved under its global name), so what is written into it is gathered; register it "
+                   "with persistent=False (a cache need not be saved) to split it with the heads written into it")
+    return out
+
+
+def buffer_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
+    """Whole, or split on a dim tp divides: the writes and reads decide which."""
+    return [Strategy("", (), p, layouts={"buffer": p}) for p in _candidates(graph.values[op.output].shape, tp)]
+
+
+def buffer_layouts(graph: OpGraph, solution: Any, patterned: Callable[[str], list[str]]) -> list[LocalBuffers]:
+    """The plan's ``buffers`` entries: each split buffer's module (as its rules name it) and layout."""
+    found: dict[str, dict[str, str]] = {}
+    for index, (owner, name) in sorted(written_buffers(graph).items()):
+        placement = solution.strategies[index].output
+        if placement and placement.startswith("S"):
+            for module in patterned(owner):
+                found.setdefault(module, {})[name] = placement_str(placement)
+    return [LocalBuffers(module=m, layouts=layouts,
+                         why="written in forward with values split this way: each rank keeps its shard")
+            for m, layouts in found.items()]
