@@ -163,7 +163,7 @@ def plan_model(
                              "to choose the dp x tp split of N devices")
         return compare_meshes(model, world_size, example_inputs=example_inputs, example_kwargs=example_kwargs,
                               **options).plan
-    with preserved(model):  # planning runs forward, whose code may cache on the model: never left there
+    with preserved(model, values=True):  # planning runs forward, whose code may cache on the model: never left there
         _check_model(model)
         opts, extra = _options(dict(options))
         axes = mesh_axes(mesh)
@@ -346,7 +346,7 @@ def compare_meshes(model: nn.Module, world_size: int, *, example_inputs: tuple |
     hardware = cost.get_hardware(opts.hardware)
     limit = opts.memory_budget or hardware.memory_bytes
     source = "memory budget" if opts.memory_budget else f"{hardware.name}'s device memory"
-    with preserved(model):  # as in plan_model
+    with preserved(model, values=True):  # as in plan_model
         graph = _graph(model, example_inputs, example_kwargs, extra)
         splits = splits + ep_splits(world_size, expert_count(graph))  # a MoE model: experts over ep too
         quick = {**extra, "explain": False}  # explain only the chosen split: its re-solves are most of the time

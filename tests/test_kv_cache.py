@@ -63,14 +63,28 @@ def test_a_persistent_cache_stays_whole_and_the_plan_says_why() -> None:
     assert "persistent=False" in said[0]
 
 
-@pytest.mark.parametrize("name", ["buffer_cache", "attribute_cache"])
+def test_a_cache_read_through_a_reference_the_trace_does_not_follow_stays_whole() -> None:
+    """gpt-fast's and torchtune's ``k_out = self.k_cache; k_out[:, :, pos] = k; return k_out``:
+    the attention reads the returned tensor, which the tracer sees as a constant. Split, the
+    cache would hand it one rank's heads where the plan holds all (the ranks computed wrong
+    numbers with no warning): a cache the trace never reads back stays whole."""
+    assert not _plan(kv_cache.returned_cache, 2).buffers
+    result = verify(SPEC.format("returned_cache"), nproc=2, timeout_s=300, seq_len=16)
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
+
+
+@pytest.mark.parametrize("name", ["buffer_cache", "attribute_cache", "module_cache"])
 def test_planning_leaves_the_cache_as_it_was(name: str) -> None:
     model = getattr(kv_cache, name)()
-    attention = model.layers[0].attention
-    before = (attention.cache_k, attention.cache_k.clone())
+    holder = model.layers[0].attention
+    holder, key = (holder.kv_cache, "k_cache") if name == "module_cache" else (holder, "cache_k")
+    before = {k: (t, t.clone()) for k, t in vars(holder).items() if isinstance(t, torch.Tensor)}
+    before.update({k: (t, t.clone()) for k, t in holder._buffers.items()})
     shardplan.plan_model(model, {"tp": 2}, example_inputs=(torch.randint(0, 256, (2, 16)),), explain=False)
-    assert attention.cache_k is before[0] and torch.equal(attention.cache_k, before[1])
-    assert type(attention.__dict__.get("cache_k", attention._buffers.get("cache_k"))) is torch.Tensor
+    now = {**{k: t for k, t in vars(holder).items() if isinstance(t, torch.Tensor)}, **holder._buffers}
+    assert key in now and set(now) == set(before)
+    for k, (tensor, values) in before.items():  # the write counter too: forward's add_ ran eagerly
+        assert now[k] is tensor and type(tensor) is torch.Tensor and torch.equal(tensor, values), k
 
 
 def test_a_plan_file_keeps_its_buffers_and_is_checked_against_the_model() -> None:

@@ -12,8 +12,11 @@ forward. The record is shallow and by identity: every ``__dict__`` entry (``_par
 ``_buffers``, ``_modules``, the hook dicts, ``_non_persistent_buffers_set``, plain
 attributes) gets back the very object it held, entries added since are removed, and a dict,
 list or set held there is refilled in place with the items it held, so the user's own
-container objects stay. Tensors' values are not copied: planning never writes into one.
-``snapshot(model).restore()`` puts the model back at a chosen moment (the front ends do,
+container objects stay. ``preserved(model, values=True)`` (planning's outermost guard) also
+keeps the values of the tensors modules hold that are not parameters (buffers, tensor
+attributes), off the meta device: forward code may write into one in place where tracing
+runs it eagerly (torchtune's ``self.cache_pos.add_(seq_len)``), and a written one (its
+version counter moved) gets its values back. ``snapshot(model).restore()`` puts the model back at a chosen moment (the front ends do,
 between the fx tracer and torch.export). Nothing is written where nothing changed.
 """
 
@@ -23,6 +26,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import torch
 from torch import nn
 
 __all__ = ["Snapshot", "preserved", "snapshot"]
@@ -44,22 +48,34 @@ class Snapshot:
     """Each module's ``__dict__`` entries as they were; :meth:`restore` puts them back."""
 
     modules: tuple[tuple[nn.Module, dict[str, _Entry]], ...]
+    # (tensor, its version counter, a copy of its values) for each tensor whose values are kept
+    values: tuple[tuple[torch.Tensor, int, torch.Tensor], ...] = ()
 
     def restore(self) -> None:
         for module, entries in self.modules:
             _restore_module(module, entries)
+        with torch.no_grad():
+            for tensor, version, copy in self.values:
+                if tensor._version != version:
+                    tensor.copy_(copy)
 
 
-def snapshot(model: Any) -> Snapshot:
+def snapshot(model: Any, *, values: bool = False) -> Snapshot:
     """The state of every module of ``model`` now (nothing for an object that is not a module)."""
     modules = list(model.modules()) if isinstance(model, nn.Module) else []
-    return Snapshot(tuple((m, _record(m)) for m in modules))
+    return Snapshot(tuple((m, _record(m)) for m in modules), _values(modules) if values else ())
+
+
+def _values(modules: list[nn.Module]) -> tuple[tuple[torch.Tensor, int, torch.Tensor], ...]:
+    held = {id(t): t for m in modules for t in [*m._buffers.values(), *vars(m).values()]
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and not t.is_meta}
+    return tuple((t, t._version, t.detach().clone()) for t in held.values())
 
 
 @contextlib.contextmanager
-def preserved(model: Any) -> Iterator[Snapshot]:
+def preserved(model: Any, *, values: bool = False) -> Iterator[Snapshot]:
     """``model`` as it was on entry, once the body is done, whether it returned or raised."""
-    state = snapshot(model)
+    state = snapshot(model, values=values)
     try:
         yield state
     finally:

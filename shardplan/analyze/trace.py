@@ -224,11 +224,20 @@ class _ShardTracer(MetaTracer):
         self._keep: list[torch.Tensor] = []
         # id of a model tensor the forward wrote into (a KV cache) -> the proxy later reads get
         self._written: dict[int, torch.fx.Proxy] = {}
+        self._reading_values = 0  # inside ExampleValues: real tensors, read as they are
         self._module_paths = {id(m): n for n, m in model.named_modules()}
         # node -> its value on the example inputs, where code reads one (see .values)
         self.examples = ExampleValues(model, run_module=partial(self._module_meta, real=True),
                                       attribute=self._attribute, where=_where, notes=self.notes,
                                       assumed=self.assumed)
+
+    def concrete(self, node: torch.fx.Node) -> Any:
+        """``node``'s value on the example inputs (:class:`.values.ExampleValues`)."""
+        self._reading_values += 1
+        try:
+            return self.examples.concrete(node)
+        finally:
+            self._reading_values -= 1
 
     def _fqn(self, m: nn.Module) -> str:
         return self._module_paths.get(id(m), "")
@@ -389,7 +398,7 @@ class _ShardTracer(MetaTracer):
         its shape depends on values, so it is computed from the example inputs' values, and
         the graph holds the shape those values give."""
         try:
-            value = self.examples.concrete(node)
+            value = self.concrete(node)
         except NotConcrete as why:
             raise TraceError(f"{_meta_failure_message(node.op, node.target, node, exc)} ({why})") from exc
         if node not in self.examples.bounded:  # an upper bound's own note says what it is
@@ -498,7 +507,7 @@ class _IterableMetaProxy(MetaProxy):
 
     def _number(self) -> Any:
         """The traced 0-d value as a Python number; :class:`NotConcrete` if it has none."""
-        value = self.tracer.examples.concrete(self.node)
+        value = self.tracer.concrete(self.node)
         return value.item() if isinstance(value, torch.Tensor) else value
 
     def _python_value(self, why: str) -> Any:
@@ -531,7 +540,7 @@ class _IterableMetaProxy(MetaProxy):
             return bool(meta)
         # ``if not padding_mask.any():``: the branch the example inputs' values take is traced
         try:
-            taken = bool(self.tracer.examples.concrete(self.node))
+            taken = bool(self.tracer.concrete(self.node))
         except NotConcrete as why:
             line = _user_line(self.node)
             raise TraceError(

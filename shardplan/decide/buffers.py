@@ -49,8 +49,27 @@ def _written(graph: OpGraph) -> dict[int, tuple[tuple[str, str], bool]]:
     if cached is None:
         consts = {_source_const(graph, op.inputs[0]) for op in graph.ops if writes(op)} - {None}
         cached = graph.strategy_cache["written_buffers"] = {
-            i: found for i in sorted(consts) if (found := _held_tensor(graph, graph.ops[i].target)) is not None}
+            i: found for i in sorted(consts)
+            if (found := _held_tensor(graph, graph.ops[i].target)) is not None and _read_back(graph, i)}
     return cached
+
+
+def _read_back(graph: OpGraph, const: int) -> bool:
+    """Whether the graph reads the tensor (or what a write into it returns) other than to
+    write it. A cache is written to be read: where the trace shows no read, the code read it
+    through a reference the tracer did not follow (gpt-fast's ``k_out = self.k_cache; k_out[:,
+    :, pos] = k; return k_out``), that read ran as a constant, and a split cache would hand the
+    attention its rank's heads where the plan holds all of them."""
+    stack, reads = [const], 0
+    while stack:
+        value = stack.pop()
+        for c in graph.consumers.get(value, []):
+            op = graph.ops[c]
+            if op.inputs[0] == value and (writes(op) or op.target in _SAME_DATA):
+                stack += [op.output] if op.output is not None else []
+            else:
+                reads += 1
+    return reads > 0
 
 
 def _source_const(graph: OpGraph, value: int) -> int | None:

@@ -85,28 +85,39 @@ class CachedAttention(nn.Module):
 
 
 class KVCache(nn.Module):
-    """A cache module of buffers, ``[B, kv_heads, S_max, hd]``, written at positions."""
+    """A cache module of buffers, ``[B, kv_heads, S_max, hd]``, written at positions:
+    ``index_copy_`` and read back by attribute, or (``returned``, gpt-fast's and torchtune's
+    code) written through a local name and returned."""
 
-    def __init__(self, max_batch: int, max_seq: int, n_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, max_batch: int, max_seq: int, n_kv_heads: int, head_dim: int, returned: bool) -> None:
         super().__init__()
         shape = (max_batch, n_kv_heads, max_seq, head_dim)
+        self.returned = returned
         self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("writes", torch.zeros((), dtype=torch.long), persistent=False)
 
     def update(self, input_pos, k_val, v_val):
+        self.writes.add_(1)  # torchtune's ``self.cache_pos.add_(seq_len)``: planning must leave it be
+        if self.returned:
+            k_out = self.k_cache
+            v_out = self.v_cache
+            k_out[:, :, input_pos] = k_val
+            v_out[:, :, input_pos] = v_val
+            return k_out, v_out
         self.k_cache.index_copy_(2, input_pos, k_val)
         self.v_cache.index_copy_(2, input_pos, v_val)
         return self.k_cache[: k_val.shape[0]], self.v_cache[: v_val.shape[0]]
 
 
 class ModuleCacheAttention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, max_batch: int, max_seq: int) -> None:
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, max_batch: int, max_seq: int, returned: bool) -> None:
         super().__init__()
         self.n_head, self.n_local_heads, self.head_dim, self.dim = n_heads, n_kv_heads, dim // n_heads, dim
         self.wq = nn.Linear(dim, dim, bias=False)
         self.wkv = nn.Linear(dim, 2 * n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
-        self.kv_cache = KVCache(max_batch, max_seq, n_kv_heads, self.head_dim)
+        self.kv_cache = KVCache(max_batch, max_seq, n_kv_heads, self.head_dim, returned)
 
     def forward(self, x, start_pos: int, freqs_cis, mask):
         bsz, seqlen, _ = x.shape
@@ -149,8 +160,8 @@ class CachedTransformer(nn.Module):
         self.tok_embeddings = nn.Embedding(vocab, dim)
 
         def attention() -> nn.Module:
-            if holder == "module":
-                return ModuleCacheAttention(dim, n_heads, n_kv_heads, max_batch, max_seq)
+            if holder in ("module", "returned"):
+                return ModuleCacheAttention(dim, n_heads, n_kv_heads, max_batch, max_seq, holder == "returned")
             return CachedAttention(dim, n_heads, n_kv_heads, max_batch, max_seq, holder)
 
         self.layers = nn.ModuleList(TransformerBlock(attention(), dim) for _ in range(n_layers))
@@ -184,6 +195,11 @@ def attribute_cache() -> CachedTransformer:
 def module_cache() -> CachedTransformer:
     torch.manual_seed(0)
     return CachedTransformer("module", max_batch=2)  # gpt-fast writes the whole batch: B is max_batch
+
+
+def returned_cache() -> CachedTransformer:
+    torch.manual_seed(0)
+    return CachedTransformer("returned", max_batch=2)
 
 
 def persistent_cache() -> CachedTransformer:
