@@ -42,6 +42,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.fx.experimental.meta_tracer import MetaDeviceAttribute, MetaProxy, MetaTracer
 
+from .snapshot import snapshot
 from .values import (UPPER_BOUND_NOTE, ExampleValues, NotConcrete, bounded, holds_tensor, nonzero_at_upper_bound,
                      op_name)
 
@@ -208,7 +209,7 @@ def _flat_nodes(value: Any) -> list[torch.fx.Node]:
 class _ShardTracer(MetaTracer):
     """torch's MetaTracer, made strict and taught module boundaries and folding."""
 
-    def __init__(self, model: nn.Module, folded: dict[str, str]) -> None:
+    def __init__(self, model: nn.Module, folded: dict[str, str], state_ids: frozenset[int] = frozenset()) -> None:
         super().__init__()
         # fx's own stack recording formats every frame of every op and imports
         # torch.export (a third of a second); _frames keeps (file, line) pairs instead
@@ -224,6 +225,9 @@ class _ShardTracer(MetaTracer):
         self._keep: list[torch.Tensor] = []
         # id of a model tensor the forward wrote into (a KV cache) -> the proxy later reads get
         self._written: dict[int, torch.fx.Proxy] = {}
+        # ids of the tensors a first trace saw written: read as proxies from their first read, so
+        # a reference the code keeps (``k_out = self.k_cache; ...; return k_out``) is traced too
+        self.state_ids = state_ids
         self._reading_values = 0  # inside ExampleValues: real tensors, read as they are
         self._module_paths = {id(m): n for n, m in model.named_modules()}
         # node -> its value on the example inputs, where code reads one (see .values)
@@ -265,9 +269,12 @@ class _ShardTracer(MetaTracer):
             return a
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
-        written = self._written.get(id(attr_val)) if isinstance(attr_val, torch.Tensor) else None
-        if written is not None and not getattr(self, "_disable_module_getattr", False):
-            return written
+        if isinstance(attr_val, torch.Tensor) and not getattr(self, "_disable_module_getattr", False):
+            state = self._written.get(id(attr_val))
+            if state is None and id(attr_val) in self.state_ids:
+                state = self._state_proxy(attr_val)
+            if state is not None:
+                return state
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def _write_into_state(self, kind: str, target: Any, args: tuple) -> tuple[str, Any, tuple] | None:
@@ -283,16 +290,23 @@ class _ShardTracer(MetaTracer):
         in_place = kind == "call_method" and isinstance(target, str) and target.endswith("_") and not target.startswith("__")
         if not (setitem or in_place) or isinstance(args[0], nn.Parameter):
             return None
-        node = self.create_arg(args[0])
-        if not isinstance(node, torch.fx.Node) or node.op != "get_attr" or str(node.target).startswith("_tensor_constant"):
+        state = self._state_proxy(args[0])
+        if state is None:
             return None
-        state = self.proxy(node)
-        node.meta["val"] = _to_meta(args[0])
-        state.install_tensor_meta(node.meta["val"])
-        self._written[id(args[0])] = state
         if setitem:
             return "call_function", operator.setitem, (state, *args[1:])
         return kind, target, (state, *args[1:])
+
+    def _state_proxy(self, tensor: torch.Tensor) -> torch.fx.Proxy | None:
+        """The proxy that stands for a model tensor forward writes into, from now on."""
+        node = self.create_arg(tensor)
+        if not isinstance(node, torch.fx.Node) or node.op != "get_attr" or str(node.target).startswith("_tensor_constant"):
+            return None
+        state = self.proxy(node)
+        node.meta["val"] = _to_meta(tensor)
+        state.install_tensor_meta(node.meta["val"])
+        self._written[id(tensor)] = state
+        return state
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if id(m) not in self._module_paths:
@@ -715,18 +729,30 @@ def trace_model(
     kwargs = dict(example_kwargs or {})
     root = _root_wrapper(model, tuple(example_inputs), kwargs)
     folded = {f"m.{k}": f"m.{v}" for k, v in _repeated_groups(model).items()} if fold_repeated else {}
-    tracer = _ShardTracer(root, folded)
     meta_args = {f"x{i}": _to_meta(a) for i, a in enumerate(example_inputs) if holds_tensor(a)}
     meta_args.update({k: _to_meta(v) for k, v in kwargs.items() if holds_tensor(v)})
     named = {**{f"x{i}": a for i, a in enumerate(example_inputs)}, **kwargs}
-    tracer.examples.inputs = {k: v for k, v in named.items() if k in meta_args and not holds_tensor(v, meta=True)}
+    state_ids: frozenset[int] = frozenset()
+    before = snapshot(model)
+    while True:  # twice where forward writes into the model's tensors (a KV cache)
+        tracer = _ShardTracer(root, dict(folded), state_ids)
+        tracer.examples.inputs = {k: v for k, v in named.items() if k in meta_args and not holds_tensor(v, meta=True)}
+        graph = _trace(tracer, root, meta_args, model)
+        if state_ids or not set(tracer._written) - state_ids:
+            break
+        state_ids = frozenset(tracer._written)
+        before.restore()
+    return _strip_root(graph, model, tracer)
+
+
+def _trace(tracer: _ShardTracer, root: nn.Module, meta_args: dict[str, Any], model: nn.Module) -> torch.fx.Graph:
     _cache_device_constructors()
     try:
         # grad on while tracing, whatever the caller's mode: a node made with it off ran under
         # the model's own ``torch.no_grad()`` (HRM's recurrent steps but the last), and no
         # gradient flows through it
         with _mask_checks_take_proxies(), nonzero_at_upper_bound(), torch.enable_grad():
-            graph = tracer.trace(root, meta_args)
+            return tracer.trace(root, meta_args)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the module that failed
@@ -734,7 +760,6 @@ def trace_model(
             f"tracing {type(model).__name__} failed: {type(exc).__name__}: {exc}. "
             "Check that example_inputs match forward(), or make the failing module a leaf."
         ) from exc
-    return _strip_root(graph, model, tracer)
 
 
 def _cache_device_constructors() -> None:

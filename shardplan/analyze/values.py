@@ -151,17 +151,18 @@ def nonzero_at_upper_bound() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def scalars_on_meta_as_zero() -> Iterator[None]:
-    """``.item()`` of a meta tensor returns 0 (False) instead of raising: code that reads a
-    value only to decide a warning (Hugging Face's ``pad_token_id in input_ids``) runs on meta,
-    so the shapes around it can be checked. Sizes computed from such values are not to be
-    trusted; the check that uses it (``apply.standins``) warns only when even this run fails."""
+def scalars_on_meta_as_zero(*, truth: bool = False) -> Iterator[None]:
+    """``.item()`` of a meta tensor returns 0 (``truth`` for a bool) instead of raising: code
+    that reads a value only to decide a warning (Hugging Face's ``pad_token_id in input_ids``)
+    or to assert (``truth=True``: torchtune's ``assert (self.cache_pos[0] + s) <= max_seq``)
+    runs on meta, so the shapes around it can be checked. Sizes computed from such values are
+    not to be trusted; the checks that use it warn only when even this run fails."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class _Zero(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten._local_scalar_dense.default and args and getattr(args[0], "is_meta", False):
-                return False if args[0].dtype == torch.bool else 0
+                return truth if args[0].dtype == torch.bool else 0
             return func(*args, **(kwargs or {}))
 
     with _Zero():

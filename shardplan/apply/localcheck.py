@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..analyze.graph import OpGraph
 from ..analyze.trace import portable_path, user_frame
-from ..analyze.values import nonzero_at_upper_bound
+from ..analyze.values import nonzero_at_upper_bound, scalars_on_meta_as_zero
 from ..plan.model import Plan, expand_pattern
 from ..decide.heads import BROADCASTS
 from ..decide.placements import groups_of, local_shape, shard_dim
@@ -353,20 +353,42 @@ def _fails_unsharded(module: nn.Module, call, graph: OpGraph | None = None, targ
     With ``graph``, the modules the check stands in for in ``target`` are stood in here too,
     whole."""
     args, kwargs = tree_map_only(torch.Tensor, _on_meta, call.example)
+    # target -> the truth a meta bool is read as (:func:`_scalars`), once a read of values failed
+    zeros = graph.strategy_cache.setdefault("check reads scalars as 0", {}) if graph is not None else {}
     for _ in range(8):
         copy = _meta_copy(module)
         if graph is not None:
             _stand_in(copy, graph, target, lambda value: tuple(value.shape))
         stack = _track_modules(copy)
         try:
-            with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound():
+            with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), _scalars(zeros.get(target)):
                 copy(*args, **kwargs)
             return False
         except Exception as exc:  # noqa: BLE001 - any failure: the code cannot run on meta here
             # unless a module inside reads values (its stand-in is then used by the sharded run too)
-            if graph is None or not _stood_in_for_reader(graph, stack, target, exc):
+            if graph is not None and _stood_in_for_reader(graph, stack, target, exc, copy):
+                continue
+            if graph is None or zeros.get(target) is True or not (_reads_values(exc) or (
+                    target in zeros and isinstance(exc, AssertionError))):
                 return True
+            # a value read to decide a warning (read as 0 / False) or to assert (torchtune's cache:
+            # ``assert (self.cache_pos[0] + s) <= self.k_cache.shape[2]``, read as True): the
+            # block may then run, and its shards are judged the same way
+            zeros[target] = target in zeros
     return True
+
+
+def _reads_scalars_as_zero(graph: OpGraph, target: str, call: Any, exc: BaseException) -> bool:
+    """The shards failed reading a value meta tensors lack: from now on ``target`` is run
+    reading such values as 0, if its unsharded run then passes (:func:`_fails_unsharded`)."""
+    zeros = graph.strategy_cache.setdefault("check reads scalars as 0", {})
+    if not _reads_values(exc) or target in zeros:
+        return False
+    return not _fails_unsharded(graph.model.get_submodule(target), call, graph, target) and target in zeros
+
+
+def _scalars(truth: bool | None) -> Any:
+    return contextlib.nullcontext() if truth is None else scalars_on_meta_as_zero(truth=truth)
 
 
 class LocalCheckUnavailable(PlanningError):
@@ -428,12 +450,14 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
     stack = _track_modules(block)
     views: list[tuple[str, tuple[int, ...]]] = []
     try:
-        with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), _ViewRecorder(block, stack, views):
+        zeros = graph.strategy_cache.get("check reads scalars as 0", {})
+        with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), _ViewRecorder(block, stack, views), \
+                _scalars(zeros.get(target)):
             block(*args, **kwargs)
     except LocalShapeError:
         raise  # a sharded norm that gathers (_counted): already said
     except Exception as exc:  # noqa: BLE001 - re-raised as a planning error with the line
-        if _stood_in_for_reader(graph, stack, target, exc):
+        if _stood_in_for_reader(graph, stack, target, exc, block) or _reads_scalars_as_zero(graph, target, call, exc):
             # a module whose own code reads values meta tensors lack (a MoE layer that counts
             # its experts' tokens with .tolist()): the block runs again with it stood in,
             # shaped as the trace recorded it, so the code around it (attention) is still checked
@@ -528,13 +552,31 @@ def _output_value(graph: OpGraph, fqn: str) -> Any:
     return graph.value_of(calls[0].outputs[0])
 
 
-def _stood_in_for_reader(graph: OpGraph, stack: list[str], target: str, exc: BaseException) -> bool:
+def _stood_in_for_reader(graph: OpGraph, stack: list[str], target: str, exc: BaseException, block: nn.Module) -> bool:
     """When ``exc`` is code asking a meta tensor for values, mark the module that asked
-    (:func:`_value_reader`) to be stood in for; True when one was, so the run can be retried."""
+    (:func:`_value_reader`) to be stood in for; True when one was, so the run can be retried.
+    Not when the asking code is a method of a module that is not running its forward (a KV
+    cache's ``update``, called by the attention): standing in the running module would hide
+    the attention from the check; :func:`_reads_scalars_as_zero` runs it instead."""
+    helper = _raising_module(block, exc)
+    if helper is not None and helper not in stack:
+        return False
     reader = _value_reader(graph, stack, target) if _reads_values(exc) else None
     if reader is not None:
         graph.strategy_cache.setdefault("check stands in", set()).add(reader)
     return reader is not None
+
+
+def _raising_module(block: nn.Module, exc: BaseException) -> str | None:
+    """The name in ``block`` of the module whose method raised ``exc`` (its innermost frame
+    with a ``self`` of ``block``), or None."""
+    names = {id(m): n for n, m in block.named_modules()}
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        found = names.get(id(owner), found) if isinstance(owner, nn.Module) else found
+        tb = tb.tb_next
+    return found
 
 
 def _value_reader(graph: OpGraph, stack: list[str], target: str) -> str | None:

@@ -45,7 +45,8 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 class CachedAttention(nn.Module):
     """``holder``: "buffer" (register_buffer, persistent=False), "attribute" (Meta's
     ``self.cache_k = torch.zeros(...)``, then ``self.cache_k = self.cache_k.to(xq)`` in
-    forward) or "persistent" (a buffer in the state dict)."""
+    forward), "alias" (a plain attribute written and read through a local name, which the
+    tracer cannot follow) or "persistent" (a buffer in the state dict)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, max_batch: int, max_seq: int, holder: str) -> None:
         super().__init__()
@@ -56,7 +57,7 @@ class CachedAttention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
         shape = (max_batch, max_seq, n_kv_heads, self.head_dim)
-        if holder == "attribute":
+        if holder in ("attribute", "alias"):
             self.cache_k, self.cache_v = torch.zeros(shape), torch.zeros(shape)
         else:
             self.register_buffer("cache_k", torch.zeros(shape), persistent=holder == "persistent")
@@ -71,10 +72,11 @@ class CachedAttention(nn.Module):
         if self.holder == "attribute":
             self.cache_k = self.cache_k.to(xq)
             self.cache_v = self.cache_v.to(xq)
-        self.cache_k[:bsz, start_pos: start_pos + seqlen] = xk
-        self.cache_v[:bsz, start_pos: start_pos + seqlen] = xv
-        keys = repeat_kv(self.cache_k[:bsz, : start_pos + seqlen], self.n_rep)
-        values = repeat_kv(self.cache_v[:bsz, : start_pos + seqlen], self.n_rep)
+        cache_k, cache_v = self.cache_k, self.cache_v  # "alias": a plain attribute read through a local name
+        cache_k[:bsz, start_pos: start_pos + seqlen] = xk
+        cache_v[:bsz, start_pos: start_pos + seqlen] = xv
+        keys = repeat_kv(cache_k[:bsz, : start_pos + seqlen], self.n_rep)
+        values = repeat_kv(cache_v[:bsz, : start_pos + seqlen], self.n_rep)
         xq, keys, values = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
         scores = torch.matmul(xq, keys.transpose(2, 3)) / math.sqrt(self.head_dim)
         if mask is not None:
@@ -202,6 +204,43 @@ def returned_cache() -> CachedTransformer:
     return CachedTransformer("returned", max_batch=2)
 
 
+def alias_cache() -> CachedTransformer:
+    torch.manual_seed(0)
+    return CachedTransformer("alias")
+
+
 def persistent_cache() -> CachedTransformer:
     torch.manual_seed(0)
     return CachedTransformer("persistent")
+
+
+class TorchtuneDecoding(nn.Module):
+    """torchtune's Llama 3 with its KV caches set up for generation (``setup_caches``): its
+    ``KVCache.update`` writes ``k_out = self.k_cache; k_out[:, :, self.cache_pos[:s]] = k``,
+    advances ``self.cache_pos.add_(s)`` and returns ``k_out``. Called here with the causal
+    mask and positions generation passes, from the cache's first position."""
+
+    def __init__(self, decoder: nn.Module, max_seq: int) -> None:
+        super().__init__()
+        self.decoder, self.max_seq = decoder, max_seq
+
+    def forward(self, tokens):
+        b, s = tokens.shape
+        for layer in self.decoder.layers:  # each call starts a new sequence
+            layer.attn.kv_cache.reset()
+        mask = torch.tril(torch.ones(s, self.max_seq, dtype=torch.bool, device=tokens.device)).expand(b, s, self.max_seq)
+        return self.decoder(tokens, mask=mask, input_pos=torch.arange(s, device=tokens.device).expand(b, s))
+
+
+def torchtune_decoding(batch: int = 2, max_seq: int = 64) -> TorchtuneDecoding:
+    from benchmarks.ecosystem import shim_torchtune
+
+    shim_torchtune()  # stubs for the packages torchtune imports and its model code never calls
+    from torchtune.models.llama3 import llama3
+
+    torch.manual_seed(0)
+    with torch.device("cpu"):  # its RoPE builds its cache off meta only
+        decoder = llama3(vocab_size=256, num_layers=2, num_heads=8, num_kv_heads=4, embed_dim=96, max_seq_len=max_seq,
+                         intermediate_dim=256)
+        decoder.setup_caches(batch_size=batch, dtype=torch.float32, decoder_max_seq_len=max_seq)
+    return TorchtuneDecoding(decoder, max_seq)
