@@ -228,20 +228,11 @@ class _ShardTracer(MetaTracer):
         # ids of the tensors a first trace saw written: read as proxies from their first read, so
         # a reference the code keeps (``k_out = self.k_cache; ...; return k_out``) is traced too
         self.state_ids = state_ids
-        self._reading_values = 0  # inside ExampleValues: real tensors, read as they are
         self._module_paths = {id(m): n for n, m in model.named_modules()}
         # node -> its value on the example inputs, where code reads one (see .values)
         self.examples = ExampleValues(model, run_module=partial(self._module_meta, real=True),
                                       attribute=self._attribute, where=_where, notes=self.notes,
                                       assumed=self.assumed)
-
-    def concrete(self, node: torch.fx.Node) -> Any:
-        """``node``'s value on the example inputs (:class:`.values.ExampleValues`)."""
-        self._reading_values += 1
-        try:
-            return self.examples.concrete(node)
-        finally:
-            self._reading_values -= 1
 
     def _fqn(self, m: nn.Module) -> str:
         return self._module_paths.get(id(m), "")
@@ -386,9 +377,7 @@ class _ShardTracer(MetaTracer):
             self.notes.append(UPPER_BOUND_NOTE)
         rv.install_tensor_meta(meta)
         rv.node.meta["val"] = meta
-        _rebind_in_place(kind, target, args, rv, meta)
-        if written is not None and kind == "call_method":  # ``buf.index_copy_(...)`` returns buf changed
-            self._written[next(k for k, v in self._written.items() if v is args[0])] = rv
+        _rebind_in_place(kind, target, args, rv, meta)  # ``buf.index_copy_(...)``: the buffer's proxy too
         return rv
 
     def _compute_meta(self, kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
@@ -412,7 +401,7 @@ class _ShardTracer(MetaTracer):
         its shape depends on values, so it is computed from the example inputs' values, and
         the graph holds the shape those values give."""
         try:
-            value = self.concrete(node)
+            value = self.examples.concrete(node)
         except NotConcrete as why:
             raise TraceError(f"{_meta_failure_message(node.op, node.target, node, exc)} ({why})") from exc
         if node not in self.examples.bounded:  # an upper bound's own note says what it is
@@ -521,7 +510,7 @@ class _IterableMetaProxy(MetaProxy):
 
     def _number(self) -> Any:
         """The traced 0-d value as a Python number; :class:`NotConcrete` if it has none."""
-        value = self.tracer.concrete(self.node)
+        value = self.tracer.examples.concrete(self.node)
         return value.item() if isinstance(value, torch.Tensor) else value
 
     def _python_value(self, why: str) -> Any:
@@ -554,7 +543,7 @@ class _IterableMetaProxy(MetaProxy):
             return bool(meta)
         # ``if not padding_mask.any():``: the branch the example inputs' values take is traced
         try:
-            taken = bool(self.tracer.concrete(self.node))
+            taken = bool(self.tracer.examples.concrete(self.node))
         except NotConcrete as why:
             line = _user_line(self.node)
             raise TraceError(

@@ -57,9 +57,10 @@ def _written(graph: OpGraph) -> dict[int, tuple[tuple[str, str], bool]]:
 def _read_back(graph: OpGraph, const: int) -> bool:
     """Whether the graph reads the tensor (or what a write into it returns) other than to
     write it. A cache is written to be read: where the trace shows no read, the code read it
-    through a reference the tracer did not follow (gpt-fast's ``k_out = self.k_cache; k_out[:,
-    :, pos] = k; return k_out``), that read ran as a constant, and a split cache would hand the
-    attention its rank's heads where the plan holds all of them."""
+    through a reference the tracer did not follow (a plain attribute read through a local
+    name, ``cache_k = self.cache_k; cache_k[...] = k; keys = cache_k[...]``), that read ran as
+    a constant, and a split cache would hand the attention its rank's heads where the plan
+    holds all of them."""
     stack, reads = [const], 0
     while stack:
         value = stack.pop()
@@ -92,13 +93,15 @@ def _held_tensor(graph: OpGraph, target: str) -> tuple[tuple[str, str], bool] | 
 
 
 def saved_buffer_warnings(graph: OpGraph, tp: int, patterned: Callable[[str], list[str]]) -> list[str]:
-    """A persistent buffer written in forward stays whole (its shard would be saved under the
-    global name), so split keys are gathered to be written into it: said with the write."""
+    """A persistent cache written in forward (a buffer of 3 or more dims: a running statistic
+    is not one) stays whole (its shard would be saved under the global name), so split keys
+    are gathered to be written into it: said with the write."""
     from ..analyze.trace import _user_line
 
     out = []
     for index, ((owner, name), saved) in _written(graph).items():
-        if not saved or not any(n % tp == 0 for n in graph.values[index].shape):
+        shape = graph.values[index].shape
+        if not saved or len(shape) < 3 or not any(n % tp == 0 for n in shape):
             continue
         write = next((c for c in graph.consumers.get(index, []) if writes(graph.ops[c])), None)
         line = f" ({_user_line(graph.ops[write].node)})" if write is not None else ""
