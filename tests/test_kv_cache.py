@@ -11,6 +11,7 @@ import shardplan
 from shardplan.plan.model import Plan
 from shardplan.plan.validate import check_findings
 from shardplan.tools.launch import run_on_gloo
+from shardplan.tools.report import plan_summary_lines
 from shardplan.tools.simulate import simulate
 from shardplan.tools.verify import verify
 from tests import _kv_cache_workers as workers
@@ -125,6 +126,7 @@ def test_a_plan_file_keeps_its_buffers_and_is_checked_against_the_model() -> Non
     plan = _plan(kv_cache.buffer_cache, 2)
     again = Plan.from_yaml(plan.to_yaml())
     assert again.buffers == plan.buffers
+    assert "  layers.*.attention: cache_k Shard(2), cache_v Shard(2)" in plan_summary_lines(again)
     assert check_findings(again, kv_cache.buffer_cache()) == []
     findings = check_findings(again, kv_cache.persistent_cache())
     assert any("is in the state dict (a persistent buffer)" in f for f in findings), findings

@@ -184,7 +184,7 @@ def _estimate_lines(plan: Plan) -> list[str]:
 
 
 def plan_summary_lines(plan: Plan) -> list[str]:
-    """Mesh, options, estimates, regions and warnings, one fact per line."""
+    """Mesh, options, estimates, regions, buffers and warnings, one fact per line."""
     lines = [
         f"model: {plan.model.class_name}, {_count(plan.model.num_params)} parameters ({plan.model.fingerprint})",
         f"mesh: {_mesh_str(plan)} (tensor parallel on '{plan.mesh.tp_axis}', tp={plan.tp})",
@@ -194,6 +194,9 @@ def plan_summary_lines(plan: Plan) -> list[str]:
     if plan.regions:
         lines.append(f"regions ({len(plan.regions)}): one collective where several Linears share an input")
         lines += [f"  {r.module} (input {r.input}): {r.why}" for r in plan.regions]
+    if plan.buffers:
+        lines.append(f"buffers ({len(plan.buffers)}): tensors forward writes into, each rank holding its shard")
+        lines += [f"  {b.module}: " + ", ".join(f"{n} {layout}" for n, layout in b.layouts.items()) for b in plan.buffers]
     if plan.warnings:
         lines.append(f"warnings ({len(plan.warnings)}):")
         lines += [f"  {w}" for w in plan.warnings]
