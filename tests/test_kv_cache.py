@@ -28,6 +28,8 @@ CASES = [
      "layers.*.attention.kv_cache", {"k_cache": "Shard(1)", "v_cache": "Shard(1)"}),
     (kv_cache.returned_cache, {"wq": "colwise", "wkv": "packed_colwise", "wo": "rowwise"},
      "layers.*.attention.kv_cache", {"k_cache": "Shard(1)", "v_cache": "Shard(1)"}),
+    (kv_cache.litgpt_cache, {"attn": "colwise", "proj": "rowwise"}, "layers.*.attention.kv_cache",
+     {"k": "Shard(1)", "v": "Shard(1)"}),
 ]
 
 
@@ -50,14 +52,14 @@ def test_the_cache_is_split_by_kv_heads_with_the_keys_written_into_it(builder, s
     assert result.matches, f"counted {dict(result.counted)} != predicted {result.predicted}"
 
 
-@pytest.mark.parametrize("name", ["buffer_cache", "attribute_cache", "module_cache", "returned_cache"])
+@pytest.mark.parametrize("name", ["buffer_cache", "attribute_cache", "module_cache", "returned_cache", "litgpt_cache"])
 def test_a_cached_attention_split_by_heads_matches_one_process_on_gloo(name: str) -> None:
     result = verify(SPEC.format(name), nproc=2, timeout_s=300, seq_len=16)
     assert result.plan.buffers, result.plan.warnings
     assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
 
 
-@pytest.mark.parametrize("name", ["buffer_cache", "attribute_cache", "returned_cache"])
+@pytest.mark.parametrize("name", ["buffer_cache", "attribute_cache", "returned_cache", "litgpt_cache"])
 def test_generation_with_the_cache_split_by_heads_matches_one_process_on_gloo(name: str) -> None:
     """A prefill of 16 tokens, then 3 steps of one token each at the next cache position: each
     rank keeps its kv heads' keys in its cache shard between calls, and the logits of every

@@ -228,6 +228,7 @@ class _ShardTracer(MetaTracer):
         # ids of the tensors a first trace saw written: read as proxies from their first read, so
         # a reference the code keeps (``k_out = self.k_cache; ...; return k_out``) is traced too
         self.state_ids = state_ids
+        self._view_writes: set[int] = set()  # ids of model tensors written through a view of them
         self._module_paths = {id(m): n for n, m in model.named_modules()}
         # node -> its value on the example inputs, where code reads one (see .values)
         self.examples = ExampleValues(model, run_module=partial(self._module_meta, real=True),
@@ -283,6 +284,10 @@ class _ShardTracer(MetaTracer):
             return None
         state = self._state_proxy(args[0])
         if state is None:
+            base = args[0]._base  # a view of a model tensor written (litgpt's ``self.k[:n].index_copy_(...)``):
+            if base is not None and self._state_proxy(base) is not None:  # the next trace reads the tensor itself
+                self._written.pop(id(base))
+                self._view_writes.add(id(base))
             return None
         if setitem:
             return "call_function", operator.setitem, (state, *args[1:])
@@ -727,9 +732,10 @@ def trace_model(
         tracer = _ShardTracer(root, dict(folded), state_ids)
         tracer.examples.inputs = {k: v for k, v in named.items() if k in meta_args and not holds_tensor(v, meta=True)}
         graph = _trace(tracer, root, meta_args, model)
-        if state_ids or not set(tracer._written) - state_ids:
+        written = set(tracer._written) | tracer._view_writes
+        if state_ids or not written - state_ids:
             break
-        state_ids = frozenset(tracer._written)
+        state_ids = frozenset(written)
         before.restore()
     return _strip_root(graph, model, tracer)
 

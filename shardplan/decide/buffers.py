@@ -74,10 +74,16 @@ def _read_back(graph: OpGraph, const: int) -> bool:
 
 
 def _source_const(graph: OpGraph, value: int) -> int | None:
+    """The ``const`` whose data ``value`` is, or a slice of (``self.k[:n]``, litgpt's write)."""
     op = graph.ops[graph.values[value].producer]
-    while op.kind == "function" and op.target in _SAME_DATA and op.inputs:
+    while op.kind == "function" and op.inputs and (op.target in _SAME_DATA or _slice(op)):
         op = graph.ops[graph.values[op.inputs[0]].producer]
     return op.index if op.kind == "const" else None
+
+
+def _slice(op: Op) -> bool:
+    """``t[:n, ...]``: a view of ``t`` (its index holds no tensor), which a write reaches through."""
+    return op.target == "getitem" and len(op.inputs) == 1
 
 
 def _held_tensor(graph: OpGraph, target: str) -> tuple[tuple[str, str], bool] | None:

@@ -1,9 +1,10 @@
 """Attention that keeps a KV cache in its module, as Meta's reference Llama and many
 inference-ready research models do: every call writes its keys and values into the cache
-at ``start_pos`` and attends over what the cache holds. Three ways to hold it: a
+at ``start_pos`` and attends over what the cache holds. The ways to hold it: a
 non-persistent buffer, a plain tensor attribute moved with ``self.cache_k.to(xq)`` (Meta's
-code verbatim), and a cache module whose ``update`` writes with ``index_copy_`` and returns
-the buffers (gpt-fast's shape, by name)."""
+code verbatim), a cache module whose ``update`` writes with ``index_copy_`` and reads it
+back by attribute or returns it by a local name (gpt-fast's and torchtune's shape), litgpt's
+cache written through a slice of it, and torchtune's own Llama 3 set up for generation."""
 
 from __future__ import annotations
 
@@ -164,6 +165,8 @@ class CachedTransformer(nn.Module):
         def attention() -> nn.Module:
             if holder in ("module", "returned"):
                 return ModuleCacheAttention(dim, n_heads, n_kv_heads, max_batch, max_seq, holder == "returned")
+            if holder == "litgpt":
+                return LitAttention(dim, n_heads, n_kv_heads, max_batch, max_seq)
             return CachedAttention(dim, n_heads, n_kv_heads, max_batch, max_seq, holder)
 
         self.layers = nn.ModuleList(TransformerBlock(attention(), dim) for _ in range(n_layers))
@@ -212,6 +215,54 @@ def alias_cache() -> CachedTransformer:
 def persistent_cache() -> CachedTransformer:
     torch.manual_seed(0)
     return CachedTransformer("persistent")
+
+
+class LitKVCache(nn.Module):
+    """litgpt's cache, as its ``model.py`` writes it: the buffer moved to the keys' dtype, then
+    written through a slice of it (``self.k[:n, ...].index_copy_(2, input_pos, k)``)."""
+
+    def __init__(self, k_shape: tuple[int, ...], v_shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.register_buffer("k", torch.zeros(k_shape), persistent=False)
+        self.register_buffer("v", torch.zeros(v_shape), persistent=False)
+
+    def forward(self, input_pos, k, v):
+        self.k = self.k.to(k.dtype)
+        self.v = self.v.to(v.dtype)
+        n = k.size(0)
+        k = self.k[:n, ...].index_copy_(2, input_pos, k)
+        v = self.v[:n, ...].index_copy_(2, input_pos, v)
+        return k, v
+
+
+class LitAttention(nn.Module):
+    """litgpt's attention: q/k/v of each query group interleaved in one Linear, split by
+    ``qkv.split((q_per_kv, 1, 1), dim=2)`` after a view by groups."""
+
+    def __init__(self, dim: int, n_head: int, n_query_groups: int, max_batch: int, max_seq: int) -> None:
+        super().__init__()
+        self.n_head, self.n_query_groups, self.head_size = n_head, n_query_groups, dim // n_head
+        self.attn = nn.Linear(dim, (n_head + 2 * n_query_groups) * self.head_size, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        shape = (max_batch, n_query_groups, max_seq, self.head_size)
+        self.kv_cache = LitKVCache(shape, shape)
+
+    def forward(self, x, start_pos: int, freqs_cis, mask):
+        B, T, C = x.size()
+        q_per_kv = self.n_head // self.n_query_groups
+        qkv = self.attn(x).view(B, T, self.n_query_groups, q_per_kv + 2, self.head_size).permute(0, 2, 3, 1, 4)
+        q, k, v = qkv.split((q_per_kv, 1, 1), dim=2)
+        q, k, v = (t.reshape(B, -1, T, self.head_size) for t in (q, k, v))
+        k, v = self.kv_cache(torch.arange(start_pos, start_pos + T, device=x.device), k, v)
+        k = k[:, :, : start_pos + T].repeat_interleave(q_per_kv, dim=1)
+        v = v[:, :, : start_pos + T].repeat_interleave(q_per_kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(y.transpose(1, 2).reshape(B, T, self.head_size * self.n_head))
+
+
+def litgpt_cache() -> CachedTransformer:
+    torch.manual_seed(0)
+    return CachedTransformer("litgpt", max_batch=2)
 
 
 class TorchtuneDecoding(nn.Module):
