@@ -284,14 +284,19 @@ class _ShardTracer(MetaTracer):
             return None
         state = self._state_proxy(args[0])
         if state is None:
-            base = args[0]._base  # a view of a model tensor written (litgpt's ``self.k[:n].index_copy_(...)``):
-            if base is not None and self._state_proxy(base) is not None:  # the next trace reads the tensor itself
-                self._written.pop(id(base))
+            # a view of a model tensor written (litgpt's ``self.k[:n].index_copy_(...)``): the next
+            # trace reads the tensor itself as a proxy, and the view of it is traced
+            base = args[0]._base
+            if base is not None and self._model_tensor(base):
                 self._view_writes.add(id(base))
             return None
         if setitem:
             return "call_function", operator.setitem, (state, *args[1:])
         return kind, target, (state, *args[1:])
+
+    def _model_tensor(self, tensor: torch.Tensor) -> bool:
+        """A buffer or plain tensor attribute of the model (what ``create_arg`` names by its path)."""
+        return self.tensor_attrs.get(tensor) is not None or any(tensor is b for b in self.root.buffers())
 
     def _state_proxy(self, tensor: torch.Tensor) -> torch.fx.Proxy | None:
         """The proxy that stands for a model tensor forward writes into, from now on."""

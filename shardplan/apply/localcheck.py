@@ -353,15 +353,14 @@ def _fails_unsharded(module: nn.Module, call, graph: OpGraph | None = None, targ
     With ``graph``, the modules the check stands in for in ``target`` are stood in here too,
     whole."""
     args, kwargs = tree_map_only(torch.Tensor, _on_meta, call.example)
-    # target -> the truth a meta bool is read as (:func:`_scalars`), once a read of values failed
-    zeros = graph.strategy_cache.setdefault("check reads scalars as 0", {}) if graph is not None else {}
+    zeros = _scalar_truths(graph) if graph is not None else {}
     for _ in range(8):
         copy = _meta_copy(module)
         if graph is not None:
             _stand_in(copy, graph, target, lambda value: tuple(value.shape))
         stack = _track_modules(copy)
         try:
-            with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), _scalars(zeros.get(target)):
+            with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), _scalars(zeros, target):
                 copy(*args, **kwargs)
             return False
         except Exception as exc:  # noqa: BLE001 - any failure: the code cannot run on meta here
@@ -381,13 +380,21 @@ def _fails_unsharded(module: nn.Module, call, graph: OpGraph | None = None, targ
 def _reads_scalars_as_zero(graph: OpGraph, target: str, call: Any, exc: BaseException) -> bool:
     """The shards failed reading a value meta tensors lack: from now on ``target`` is run
     reading such values as 0, if its unsharded run then passes (:func:`_fails_unsharded`)."""
-    zeros = graph.strategy_cache.setdefault("check reads scalars as 0", {})
+    zeros = _scalar_truths(graph)
     if not _reads_values(exc) or target in zeros:
         return False
     return not _fails_unsharded(graph.model.get_submodule(target), call, graph, target) and target in zeros
 
 
-def _scalars(truth: bool | None) -> Any:
+def _scalar_truths(graph: OpGraph) -> dict[str, bool]:
+    """Target -> the truth a meta bool is read as, for the blocks whose run failed reading a
+    value meta tensors lack (:func:`_fails_unsharded`); numbers are read as 0."""
+    return graph.strategy_cache.setdefault("check reads scalars as 0", {})
+
+
+def _scalars(truths: dict[str, bool], target: str) -> Any:
+    """Run ``target`` as the check runs it: reading values as :func:`_scalar_truths` says."""
+    truth = truths.get(target)
     return contextlib.nullcontext() if truth is None else scalars_on_meta_as_zero(truth=truth)
 
 
@@ -450,9 +457,8 @@ def _run_one(graph: OpGraph, plan: Plan, placements: dict[int, str], mesh: Any, 
     stack = _track_modules(block)
     views: list[tuple[str, tuple[int, ...]]] = []
     try:
-        zeros = graph.strategy_cache.get("check reads scalars as 0", {})
         with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), _ViewRecorder(block, stack, views), \
-                _scalars(zeros.get(target)):
+                _scalars(_scalar_truths(graph), target):
             block(*args, **kwargs)
     except LocalShapeError:
         raise  # a sharded norm that gathers (_counted): already said

@@ -29,7 +29,7 @@ from ..plan.model import CutFix, LengthFix, LocalAttributes, LocalViews, Plan, S
 from .emit import shard
 from .localcheck import (
     LocalShapeError, _ViewRecorder, _check_mesh, _expected_views, _local_args, _meta_copy, _sub_plan, _targets,
-    _scalars, _track_modules, _view_ops, check_local_shapes, cut_on_entry, handed_placement, stand_in_for,
+    _scalar_truths, _scalars, _track_modules, _view_ops, check_local_shapes, cut_on_entry, handed_placement, stand_in_for,
 )
 from .localviews import CUT_FUNCTIONS, FACTORIES, WholeRead, discover_fixes, factory_sizes, read_cut
 
@@ -356,7 +356,6 @@ def _run_view_target(graph: OpGraph, plan: Plan, placements: dict[int, str], fqn
         block = shard(_meta_copy(graph.model.get_submodule(target)), tp_mesh, _sub_plan(plan, target))
         stand_in_for(block, graph, plan, placements, target)
         args, kwargs = _local_args(call, placements, plan.tp, target)
-        truth = graph.strategy_cache.get("check reads scalars as 0", {}).get(target)  # as the check ran it
         with contextlib.suppress(Exception), torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), \
-                prepare(block, fqn[len(target):].lstrip(".")), _scalars(truth):
+                prepare(block, fqn[len(target):].lstrip(".")), _scalars(_scalar_truths(graph), target):
             block(*args, **kwargs)

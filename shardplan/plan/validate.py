@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .model import fingerprint, int_attributes, matches
+from .model import LAYOUT_RE, fingerprint, int_attributes, matches
 
 __all__ = ["check_findings", "sharded_dim", "weight_of"]
 
@@ -103,7 +103,8 @@ def _buffer_findings(entry: Any, modules: dict[str, Any], tp: int) -> list[str]:
             if name in module._buffers and name not in module._non_persistent_buffers_set:
                 return [f"{where} is in the state dict (a persistent buffer); only non-persistent buffers and plain "
                         "tensor attributes are split"]
-            dim = int(layout[len("Shard("):-1]) if layout.startswith("Shard(") else None
+            shard = LAYOUT_RE.match(layout)
+            dim = int(shard.group(2)) if shard and shard.group(2) is not None else None
             if dim is None or not -value.dim() <= dim < value.dim() or value.shape[dim] % tp:
                 return [f"{where} {list(value.shape)}: {layout} needs a dim of it that tp={tp} divides"]
     return []
