@@ -4,7 +4,8 @@ by kv heads on gloo ranks against one process, with no gradient (as generation r
 ``decode(rank, world_size, builder, plan_yaml, prefill, steps)`` builds the model twice,
 applies the plan to one copy on a ``("tp",)`` mesh, then runs both on the same tokens: a
 prefill of ``prefill`` tokens and ``steps`` single-token steps, each at the next position of
-the cache. It returns the worst |difference| of the logits at every call, in call order."""
+the cache. It returns the worst |difference| of the logits at every call, in call order.
+``save_cache`` and ``load_cache``: gpt-fast's persistent caches through DCP and full state dicts."""
 
 from __future__ import annotations
 
@@ -43,3 +44,42 @@ def prefill(rank: int, world_size: int, builder: str, plan_yaml: str, length: in
     tokens = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         return float((model(tokens) - reference(tokens)).abs().max())
+
+
+def _gpt_fast(world_size: int, plan_yaml: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    model = kv_cache.gpt_fast_cache()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    shardplan.apply_plan(model, mesh, Plan.from_yaml(plan_yaml))
+    return model, torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
+
+
+def save_cache(rank: int, world_size: int, plan_yaml: str, folder: str) -> dict:
+    """gpt-fast's model after a prefill, its persistent caches split by kv heads: the state
+    dict's cache entries (DTensors), saved with DCP, and everything gathered."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    model, tokens = _gpt_fast(world_size, plan_yaml)
+    with torch.no_grad():
+        model(tokens)
+    state = model.state_dict()
+    dcp.save(state, checkpoint_id=folder)
+    split = sorted(k for k, v in state.items() if isinstance(v, DTensor) and k.endswith("_cache"))
+    return {"full": shardplan.full_state_dict(model), "split": split}
+
+
+def load_cache(rank: int, world_size: int, plan_yaml: str, folder: str, full: dict) -> dict:
+    """A fresh model (empty caches) loads the checkpoint with DCP, and another the gathered
+    state with ``load_full_state_dict``; the first then decodes the next token from its cache."""
+    import torch.distributed.checkpoint as dcp
+
+    model, tokens = _gpt_fast(world_size, plan_yaml)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=folder)
+    model.load_state_dict(state)
+    other, _ = _gpt_fast(world_size, plan_yaml)
+    shardplan.load_full_state_dict(other, full)
+    loaded = shardplan.full_state_dict(model)
+    with torch.no_grad():  # (it writes the new token's keys into the cache)
+        logits = model.model(tokens[:, :1], torch.tensor([16]))
+    return {"dcp": loaded, "from_full": shardplan.full_state_dict(other), "logits": logits}

@@ -415,6 +415,18 @@ def grad_inputs(op: Op) -> list[int]:
     return [] if op.target in _DATA_FREE else op.inputs[:1] if op.target in LIKE_OPS else op.inputs
 
 
+def _same_data(graph: OpGraph, value: int) -> list[int]:
+    """``value`` and the values it shares its data with, back through ``to``/``type_as``
+    (Meta's ``self.cache_k = self.cache_k.to(xq)`` returns the cache itself) and slices
+    (litgpt's ``self.k[:n]``): a write into it writes into them."""
+    found = [value]
+    op = graph.ops[graph.values[value].producer]
+    while op.kind == "function" and op.inputs and (op.target in LIKE_OPS or (op.target == "getitem" and len(op.inputs) == 1)):
+        found.append(op.inputs[0])
+        op = graph.ops[graph.values[op.inputs[0]].producer]
+    return found
+
+
 def _set_requires_grad(graph: OpGraph) -> None:
     """Inputs and constants need no gradient; anything computed from a trainable weight does,
     unless the op carries none (data-free, or a result that is not floating point)."""
@@ -425,7 +437,7 @@ def _set_requires_grad(graph: OpGraph) -> None:
         if writes(op) and any(v in graph.requires_grad for v in op.inputs[1:]):
             # ``out[:, t] = y`` with y needing one (RWKV's zeros_like filled step by step): the
             # tensor written into needs a gradient from here on, for every reader after it
-            graph.requires_grad.add(op.inputs[0])
+            graph.requires_grad.update(_same_data(graph, op.inputs[0]))
         if op.output is None or (op.node is not None and op.node.meta.get("shardplan_no_grad")):
             continue  # (an op the model's own code runs under ``torch.no_grad()`` carries none)
         trainable = (op.kind in ("module", "folded") and any(

@@ -34,6 +34,7 @@ from ..analyze.graph import EXPERT_CONTAINERS
 from ..plan.model import Plan, Region, Rule, expand_braces, expand_pattern, set_int_attribute
 
 from .agree import agree
+from .buffers import set_local_buffers
 from .experts_ep import ExpertParallel, WholeExperts
 from .experts_listed import shard_listed_experts
 from .dtensor_style import DTensorWeights
@@ -375,22 +376,6 @@ def set_local_attributes(model: nn.Module, plan: Plan) -> None:
                 set_int_attribute(module, name, value)
 
 
-def set_local_buffers(model: nn.Module, plan: Plan, *, rank: int) -> None:
-    """A buffer the forward writes split activations into (a KV cache, ``Shard(2)`` by kv
-    heads) becomes this rank's chunk of it, a plain tensor as before: the module's code, on
-    local tensors, writes and reads its shard as it did the whole one."""
-    for entry in plan.buffers:
-        for fqn in expand_pattern(entry.module, plan.model.repeats):
-            module = model.get_submodule(fqn)
-            for name, layout in entry.layouts.items():
-                dim = placement(layout).dim
-                local = getattr(module, name).chunk(plan.tp, dim=dim)[rank].contiguous()
-                if name in module._buffers:
-                    module._buffers[name] = local
-                else:
-                    setattr(module, name, local)
-
-
 def _local_replica(rule, module: nn.Module) -> bool:
     """A replicated module that runs on local tensors: its helper methods read its parameters
     too, called from elsewhere (JetMoE's ``experts.reduce`` adds ``self.bias``), not only its
@@ -418,7 +403,7 @@ def shard(model: nn.Module, device_mesh, plan: Plan) -> nn.Module:
         return model
     parallelize_module(model, mesh, to_parallelize_plan(plan, model))
     set_local_attributes(model, plan)
-    set_local_buffers(model, plan, rank=mesh.get_local_rank())
+    set_local_buffers(model, plan, rank=mesh.get_local_rank(), mesh=mesh)
     install_local_views(model, plan, rank=mesh.get_local_rank())
     read_outside = _params_of(model, plan, lambda rule, fqn: rule.style == "replicate" and (
         rule.read_outside or _local_replica(rule, model.get_submodule(fqn))))

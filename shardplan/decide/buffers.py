@@ -12,13 +12,16 @@ cache: the buffer is split on the dim the writes split (``Shard(2)``, kv heads),
 reads stay on the rank's shard, and nothing is communicated.
 
 ``written_buffers(graph)`` names the ``const`` reads of such tensors: a tensor attribute of
-a module that is not a parameter, not in the state dict (a non-persistent buffer or a plain
-attribute: a split persistent buffer would save a rank's shard under the global name), and
-written in forward, directly or through ``to``/``type_as`` (``self.cache_k =
-self.cache_k.to(xq)``, Meta's code). Their strategies are the placements tp divides; the
-solver keeps every write's target on one placement (:func:`.propagation.in_place_strategies`).
-``buffer_layouts`` turns the chosen ones into the plan's ``buffers`` entries, which the apply
-stage replaces by each rank's chunk (:func:`shardplan.apply.emit.set_local_buffers`).
+a module that is not a parameter (a buffer, persistent or not, or a plain attribute), written
+in forward, directly or through ``to``/``type_as`` (``self.cache_k = self.cache_k.to(xq)``,
+Meta's code) or a slice, and read back. Their strategies are the placements tp divides and,
+with fewer kv heads than tp, kv-head groups (``S{d}g{n}``); the solver keeps every write's
+target on one placement (:func:`.propagation.in_place_strategies`). ``buffer_layouts`` turns
+the chosen ones into the plan's ``buffers`` entries, which the apply stage replaces by each
+rank's chunk (:func:`shardplan.apply.buffers.set_local_buffers`). A persistent buffer
+(gpt-fast's cache) is in the state dict, where the apply stage presents its chunk as a
+``Shard(d)`` DTensor; kv-head groups have no such spelling, so a persistent buffer is never
+grouped, and ``saved_buffer_warnings`` says so where its kv heads are fewer than tp.
 """
 
 from __future__ import annotations
@@ -29,10 +32,10 @@ import torch
 
 from ..analyze.graph import LIKE_OPS, Op, OpGraph, writes
 from ..plan.model import LocalBuffers
-from .placements import Strategy, placement_str
+from .placements import Strategy, group_counts, grouped, groups_of, placement_str
 from .propagation import _candidates
 
-__all__ = ["written_buffers", "buffer_strategies", "buffer_layouts", "saved_buffer_warnings"]
+__all__ = ["written_buffers", "saved_buffer", "buffer_strategies", "buffer_layouts", "saved_buffer_warnings"]
 
 # ops whose result is their first input's data (same values, maybe another dtype or device)
 _SAME_DATA = LIKE_OPS | {"contiguous", "float", "half", "bfloat16", "detach"}
@@ -40,7 +43,12 @@ _SAME_DATA = LIKE_OPS | {"contiguous", "float", "half", "bfloat16", "detach"}
 
 def written_buffers(graph: OpGraph) -> dict[int, tuple[str, str]]:
     """``const`` op index -> (owner module FQN, attribute name) of every written buffer."""
-    return {i: where for i, (where, saved) in _written(graph).items() if not saved}
+    return {i: where for i, (where, _) in _written(graph).items()}
+
+
+def saved_buffer(graph: OpGraph, const: int) -> bool:
+    """Whether the written buffer ``const`` reads is in the state dict (a persistent buffer)."""
+    return _written(graph)[const][1]
 
 
 def _written(graph: OpGraph) -> dict[int, tuple[tuple[str, str], bool]]:
@@ -98,38 +106,52 @@ def _held_tensor(graph: OpGraph, target: str) -> tuple[tuple[str, str], bool] | 
     return ((owner, name), False) if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) else None
 
 
-def saved_buffer_warnings(graph: OpGraph, tp: int, patterned: Callable[[str], list[str]]) -> list[str]:
-    """A persistent cache written in forward (a buffer of 3 or more dims: a running statistic
-    is not one) stays whole (its shard would be saved under the global name), so split keys
-    are gathered to be written into it: said with the write."""
+def saved_buffer_warnings(graph: OpGraph, solution: Any, tp: int, patterned: Callable[[str], list[str]]) -> list[str]:
+    """A persistent cache whose kv heads are fewer than tp and that the solution keeps whole
+    (groups have no state-dict spelling): what is written into it is gathered, said with the
+    write and the fix."""
     from ..analyze.trace import _user_line
 
     out = []
     for index, ((owner, name), saved) in _written(graph).items():
         shape = graph.values[index].shape
-        if not saved or len(shape) < 3 or not any(n % tp == 0 for n in shape):
+        if not saved or solution.strategies[index].output not in ("R", "Rp") or not set(shape) & set(group_counts(tp)):
             continue
         write = next((c for c in graph.consumers.get(index, []) if writes(graph.ops[c])), None)
         line = f" ({_user_line(graph.ops[write].node)})" if write is not None else ""
-        out.append(f"{patterned(owner)[0]}.{name}: a persistent buffer written in forward{line} is kept whole (a shard "
-                   "of it would be saved under its global name), so what is written into it is gathered; register it "
-                   "with persistent=False (a cache need not be saved) to split it with the heads written into it")
+        out.append(f"{patterned(owner)[0]}.{name}: a persistent buffer written in forward{line} is kept whole: its kv "
+                   f"heads are fewer than tp={tp}, and a state-dict entry cannot hold them in groups, so what is written "
+                   "into it is gathered; register it with persistent=False (a cache need not be saved) to keep each "
+                   "rank's kv heads in it")
     return out
 
 
-def buffer_strategies(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
-    """Whole, or split on a dim tp divides: the writes and reads decide which."""
-    return [Strategy("", (), p, layouts={"buffer": p}) for p in _candidates(graph.values[op.output].shape, tp)]
+def buffer_strategies(op: Op, graph: OpGraph, tp: int, *, groups: bool, partial: bool) -> list[Strategy]:
+    """Whole, or split on a dim tp divides, or (``groups``: the model has fewer kv heads
+    than tp) a dim of ``n`` kv heads held in ``n`` groups of ``tp / n`` ranks (``S{d}g{n}``:
+    each rank keeps the heads its query heads read), or (``partial``: one kv head broadcast
+    to heads split tp ways, MQA) whole with partial gradients, ``Rp``, as the key written
+    into it. The writes and reads decide which."""
+    shape = graph.values[op.output].shape
+    groups = groups and not saved_buffer(graph, op.index)  # a state-dict entry is one DTensor: no groups
+    places = _candidates(shape, tp) + [grouped(d, n) for n in group_counts(tp) if groups for d, size in enumerate(shape) if size == n]
+    places += ["Rp"] if partial and op.output in graph.requires_grad else []
+    return [Strategy("", (), p, layouts={"buffer": p}) for p in places]
 
 
 def buffer_layouts(graph: OpGraph, solution: Any, patterned: Callable[[str], list[str]]) -> list[LocalBuffers]:
-    """The plan's ``buffers`` entries: each split buffer's module (as its rules name it) and layout."""
-    found: dict[str, dict[str, str]] = {}
+    """The plan's ``buffers`` entries: each split buffer's module (as its rules name it),
+    layout, and group count where it holds kv heads in groups."""
+    found: dict[str, tuple[dict[str, str], dict[str, int]]] = {}
     for index, (owner, name) in sorted(written_buffers(graph).items()):
         placement = solution.strategies[index].output
         if placement and placement.startswith("S"):
             for module in patterned(owner):
-                found.setdefault(module, {})[name] = placement_str(placement)
-    return [LocalBuffers(module=m, layouts=layouts,
-                         why="written in forward with values split this way: each rank keeps its shard")
-            for m, layouts in found.items()]
+                layouts, groups = found.setdefault(module, ({}, {}))
+                layouts[name] = placement_str(placement)
+                if groups_of(placement):
+                    groups[name] = groups_of(placement)[1]
+    return [LocalBuffers(module=m, layouts=layouts, groups=groups,
+                         why="written in forward with values split this way: each rank keeps its shard"
+                         + ("; kv heads in groups, each held by the ranks whose query heads read it" if groups else ""))
+            for m, (layouts, groups) in found.items()]

@@ -17,10 +17,12 @@ from __future__ import annotations
 import math
 
 from ..analyze.graph import Op, OpGraph
-from .placements import VIEW_OPS, Strategy, group_counts, grouped, shard_dim, view_groups
+from .buffers import written_buffers
+from .placements import ANY, VIEW_OPS, Strategy, group_counts, grouped, shard_dim, view_groups
+from .propagation import in_place_strategies
 from .tails import grouped_tail_values, tail_owners
 
-__all__ = ["grouped_variants", "grouped_conversions", "partial_grad_twins", "grouped_values", "viewed_heads",
+__all__ = ["grouped_variants", "grouped_writes", "grouped_conversions", "partial_grad_twins", "grouped_values", "viewed_heads",
            "partial_grad_owners", "under_partial_grad_owner", "BROADCASTS", "kv_replicated_strategies", "partial_grad_linear_strategies"]
 
 
@@ -49,6 +51,19 @@ def grouped_variants(op: Op, graph: OpGraph, tp: int, out_shape, rule) -> list[S
     return out
 
 
+def grouped_writes(op: Op, graph: OpGraph, tp: int) -> list[Strategy]:
+    """A write of grouped kv heads into a cache split as they are (``cache_k[:b, p:p + s] =
+    xk`` with ``xk`` and ``cache_k`` both ``S2g{n}``): each rank writes its group into its
+    group's chunk, the write DTensor runs shard-locally with ``n`` shards."""
+    out = []
+    for n in group_counts(tp):
+        for ins in in_place_strategies(op, graph, tp=n):
+            s = Strategy("", ins, None)
+            if _group_dims_ok(op, graph, s, n, None):
+                out.append(Strategy("", tuple(_as_group(p, n) for p in ins), None))
+    return out
+
+
 def _as_group(p: str, n: int) -> str:
     d = shard_dim(p)
     return p if d is None else grouped(d, n)
@@ -57,7 +72,7 @@ def _as_group(p: str, n: int) -> str:
 def _group_dims_ok(op: Op, graph: OpGraph, s: Strategy, n: int, out_shape) -> bool:
     shapes = [_shape_of(graph, v) for v in op.inputs] + [out_shape]
     for p, shape in zip(s.inputs + (s.output,), shapes):
-        d = shard_dim(p)
+        d = shard_dim(p or "R")
         if d is not None and shape[d] != n and d != len(shape) - 1:
             return False
     return True
@@ -135,8 +150,8 @@ def partial_grad_twins(op: Op, graph: OpGraph, tp: int, strategies: list[Strateg
     for s in strategies:  # a product with a partial sum (``R * P -> P``) scales it: the same holds
         if s.output not in ("R", "P") and shard_dim(s.output or "") is None:
             continue
-        if any(p not in ("R", "P") and shard_dim(p) is None for p in s.inputs):
-            continue
+        if any(p not in ("R", "P", ANY) and shard_dim(p) is None for p in s.inputs):
+            continue  # (``ANY``: read for its dtype, ``self.cache_k.to(xq)``)
         ins = tuple("Rp" if p == "R" and v in graph.requires_grad else p for p, v in zip(s.inputs, op.inputs))
         # ``w.type_as(x)``, ``y.view_as(x)`` read ``x`` for its dtype or shape, whichever way it is
         # whole: no gradient reaches it (mistral's MoE reads its gathered input so)
@@ -185,6 +200,8 @@ def grouped_values(graph: OpGraph, tp: int) -> frozenset[int]:
         found: set[int] = set()
         frontier = [op.output for op in graph.ops if op.kind == "module" and op.module_kind == "linear"
                     and op.output is not None and viewed_heads(op, graph, tp)] + grouped_tail_values(graph, tp)
+        if frontier:  # a cache the grouped kv heads are written into, read back as they are
+            frontier += [graph.ops[i].output for i in written_buffers(graph)]
         for _ in range(_GROUPED_DEPTH):
             frontier = [v for v in frontier if v not in found]
             found.update(frontier)

@@ -173,7 +173,10 @@ def _probe_in_place(op: Op, graph: OpGraph, tp: int, placement: dict[int, str]) 
 
     try:
         with torch.no_grad():  # the plain write first: it is cheap, and refuses most
-            _call(op, graph, _args(op, placement, tp, distributed=False))
+            local = _args(op, placement, tp, distributed=False)
+            if not _broadcasts_into(*local[0][:3]):
+                return False
+            _call(op, graph, local)
         with torch.no_grad(), CommDebugMode() as comm:
             args, kwargs = _args(op, placement, tp, distributed=True)
             before = args[0].placements
@@ -264,6 +267,19 @@ def _probe(op: Op, graph: OpGraph, tp: int, placement: dict[int, str]) -> str | 
     except Exception:  # noqa: BLE001 - DTensor refusing (or needing a collective) is the answer "no"
         return None
     return out if _local_shapes(result) == _shapes(local) else None
+
+
+def _broadcasts_into(target: Any, index: Any, value: Any) -> bool:
+    """``target[index] = value`` is a valid write: the value broadcasts to the indexed
+    region's shape. Meta's ``index_put_`` does not check it (a rank's ``[2, 1, 16, 12]``
+    region took a whole ``[2, 2, 16, 12]`` value there, and failed on the ranks)."""
+    if not isinstance(value, torch.Tensor):
+        return True
+    region = target[index].shape
+    try:
+        return torch.broadcast_shapes(value.shape, region) == region
+    except RuntimeError:
+        return False
 
 
 def _mesh(tp: int) -> Any:

@@ -76,7 +76,7 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
         reader = _parameter_reader(graph, fqn)
         out.append(f"{fqn}: {reader}; replicated" if reader else f"{fqn}: owns parameters but is not called in forward; replicated")
     return out + _whole_own_weights(graph, solution, pmap) + _unsplit_heads(graph, solution, tp, pmap) + \
-        saved_buffer_warnings(graph, tp, lambda fqn: patterned(fqn, graph, pmap))
+        saved_buffer_warnings(graph, solution, tp, lambda fqn: patterned(fqn, graph, pmap))
 
 
 def _whole_own_weights(graph: OpGraph, solution: Solution, pmap: Any) -> list[str]:

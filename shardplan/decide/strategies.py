@@ -39,7 +39,7 @@ from ..analyze.graph import LIKE_OPS, Op, OpGraph, grad_inputs
 from .buffers import buffer_strategies, written_buffers
 from .folded import folded_factory_strategies, folded_values, folded_variants, folded_view_strategies, rank_order_twins
 from .tied import tied_product_twins, weight_read_elsewhere
-from .heads import grouped_conversions, grouped_values, grouped_variants, partial_grad_twins, under_partial_grad_owner
+from .heads import grouped_conversions, grouped_values, grouped_variants, grouped_writes, partial_grad_twins, under_partial_grad_owner
 from .placements import (
     ANY, VIEW_OPS, Strategy, chunk_count, expanded_dims, groups_of, index_items, local_shape, narrow_index, packed, permutation,
     placement_str, shard_dim, tail_of,
@@ -99,7 +99,8 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
     if op.kind == "const" and op.output is not None and weight_read_elsewhere(graph, op) is not None:
         return [Strategy("", (), p, layouts={"weight": p}) for p in _candidates(_shape(graph, op.output), tp)]
     if op.kind == "const" and op.index in written_buffers(graph):
-        return buffer_strategies(op, graph, tp)
+        return buffer_strategies(op, graph, tp, groups=op.output in grouped_values(graph, tp),
+                                 partial=under_partial_grad_owner(op.owner, graph, tp))
     if op.kind in ("input", "const"):
         return [Strategy("", (), "R")]
     if op.kind == "output":
@@ -125,8 +126,13 @@ def op_strategies(op: Op, graph: OpGraph, *, tp: int, opts: Any = None) -> list[
                       for d, n in enumerate(_shape(graph, op.inputs[0])) if n % (k * tp) == 0]
             return [Strategy("", (p,), None) for p in _candidates(_shape(graph, op.inputs[0]), tp) + folded]
         # a write into a sharded tensor (t[:, :, i] = v) stays on each rank's shard
-        return [_all(op, "R", None)] + [Strategy("", ins, None) for ins in in_place_strategies(op, graph, tp=tp)] + \
-            _partial_sums(op)
+        written = [_all(op, "R", None)] + [Strategy("", ins, None) for ins in in_place_strategies(op, graph, tp=tp)]
+        if any(v in grouped_values(graph, tp) for v in op.inputs):
+            written += grouped_writes(op, graph, tp)
+        if op.inputs and op.inputs[0] in graph.requires_grad and under_partial_grad_owner(op.owner, graph, tp):
+            # MQA's one kv head (``Rp``) written into a whole cache, read back ``Rp``
+            written.append(Strategy("", tuple("Rp" if v in graph.requires_grad else "R" for v in op.inputs), None))
+        return written + _partial_sums(op)
     return _function_strategies(op, graph, tp, opts)
 
 

@@ -229,12 +229,24 @@ class LocalBuffers(_Strict):
     """Tensors a module's forward writes activations into (a KV cache: ``self.cache_k[:b,
     p:p + s] = xk``), each split as the values written into it are: when the plan is
     applied, each rank's module holds its chunk on that dim (``Shard(2)``: its kv heads) as a
-    plain tensor, which its code writes and reads as it did the whole one. Only tensors
-    outside the state dict (non-persistent buffers, plain attributes) are split."""
+    plain tensor, which its code writes and reads as it did the whole one. A persistent
+    buffer's state-dict entry stays global: the rank's chunk is saved and loaded as a
+    ``Shard`` DTensor.
+    ``groups``: a tensor's ``Shard(d)`` dim holds that many kv heads, fewer than tp; it is
+    cut into that many chunks and rank r holds chunk ``r // (tp / groups)``, the kv head its
+    query heads read (as ``colwise_kv_replicated`` holds the rows of the k/v projection)."""
 
     module: ModulePattern
     layouts: dict[str, Layout]
+    groups: dict[str, Annotated[int, Field(strict=True, ge=2)]] = Field(default_factory=dict)  # omitted when empty
     why: str = ""
+
+    @model_validator(mode="after")
+    def _groups_name_layouts(self) -> "LocalBuffers":
+        extra = sorted(set(self.groups) - set(self.layouts))
+        if extra:
+            raise ValueError(f"groups names {extra}, which layouts does not split; give each a Shard layout or drop it from groups")
+        return self
 
 
 class Collectives(_Strict):
@@ -505,6 +517,9 @@ class Plan(_Strict):
                 del data[key]
         if data["mesh"]["ep_axis"] is None:  # files without expert parallelism do not mention it
             del data["mesh"]["ep_axis"]
+        for entry in data.get("buffers", []):
+            if not entry["groups"]:
+                del entry["groups"]
         for entry in data.get("local_views", []):
             for key in ("fixes", "cuts", "slices", "lengths"):
                 if not entry[key]:

@@ -86,8 +86,8 @@ def _attribute_findings(entry: Any, modules: dict[str, Any]) -> list[str]:
 
 
 def _buffer_findings(entry: Any, modules: dict[str, Any], tp: int) -> list[str]:
-    """A ``buffers`` entry splits tensors its modules hold outside the state dict, on a dim
-    tp divides."""
+    """A ``buffers`` entry splits tensors its modules hold (a persistent buffer not in groups),
+    on a dim tp, or its group count, divides."""
     import torch  # here: commands that only read plan files do not import torch
 
     hits = [fqn for fqn in modules if matches(entry.module, fqn)]
@@ -100,13 +100,17 @@ def _buffer_findings(entry: Any, modules: dict[str, Any], tp: int) -> list[str]:
             where = f"buffers {entry.module}: {fqn or '<root>'}.{name}"
             if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
                 return [f"{where} is not a tensor the module holds (a buffer or a plain attribute)"]
-            if name in module._buffers and name not in module._non_persistent_buffers_set:
-                return [f"{where} is in the state dict (a persistent buffer); only non-persistent buffers and plain "
-                        "tensor attributes are split"]
+            if name in entry.groups and name in module._buffers and name not in module._non_persistent_buffers_set:
+                return [f"{where} is in the state dict (a persistent buffer), whose entry cannot hold kv heads in "
+                        "groups; drop it from groups (and split it with Shard), or register it with persistent=False"]
             shard = LAYOUT_RE.match(layout)
             dim = int(shard.group(2)) if shard and shard.group(2) is not None else None
-            if dim is None or not -value.dim() <= dim < value.dim() or value.shape[dim] % tp:
-                return [f"{where} {list(value.shape)}: {layout} needs a dim of it that tp={tp} divides"]
+            n = entry.groups.get(name, tp)
+            if n != tp and tp % n:
+                return [f"{where}: groups {n} does not divide tp={tp}; give a group count that divides tp (its kv heads)"]
+            if dim is None or not -value.dim() <= dim < value.dim() or value.shape[dim] % n:
+                cut = f"tp={tp}" if n == tp else f"its {n} groups"
+                return [f"{where} {list(value.shape)}: {layout} needs a dim of it that {cut} divides"]
     return []
 
 

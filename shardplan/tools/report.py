@@ -196,7 +196,8 @@ def plan_summary_lines(plan: Plan) -> list[str]:
         lines += [f"  {r.module} (input {r.input}): {r.why}" for r in plan.regions]
     if plan.buffers:
         lines.append(f"buffers ({len(plan.buffers)}): tensors forward writes into, each rank holding its shard")
-        lines += [f"  {b.module}: " + ", ".join(f"{n} {layout}" for n, layout in b.layouts.items()) for b in plan.buffers]
+        lines += [f"  {b.module}: " + ", ".join(f"{n} {layout}" + (f" in {b.groups[n]} groups" if n in b.groups else "")
+                                                for n, layout in b.layouts.items()) for b in plan.buffers]
     if plan.warnings:
         lines.append(f"warnings ({len(plan.warnings)}):")
         lines += [f"  {w}" for w in plan.warnings]

@@ -4,7 +4,8 @@ at ``start_pos`` and attends over what the cache holds. The ways to hold it: a
 non-persistent buffer, a plain tensor attribute moved with ``self.cache_k.to(xq)`` (Meta's
 code verbatim), a cache module whose ``update`` writes with ``index_copy_`` and reads it
 back by attribute or returns it by a local name (gpt-fast's and torchtune's shape), litgpt's
-cache written through a slice of it, and torchtune's own Llama 3 set up for generation."""
+cache written through a slice of it, and torchtune's own Llama 3 set up for generation; and
+fewer kv heads than ranks (2 kv heads at tp=4, one kv head: multi-query attention)."""
 
 from __future__ import annotations
 
@@ -207,6 +208,18 @@ def returned_cache() -> CachedTransformer:
     return CachedTransformer("returned", max_batch=2)
 
 
+def grouped_cache() -> CachedTransformer:
+    """2 kv heads for 8 query heads: at tp=4 each kv head is read by the query heads of 2 ranks."""
+    torch.manual_seed(0)
+    return CachedTransformer("buffer", n_kv_heads=2, max_batch=2)
+
+
+def mqa_cache() -> CachedTransformer:
+    """One kv head (multi-query attention), Meta's plain-attribute cache."""
+    torch.manual_seed(0)
+    return CachedTransformer("attribute", n_kv_heads=1, max_batch=2)
+
+
 def alias_cache() -> CachedTransformer:
     torch.manual_seed(0)
     return CachedTransformer("alias")
@@ -283,7 +296,12 @@ class TorchtuneDecoding(nn.Module):
         return self.decoder(tokens, mask=mask, input_pos=torch.arange(s, device=tokens.device).expand(b, s))
 
 
-def torchtune_decoding(batch: int = 2, max_seq: int = 64) -> TorchtuneDecoding:
+def torchtune_grouped() -> TorchtuneDecoding:
+    """torchtune's Llama 3 with 2 kv heads for 8 query heads, for tp=4."""
+    return torchtune_decoding(kv_heads=2)
+
+
+def torchtune_decoding(batch: int = 2, max_seq: int = 64, kv_heads: int = 4) -> TorchtuneDecoding:
     from benchmarks.ecosystem import shim_torchtune
 
     shim_torchtune()  # stubs for the packages torchtune imports and its model code never calls
@@ -291,7 +309,179 @@ def torchtune_decoding(batch: int = 2, max_seq: int = 64) -> TorchtuneDecoding:
 
     torch.manual_seed(0)
     with torch.device("cpu"):  # its RoPE builds its cache off meta only
-        decoder = llama3(vocab_size=256, num_layers=2, num_heads=8, num_kv_heads=4, embed_dim=96, max_seq_len=max_seq,
+        decoder = llama3(vocab_size=256, num_layers=2, num_heads=8, num_kv_heads=kv_heads, embed_dim=96, max_seq_len=max_seq,
                          intermediate_dim=256)
         decoder.setup_caches(batch_size=batch, dtype=torch.float32, decoder_max_seq_len=max_seq)
     return TorchtuneDecoding(decoder, max_seq)
+
+
+# gpt-fast's model.py (pytorch-labs/gpt-fast 32971d3), as it is written: a fused wqkv cut
+# into unequal parts, RoPE on a real [seq, hd/2, 2] table, and a KVCache module whose buffers
+# are registered persistent (in the state dict), written through a local name and returned.
+# Its forward needs ``setup_caches`` first and takes ``input_pos``.
+
+
+class GptFastKVCache(nn.Module):
+    def __init__(self, max_batch_size, max_seq_length, n_heads, head_dim, dtype=torch.bfloat16):
+        super().__init__()
+        cache_shape = (max_batch_size, n_heads, max_seq_length, head_dim)
+        self.register_buffer('k_cache', torch.zeros(cache_shape, dtype=dtype))
+        self.register_buffer('v_cache', torch.zeros(cache_shape, dtype=dtype))
+
+    def update(self, input_pos, k_val, v_val):
+        # input_pos: [S], k_val: [B, H, S, D]
+        assert input_pos.shape[0] == k_val.shape[2]
+
+        k_out = self.k_cache
+        v_out = self.v_cache
+        k_out[:, :, input_pos] = k_val
+        v_out[:, :, input_pos] = v_val
+
+        return k_out, v_out
+
+
+class GptFastAttention(nn.Module):
+    def __init__(self, dim: int, n_head: int, n_local_heads: int):
+        super().__init__()
+        self.head_dim = dim // n_head
+        total_head_dim = (n_head + 2 * n_local_heads) * self.head_dim
+        self.wqkv = nn.Linear(dim, total_head_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.kv_cache = None
+        self.n_head, self.n_local_heads, self.dim = n_head, n_local_heads, dim
+
+    def forward(self, x, freqs_cis, mask, input_pos=None):
+        bsz, seqlen, _ = x.shape
+
+        kv_size = self.n_local_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([self.dim, kv_size, kv_size], dim=-1)
+
+        q = q.view(bsz, seqlen, self.n_head, self.head_dim)
+        k = k.view(bsz, seqlen, self.n_local_heads, self.head_dim)
+        v = v.view(bsz, seqlen, self.n_local_heads, self.head_dim)
+
+        q = gpt_fast_rotary(q, freqs_cis)
+        k = gpt_fast_rotary(k, freqs_cis)
+
+        q, k, v = map(lambda x: x.transpose(1, 2), (q, k, v))
+
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(input_pos, k, v)
+
+        k = k.repeat_interleave(self.n_head // self.n_local_heads, dim=1)
+        v = v.repeat_interleave(self.n_head // self.n_local_heads, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+
+        y = y.transpose(1, 2).contiguous().view(bsz, seqlen, self.dim)
+
+        y = self.wo(y)
+        return y
+
+
+class GptFastNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float()).type_as(x)
+        return output * self.weight
+
+
+class GptFastBlock(nn.Module):
+    def __init__(self, dim: int, n_head: int, n_local_heads: int) -> None:
+        super().__init__()
+        self.attention = GptFastAttention(dim, n_head, n_local_heads)
+        self.feed_forward = FeedForward(dim, 4 * dim)
+        self.ffn_norm = GptFastNorm(dim)
+        self.attention_norm = GptFastNorm(dim)
+
+    def forward(self, x, input_pos, freqs_cis, mask):
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask, input_pos)
+        out = h + self.feed_forward(self.ffn_norm(h))
+        return out
+
+
+def gpt_fast_freqs(seq_len: int, n_elem: int, base: int = 10000, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    freqs = 1.0 / (base ** (torch.arange(0, n_elem, 2)[: (n_elem // 2)].float() / n_elem))
+    t = torch.arange(seq_len, device=freqs.device)
+    freqs = torch.outer(t, freqs)
+    freqs_cis = torch.polar(torch.ones_like(freqs), freqs)
+    cache = torch.stack([freqs_cis.real, freqs_cis.imag], dim=-1)
+    return cache.to(dtype=dtype)
+
+
+def gpt_fast_rotary(x, freqs_cis):
+    xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
+    freqs_cis = freqs_cis.view(1, xshaped.size(1), 1, xshaped.size(3), 2)
+    x_out2 = torch.stack(
+        [
+            xshaped[..., 0] * freqs_cis[..., 0] - xshaped[..., 1] * freqs_cis[..., 1],
+            xshaped[..., 1] * freqs_cis[..., 0] + xshaped[..., 0] * freqs_cis[..., 1],
+        ],
+        -1,
+    )
+
+    x_out2 = x_out2.flatten(3)
+    return x_out2.type_as(x)
+
+
+class GptFastTransformer(nn.Module):
+    def __init__(self, vocab: int = 256, dim: int = 96, n_layer: int = 2, n_head: int = 8, n_local_heads: int = 4,
+                 block_size: int = 64) -> None:
+        super().__init__()
+        self.n_head, self.n_local_heads, self.dim, self.block_size = n_head, n_local_heads, dim, block_size
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(GptFastBlock(dim, n_head, n_local_heads) for _ in range(n_layer))
+        self.norm = GptFastNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.freqs_cis = None
+        self.mask_cache = None
+
+    def setup_caches(self, max_batch_size, max_seq_length):
+        head_dim = self.dim // self.n_head
+        dtype = self.output.weight.dtype
+        for b in self.layers:
+            b.attention.kv_cache = GptFastKVCache(max_batch_size, max_seq_length, self.n_local_heads, head_dim, dtype)
+        self.freqs_cis = gpt_fast_freqs(self.block_size, self.dim // self.n_head, 10000, dtype)
+        self.causal_mask = torch.tril(torch.ones(max_seq_length, max_seq_length, dtype=torch.bool))
+
+    def forward(self, idx, input_pos=None):
+        assert self.freqs_cis is not None, "Caches must be initialized first"
+        mask = self.causal_mask[None, None, input_pos]
+        freqs_cis = self.freqs_cis[input_pos]
+        x = self.tok_embeddings(idx)
+
+        for i, layer in enumerate(self.layers):
+            x = layer(x, input_pos, freqs_cis, mask)
+        x = self.norm(x)
+        logits = self.output(x)
+        return logits
+
+
+class GptFastDecoding(nn.Module):
+    """gpt-fast's Transformer after ``setup_caches``, called as its ``prefill`` calls it: the
+    tokens of each sequence from position 0."""
+
+    def __init__(self, model: GptFastTransformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return self.model(tokens, torch.arange(tokens.shape[1], device=tokens.device))
+
+
+def gpt_fast_cache(kv_heads: int = 4) -> GptFastDecoding:
+    torch.manual_seed(0)
+    model = GptFastTransformer(n_local_heads=kv_heads)
+    model.setup_caches(max_batch_size=2, max_seq_length=64)
+    return GptFastDecoding(model)
+
+
+def gpt_fast_grouped() -> GptFastDecoding:
+    """2 kv heads for 8 query heads, for tp=4: a persistent cache cannot be held in groups."""
+    return gpt_fast_cache(kv_heads=2)
