@@ -28,7 +28,8 @@ MISTRAL, DEEPSEEK, HIT, NAMED, SEQUENTIAL = (f"tests.portability.listed_experts:
     "mistral_moe", "deepseek_moe", "hit_moe", "named_moe", "sequential_moe"))
 INDEX_ADD = "tests.portability.routed_experts:moe_lm"
 USER_MOE = "tests.portability.user_moe:user_moe"
-VOCAB = {MISTRAL: 96, DEEPSEEK: 96, HIT: 96, INDEX_ADD: 128, NAMED: 96, SEQUENTIAL: 96}
+PARAM, COUNTED = (f"tests.portability.listed_experts:{n}" for n in ("param_moe", "counted_gate_moe"))
+VOCAB = {MISTRAL: 96, DEEPSEEK: 96, HIT: 96, INDEX_ADD: 128, NAMED: 96, SEQUENTIAL: 96, PARAM: 96, COUNTED: 96}
 EXPERTS = {MISTRAL: 4, DEEPSEEK: 8, HIT: 4, INDEX_ADD: 4, NAMED: 4, SEQUENTIAL: 4}
 
 
@@ -354,6 +355,27 @@ def test_a_users_moe_summing_experts_into_zeros_keeps_sequence_parallel_and_matc
     plan = shardplan.plan_model(model, {"tp": 4}, example_inputs=(tokens.to("meta"),), sequence_parallel=True)
     counted = simulate(user_moe.user_moe_no_skip(), plan, (tokens,))
     assert counted.matches, f"counted {dict(counted.counted)} != predicted {counted.predicted}"
+
+
+@pytest.mark.parametrize("spec", [MISTRAL, DEEPSEEK, HIT, INDEX_ADD, NAMED, PARAM, COUNTED])
+def test_every_listed_moe_keeps_its_norms_on_sequence_shards(spec: str) -> None:
+    """sequence_parallel=True on every way the lists are written, at 16 tokens: each MoE
+    gathers the tokens where it receives them and hands its sum back on sequence shards
+    where it returns. Before, it raised for all but two: a routing weight's ``type_as(x)``
+    counted as a reader of the shard (no gather site), DeepSeek's stood-in MoE (counts read
+    with ``.tolist()``) returned the unconverted shape to the check, raw-parameter experts'
+    whole output could not be cut inside a block, and a stack of MoE modules with no block
+    around them (``x = x + moe(norm(x))``) read its folded copies' outputs unconverted."""
+    plan = _plan(spec, {"tp": 2}, sequence_parallel=True)
+    norms = {m: s for m, s in plan.module_styles().items() if "norm" in m}
+    assert norms and set(norms.values()) == {"sequence_parallel"}, (norms, plan.warnings)
+
+
+@pytest.mark.parametrize("spec", [DEEPSEEK, INDEX_ADD, PARAM])
+def test_listed_moes_under_sequence_parallel_match_one_process_on_gloo(spec: str) -> None:
+    result = verify(spec, nproc=2, seq_len=16, timeout_s=300, sequence_parallel=True)
+    assert "sequence_parallel" in result.plan.module_styles().values(), result.plan.warnings
+    assert result.passed, result.summary() + "\n" + "\n".join(result.problems)
 
 
 def test_a_users_moe_sums_its_experts_once_where_it_returns_without_sequence_parallel() -> None:

@@ -357,7 +357,7 @@ def _fails_unsharded(module: nn.Module, call, graph: OpGraph | None = None, targ
     for _ in range(8):
         copy = _meta_copy(module)
         if graph is not None:
-            _stand_in(copy, graph, target, lambda value: tuple(value.shape))
+            _stand_in(copy, graph, target, lambda value, _fqn: tuple(value.shape))
         stack = _track_modules(copy)
         try:
             with torch.no_grad(), quiet_probes(), nonzero_at_upper_bound(), _scalars(zeros, target):
@@ -598,17 +598,26 @@ def _value_reader(graph: OpGraph, stack: list[str], target: str) -> str | None:
 
 def stand_in_for(block: nn.Module, graph: OpGraph, plan: Plan, placements: dict[int, str], target: str) -> None:
     """Put :class:`_Shaped` in ``block`` (a sharded meta copy of ``target``) in place of each
-    module under it whose own code the check found cannot run on meta."""
-    _stand_in(block, graph, target, lambda value: local_shape(value.shape, placements.get(value.id, "R"), plan.tp))
+    module under it whose own code the check found cannot run on meta. It returns what the
+    module hands its caller: where the plan converts the value as that module returns it (a
+    MoE's output cut or reduce-scattered onto sequence shards), the converted shape, since the
+    conversion's hook went with the module it replaced."""
+    exits = getattr(placements, "exits", {})
+
+    def returned(value: Any, fqn: str) -> tuple[int, ...]:
+        module, p = exits.get(value.id, (None, None))
+        return local_shape(value.shape, p if module == fqn else placements.get(value.id, "R"), plan.tp)
+
+    _stand_in(block, graph, target, returned)
 
 
-def _stand_in(block: nn.Module, graph: OpGraph, target: str, shape_of: Callable[[Any], tuple[int, ...]]) -> None:
+def _stand_in(block: nn.Module, graph: OpGraph, target: str, shape_of: Callable[[Any, str], tuple[int, ...]]) -> None:
     for fqn in sorted(graph.strategy_cache.get("check stands in", ())):
         if target and not fqn.startswith(target + "."):
             continue
         value = _output_value(graph, fqn)
         parent, _, name = (fqn[len(target) + 1:] if target else fqn).rpartition(".")
-        (block.get_submodule(parent) if parent else block)._modules[name] = _Shaped(shape_of(value), value.dtype)
+        (block.get_submodule(parent) if parent else block)._modules[name] = _Shaped(shape_of(value, fqn), value.dtype)
 
 
 def _said(exc: Exception) -> str:

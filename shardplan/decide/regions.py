@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..analyze.graph import OpGraph
+from ..analyze.graph import Op, OpGraph
 from .propagation import metadata_only
 from .scatter import exits, is_cut, is_gather, is_scatter
 from .slices import is_inner_cut, is_slice, place
@@ -94,8 +94,9 @@ def _candidate_sites(graph: OpGraph, value: int, consumers: tuple[int, ...], *,
     """Modules that receive ``value`` as an argument and hold only entering consumers of it,
     at least ``fewest`` of them."""
     node = graph.ops[graph.values[value].producer].node
-    # a read of metadata (``x.device`` for a mask) is the same on the gathered value
-    others = {c for c in graph.consumers.get(value, []) if not metadata_only(graph.ops[c])} - set(consumers)
+    # a read of metadata (``x.device`` for a mask, ``w.type_as(x)``) is the same on the gathered value
+    others = {c for c in graph.consumers.get(value, []) if not metadata_only(graph.ops[c])
+              and not _dtype_source(graph.ops[c], value)} - set(consumers)
     found = []
     for fqn, calls in graph.traced.calls.items():
         if not fqn or fqn in graph.traced.folded or len(calls) != 1:
@@ -111,6 +112,12 @@ def _candidate_sites(graph: OpGraph, value: int, consumers: tuple[int, ...], *,
             continue
         found.append((RegionSite(fqn, where, len(call.args)), inside))
     return found
+
+
+def _dtype_source(op: Op, value: int) -> bool:
+    """``w.type_as(x)``, ``w.to(x)``: ``x`` read for its dtype and device only (Mixtral's
+    routing weights ``softmax(...).type_as(inputs)``)."""
+    return op.target in ("type_as", "to") and value in op.inputs[1:] and op.inputs[0] != value
 
 
 def _output_site(graph: OpGraph, value: int, consumers: tuple[int, ...]):

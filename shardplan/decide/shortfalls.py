@@ -66,7 +66,7 @@ def plan_warnings(graph: OpGraph, solution: Solution, tp: int, *, budget: bool =
             out.append(f"{name}: kept whole under sequence_parallel=True: {_off_sequence(graph, op, tp)}")
         elif style == "colwise_gather_output" and op.output not in output_values and _feeds_weights(graph, op.output):
             shared = solution.strategies[op.index].output == "Rp"
-            reason = (_SHARED if shared else None) or _sliced_back(graph, solution, op) or _blocking_reshape(
+            reason = (_shared(graph, op) if shared else None) or _sliced_back(graph, solution, op) or _blocking_reshape(
                 graph, op, tp) or _blocking_op(graph, op, tp) or (
                 f"every op after it could take its output split tp={tp} ways, so either one of them also takes an input "
                 "that stays whole (see the other warnings) or gathering here is cheaper (`shardplan explain` prices each style)"
@@ -187,6 +187,22 @@ def _producer_module(graph: OpGraph, value: int, depth: int = 12):
 # MLA's shared key), as Megatron and vLLM keep it; its gradient is summed by the reduce-scatter
 _SHARED = ("every rank's heads read it whole (one kv head, or a key all heads share), so each rank holds it all, "
            "as Megatron does; backward sums its gradient with one reduce-scatter")
+
+
+_ROUTING = frozenset({"topk", "argmax", "sort", "argsort"})
+
+
+def _shared(graph: OpGraph, op) -> str:
+    """Why a gathered output is read whole by every rank: a router's scores, which every
+    rank's routing reads (Mixtral's ``topk(gate(x))``), or shared kv heads."""
+    values = [op.output]
+    for _ in range(4):  # the scores' softmax or cast before the routing op
+        users = [graph.ops[c] for v in values for c in graph.consumers.get(v, [])]
+        if any(u.target in _ROUTING for u in users):
+            return ("a router's scores, which every rank's routing reads whole, so each rank holds them all; backward "
+                    "sums their gradient with one reduce-scatter")
+        values = [u.output for u in users if u.output is not None]
+    return _SHARED
 
 
 def _sliced_back(graph: OpGraph, solution: Solution, op) -> str:

@@ -219,6 +219,15 @@ def _aliases(graph: OpGraph) -> dict[int, int]:
     return alias
 
 
+def _resolved(value: int, alias: dict[int, int]) -> int | None:
+    """The representative's value a folded copy's output stands for; None for any other."""
+    if value not in alias:
+        return None
+    while value in alias:
+        value = alias[value]
+    return value
+
+
 def _producer(graph: OpGraph, value: int, alias: dict[int, int]) -> int:
     while value in alias:
         value = alias[value]
@@ -342,7 +351,9 @@ def _rows(prog: _Program) -> tuple[list[dict[int, float]], list[float], list[flo
             continue
         for slot, value in enumerate(op.inputs):
             producer = _producer(graph, value, alias)
-            _placement_rows(prog, op, slot, producer, rows, lo, hi)
+            # a folded copy's output arrives as its representative's leaves that block, through
+            # the conversions where it returns (a MoE stack's outputs reduce-scattered)
+            _placement_rows(prog, op, slot, producer, rows, lo, hi, arriving=_resolved(value, alias))
             _entry_rows(prog, op, slot, value, rows, lo, hi)
     _folded_rows(prog, alias, rows, lo, hi)
     slice_rows(prog, rows, lo, hi)
@@ -358,20 +369,22 @@ def _rows(prog: _Program) -> tuple[list[dict[int, float]], list[float], list[flo
     return rows, lo, hi
 
 
-def _placement_rows(prog: _Program, op: Op, slot: int, producer: int, rows, lo, hi) -> None:
+def _placement_rows(prog: _Program, op: Op, slot: int, producer: int, rows, lo, hi, *, arriving: int | None = None) -> None:
     """The op takes input ``slot`` as its producer gives it: for each placement p, the op
     chooses a strategy reading p exactly when the producer chooses one giving p. A strategy
-    reading ``ANY`` there takes any: then the op's choice of p only implies the producer's."""
+    reading ``ANY`` there takes any: then the op's choice of p only implies the producer's.
+    ``arriving``: the representative's value a folded copy's output stands for, which
+    arrives converted where its module returns it (:func:`_arrives_as`)."""
     mine = prog.strategies[op.index]
     theirs = prog.strategies[producer]
     free = any(s.inputs[slot] == ANY for s in mine)
     placements = ({s.inputs[slot] for s in mine} | {s.output for s in theirs if s.output}) - {ANY}
     for p in sorted(placements):
         row = {prog.var_of[(op.index, i)]: 1.0 for i, s in enumerate(mine) if s.inputs[slot] == p}
-        for i, s in enumerate(theirs):
-            if s.output == p:
-                col = prog.var_of[(producer, i)]
-                row[col] = row.get(col, 0.0) - 1.0
+        made = _arrives_as(prog, producer, arriving, p) if arriving is not None else [
+            (prog.var_of[(producer, i)], 1.0) for i, s in enumerate(theirs) if s.output == p]
+        for col, coef in made:
+            row[col] = row.get(col, 0.0) - coef
         rows.append(row)
         lo.append(-np.inf if free else 0.0)
         hi.append(0.0)

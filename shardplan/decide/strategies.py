@@ -273,10 +273,12 @@ def _partial_gradient(op: Op, graph: OpGraph, s: Strategy) -> bool:
         return False
     # a whole value cut where a module before the repeated blocks returns it (a position
     # encoding's output) is read as its rank's slice, whose gradient is whole for that slice:
-    # the cut's backward all-gathers the slices. (Inside the blocks such a cut is left to the
-    # partial sums' own reduce-scatter, which moves half the bytes of an all-reduce and a cut.)
-    # The same for the stream a block receives whole and cuts (slice_twins).
-    cut = [bool(s.entry) and i < len(s.entry) and ((is_cut(s.entry[i]) and _before_blocks(graph, v)) or is_slice(s.entry[i]))
+    # the cut's backward all-gathers the slices. Inside the blocks, the same for a module's
+    # whole output shaped as the stream (a MoE of raw-parameter experts run on DTensors, its
+    # tokens gathered where it receives them); a table a block's code reads sizes off is not
+    # cut so. The same for the stream a block receives whole and cuts (slice_twins).
+    cut = [bool(s.entry) and i < len(s.entry) and (
+        (is_cut(s.entry[i]) and (_before_blocks(graph, v) or _stream_shaped(graph, v))) or is_slice(s.entry[i]))
            for i, v in enumerate(op.inputs)]
     return any(p == "R" and v in graph.requires_grad and v not in param_only_values(graph) and not cut[i]
                for i, (p, v) in enumerate(zip(s.inputs, op.inputs)))
@@ -293,6 +295,14 @@ def _before_blocks(graph: OpGraph, value: int) -> bool:
         return False
     return any(getattr(node, "meta", {}).get("shardplan_op") == value
                for rep in reps for call in graph.traced.calls.get(rep, [])[:1] for node in call.args[:1])
+
+
+def _stream_shaped(graph: OpGraph, value: int) -> bool:
+    """``value`` has the shape of the stream the repeated blocks receive (``[b, s, h]``)."""
+    shapes = {graph.values[v].shape for rep in set(graph.traced.folded.values())
+              for call in graph.traced.calls.get(rep, [])[:1] for node in call.args[:1]
+              if (v := getattr(node, "meta", {}).get("shardplan_op")) in graph.values}
+    return graph.values[value].shape in shapes
 
 
 def param_only_values(graph: OpGraph) -> frozenset[int]:

@@ -223,14 +223,15 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
     col = dict(param_bytes=_ceil_div_bytes(pbytes, n_out, tp), flops=flops / tp, act_bytes=y.nbytes / tp)
     # gathering right away tolerates an uneven split (a 50257-token head); sharded outputs do
     # not, and fewer features than ranks (qwen2_moe's 1-row shared_expert_gate) leave ranks empty
+    gathered = _padded_bytes(y.nbytes, n_out, tp)
     if n_out >= tp:
         out.append(Strategy(
-            "colwise_gather_output", ("R",), "R", fwd=(("all_gather", y.nbytes),), entry=("R",),
+            "colwise_gather_output", ("R",), "R", fwd=(("all_gather", gathered),), entry=("R",),
             layouts={"weight": col_w, "output": "R"}, **col,
         ))
     for d in seq_dims(x.shape, tp) if sp and n_out >= tp else []:
         out.append(Strategy(
-            "colwise_gather_output", (f"S{d}",), "R", fwd=(("all_gather", y.nbytes),), entry=(f"S{d}",),
+            "colwise_gather_output", (f"S{d}",), "R", fwd=(("all_gather", gathered),), entry=(f"S{d}",),
             layouts={"weight": col_w, "input": f"S{d}", "output": "R"}, **col,
         ))
     if n_out % tp == 0:
@@ -269,6 +270,12 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
                                               grad_allreduces=_param_grad_allreduces(module),
                                               seq=seq_dims(x.shape, tp) if sp else [])
     return out
+
+
+def _padded_bytes(total: int, dim: int, tp: int) -> float:
+    """Bytes an all-gather of a value split unevenly on ``dim`` moves: DTensor pads every
+    shard to the largest (a 50257-token head at tp=2 gathers 50258 columns), then unpads."""
+    return total * (-(-dim // tp) * tp) / dim
 
 
 def _ceil_div_bytes(total: int, dim: int, tp: int) -> float:
@@ -337,7 +344,7 @@ def _embedding(op: Op, graph: OpGraph, module: nn.Embedding, tp: int, sp: bool) 
         # features), nor where the vocabulary can be split (torchtitan's and Hugging Face's
         # layout, which Hugging Face's tp_plan can state)
         if module.num_embeddings < tp and type(module).forward is nn.Embedding.forward:
-            out.append(Strategy("colwise_gather_output", ins, "R", fwd=(("all_gather", y.nbytes),), param_bytes=pbytes / tp,
+            out.append(Strategy("colwise_gather_output", ins, "R", fwd=(("all_gather", _padded_bytes(y.nbytes, module.embedding_dim, tp)),), param_bytes=pbytes / tp,
                                 act_bytes=y.nbytes, layouts={"weight": "S1"}))
     out += _sliced_replicate(op, graph, module, tp) if sp else []
     return out
