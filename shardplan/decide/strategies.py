@@ -293,16 +293,22 @@ def _before_blocks(graph: OpGraph, value: int) -> bool:
     stacks = set(graph.traced.folded) | reps
     if exit_ is None or any(exit_.module == b or exit_.module.startswith(b + ".") for b in stacks):
         return False
-    return any(getattr(node, "meta", {}).get("shardplan_op") == value
-               for rep in reps for call in graph.traced.calls.get(rep, [])[:1] for node in call.args[:1])
+    return value in _stream_values(graph)
 
 
 def _stream_shaped(graph: OpGraph, value: int) -> bool:
     """``value`` has the shape of the stream the repeated blocks receive (``[b, s, h]``)."""
-    shapes = {graph.values[v].shape for rep in set(graph.traced.folded.values())
-              for call in graph.traced.calls.get(rep, [])[:1] for node in call.args[:1]
-              if (v := getattr(node, "meta", {}).get("shardplan_op")) in graph.values}
-    return graph.values[value].shape in shapes
+    return graph.values[value].shape in {graph.values[v].shape for v in _stream_values(graph)}
+
+
+def _stream_values(graph: OpGraph) -> frozenset[int]:
+    """The values each repeated block's representative receives first: the residual stream."""
+    cached = graph.strategy_cache.get("stream values")
+    if cached is None:
+        cached = graph.strategy_cache["stream values"] = frozenset(
+            v for rep in set(graph.traced.folded.values()) for call in graph.traced.calls.get(rep, [])[:1]
+            for node in call.args[:1] if (v := getattr(node, "meta", {}).get("shardplan_op")) in graph.values)
+    return cached
 
 
 def param_only_values(graph: OpGraph) -> frozenset[int]:
