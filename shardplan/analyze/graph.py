@@ -32,7 +32,7 @@ from .trace import Traced, is_weight_leaf, listed_heads
 if TYPE_CHECKING:
     import networkx as nx
 
-__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like", "router_like", "grad_inputs", "EXPERT_CONTAINERS", "LIKE_OPS", "rows_width", "writes"]
+__all__ = ["Value", "Op", "OpGraph", "build_graph", "weight_graph", "module_kind", "linear_like", "router_like", "grad_inputs", "EXPERT_CONTAINERS", "LIKE_OPS", "rows_width", "same_data", "writes"]
 
 
 @dataclass(frozen=True)
@@ -415,13 +415,14 @@ def grad_inputs(op: Op) -> list[int]:
     return [] if op.target in _DATA_FREE else op.inputs[:1] if op.target in LIKE_OPS else op.inputs
 
 
-def _same_data(graph: OpGraph, value: int) -> list[int]:
-    """``value`` and the values it shares its data with, back through ``to``/``type_as``
-    (Meta's ``self.cache_k = self.cache_k.to(xq)`` returns the cache itself) and slices
-    (litgpt's ``self.k[:n]``): a write into it writes into them."""
+def same_data(graph: OpGraph, value: int, through: frozenset[str] = LIKE_OPS) -> list[int]:
+    """``value`` and the values it shares its data with, back through the ops ``through``
+    (``to``/``type_as``: Meta's ``self.cache_k = self.cache_k.to(xq)`` returns the cache itself)
+    and slices whose index holds no tensor (litgpt's ``self.k[:n]``): a write into it writes
+    into them. The last is where that data comes from (a model tensor's ``const``)."""
     found = [value]
     op = graph.ops[graph.values[value].producer]
-    while op.kind == "function" and op.inputs and (op.target in LIKE_OPS or (op.target == "getitem" and len(op.inputs) == 1)):
+    while op.kind == "function" and op.inputs and (op.target in through or (op.target == "getitem" and len(op.inputs) == 1)):
         found.append(op.inputs[0])
         op = graph.ops[graph.values[op.inputs[0]].producer]
     return found
@@ -437,7 +438,7 @@ def _set_requires_grad(graph: OpGraph) -> None:
         if writes(op) and any(v in graph.requires_grad for v in op.inputs[1:]):
             # ``out[:, t] = y`` with y needing one (RWKV's zeros_like filled step by step): the
             # tensor written into needs a gradient from here on, for every reader after it
-            graph.requires_grad.update(_same_data(graph, op.inputs[0]))
+            graph.requires_grad.update(same_data(graph, op.inputs[0]))
         if op.output is None or (op.node is not None and op.node.meta.get("shardplan_no_grad")):
             continue  # (an op the model's own code runs under ``torch.no_grad()`` carries none)
         trainable = (op.kind in ("module", "folded") and any(

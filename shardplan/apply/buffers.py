@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ..plan.model import Plan, expand_pattern
+from ..plan.model import Plan, expand_pattern, persistent_buffer
 from .styles import placement
 
 __all__ = ["set_local_buffers"]
@@ -46,12 +46,8 @@ def set_local_buffers(model: nn.Module, plan: Plan, *, rank: int, mesh: Any = No
                     module._buffers[name] = local
                 else:
                     setattr(module, name, local)
-                if mesh is not None and _saved(module, name):
+                if mesh is not None and persistent_buffer(module, name):
                     _hook_state(module, name, mesh, dim)
-
-
-def _saved(module: nn.Module, name: str) -> bool:
-    return name in module._buffers and name not in module._non_persistent_buffers_set
 
 
 def _hook_state(module: nn.Module, name: str, mesh: Any, dim: int) -> None:

@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..analyze.graph import LIKE_OPS, Op, OpGraph, writes
-from ..plan.model import LocalBuffers
+from ..analyze.graph import LIKE_OPS, Op, OpGraph, same_data, writes
+from ..plan.model import LocalBuffers, persistent_buffer
 from .placements import Strategy, group_counts, grouped, groups_of, placement_str
 from .propagation import _candidates
 
@@ -83,15 +83,8 @@ def _read_back(graph: OpGraph, const: int) -> bool:
 
 def _source_const(graph: OpGraph, value: int) -> int | None:
     """The ``const`` whose data ``value`` is, or a slice of (``self.k[:n]``, litgpt's write)."""
-    op = graph.ops[graph.values[value].producer]
-    while op.kind == "function" and op.inputs and (op.target in _SAME_DATA or _slice(op)):
-        op = graph.ops[graph.values[op.inputs[0]].producer]
+    op = graph.ops[graph.values[same_data(graph, value, _SAME_DATA)[-1]].producer]
     return op.index if op.kind == "const" else None
-
-
-def _slice(op: Op) -> bool:
-    """``t[:n, ...]``: a view of ``t`` (its index holds no tensor), which a write reaches through."""
-    return op.target == "getitem" and len(op.inputs) == 1
 
 
 def _held_tensor(graph: OpGraph, target: str) -> tuple[tuple[str, str], bool] | None:
@@ -101,7 +94,7 @@ def _held_tensor(graph: OpGraph, target: str) -> tuple[tuple[str, str], bool] | 
     except AttributeError:
         return None
     if name in module._buffers:
-        return (owner, name), name not in module._non_persistent_buffers_set
+        return (owner, name), persistent_buffer(module, name)
     value = module.__dict__.get(name)
     return ((owner, name), False) if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) else None
 
@@ -149,8 +142,9 @@ def buffer_layouts(graph: OpGraph, solution: Any, patterned: Callable[[str], lis
             for module in patterned(owner):
                 layouts, groups = found.setdefault(module, ({}, {}))
                 layouts[name] = placement_str(placement)
-                if groups_of(placement):
-                    groups[name] = groups_of(placement)[1]
+                kind = groups_of(placement)
+                if kind:
+                    groups[name] = kind[1]
     return [LocalBuffers(module=m, layouts=layouts, groups=groups,
                          why="written in forward with values split this way: each rank keeps its shard"
                          + ("; kv heads in groups, each held by the ranks whose query heads read it" if groups else ""))

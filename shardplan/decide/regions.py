@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..analyze.graph import Op, OpGraph
+from ..analyze.graph import LIKE_OPS, Op, OpGraph
 from .propagation import metadata_only
 from .scatter import exits, is_cut, is_gather, is_scatter
 from .slices import is_inner_cut, is_slice, place
@@ -117,7 +117,7 @@ def _candidate_sites(graph: OpGraph, value: int, consumers: tuple[int, ...], *,
 def _dtype_source(op: Op, value: int) -> bool:
     """``w.type_as(x)``, ``w.to(x)``: ``x`` read for its dtype and device only (Mixtral's
     routing weights ``softmax(...).type_as(inputs)``)."""
-    return op.target in ("type_as", "to") and value in op.inputs[1:] and op.inputs[0] != value
+    return op.target in LIKE_OPS and value in op.inputs[1:] and op.inputs[0] != value
 
 
 def _output_site(graph: OpGraph, value: int, consumers: tuple[int, ...]):

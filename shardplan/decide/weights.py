@@ -275,7 +275,7 @@ def _linear(op: Op, graph: OpGraph, module: nn.Module, tp: int, sp: bool) -> lis
 def _padded_bytes(total: int, dim: int, tp: int) -> float:
     """Bytes an all-gather of a value split unevenly on ``dim`` moves: DTensor pads every
     shard to the largest (a 50257-token head at tp=2 gathers 50258 columns), then unpads."""
-    return total * (-(-dim // tp) * tp) / dim
+    return tp * _ceil_div_bytes(total, dim, tp)
 
 
 def _ceil_div_bytes(total: int, dim: int, tp: int) -> float:

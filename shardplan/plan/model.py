@@ -26,7 +26,7 @@ from .fileio import PlanFileError, atomic_write, describe, load_mapping, read_te
 from .patterns import brace_members, brace_ranges, expand_braces, expand_pattern, matches  # noqa: F401 - re-exported
 
 __all__ = [
-    "int_attributes", "set_int_attribute",
+    "int_attributes", "set_int_attribute", "persistent_buffer",
     "STYLES", "Rule", "Region", "LocalAttributes", "LocalBuffers", "ViewFix", "CutFix", "LengthFix", "SliceFix", "LocalViews", "Estimate", "Alternative", "Decision", "ModelInfo", "MeshInfo",
     "PlanOptions", "Plan", "load_plan", "load_plan_with_lines", "expand_braces", "brace_ranges", "brace_members", "fingerprint", "PlanFileError", "LAYOUT_RE", "portable", "SIGNIFICANT_DIGITS",
 ]
@@ -641,6 +641,11 @@ def int_attributes(module) -> dict[str, int]:
         if path and not (sub._parameters and not sub._modules):
             found.update((f"{path}.{k}", v) for k, v in _own_ints(sub).items())
     return found
+
+
+def persistent_buffer(module, name: str) -> bool:
+    """``name`` is a buffer of ``module`` that its state dict saves (registered persistent)."""
+    return name in module._buffers and name not in module._non_persistent_buffers_set
 
 
 def _own_ints(module) -> dict[str, int]:

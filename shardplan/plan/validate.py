@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .model import LAYOUT_RE, fingerprint, int_attributes, matches
+from .model import LAYOUT_RE, fingerprint, int_attributes, matches, persistent_buffer
 
 __all__ = ["check_findings", "sharded_dim", "weight_of"]
 
@@ -100,7 +100,7 @@ def _buffer_findings(entry: Any, modules: dict[str, Any], tp: int) -> list[str]:
             where = f"buffers {entry.module}: {fqn or '<root>'}.{name}"
             if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
                 return [f"{where} is not a tensor the module holds (a buffer or a plain attribute)"]
-            if name in entry.groups and name in module._buffers and name not in module._non_persistent_buffers_set:
+            if name in entry.groups and persistent_buffer(module, name):
                 return [f"{where} is in the state dict (a persistent buffer), whose entry cannot hold kv heads in "
                         "groups; drop it from groups (and split it with Shard), or register it with persistent=False"]
             shard = LAYOUT_RE.match(layout)
